@@ -1,1 +1,15 @@
+"""ds4lab: a research toolkit for DeepSeek V4 Flash as the ds4 engine runs it."""
+
 from __future__ import annotations
+
+from ._blas import preload_openblas
+
+preload_openblas()
+
+from . import gguf
+from .config import ModelConfig
+from .errors import Ds4labError, ModelFileError
+from .synth import make_model
+
+__all__ = ["Ds4labError", "ModelConfig", "ModelFileError", "gguf", "make_model"]
+__version__ = "0.1.0"

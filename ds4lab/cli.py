@@ -1,0 +1,95 @@
+"""`ds4lab ...`: the command line for everything a user would script."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .errors import Ds4labError
+
+
+def _cmd_make_model(args: argparse.Namespace) -> int:
+    from .synth import make_model
+
+    paths = make_model(args.out, args.preset, args.variant, mtp=args.mtp, seed=args.seed,
+                       n_layer=args.layers, vocab_rows=args.vocab_rows)
+    for path in paths:
+        print(path)
+    return 0
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    import pandas as pd
+
+    from . import gguf
+
+    main_config = gguf.open(args.main).config if args.main else None
+    model = gguf.open(args.file, config=main_config)
+    if args.json:
+        json.dump(model.summary(), sys.stdout, indent=1)
+        print()
+        return 0
+    cfg = model.config
+    print(f"{model.path}  ({model.header.file_size / 2**30:.3f} GiB)")
+    print(f"kind {model.kind}, variant {model.variant}, shape {cfg.shape_name}, {len(model.tensors)} tensors")
+    for key, value in cfg.to_json().items():
+        print(f"  {key:18s} {value}")
+    with pd.option_context("display.max_rows", None, "display.width", 160):
+        table = model.tensor_table().drop(columns=["offset"])
+        print(table.to_string(index=False) if args.tensors else table.head(12).to_string(index=False))
+        if not args.tensors:
+            print(f"  ... {len(table)} tensors in all (--tensors lists every one)")
+        print(model.component_bytes().to_string(index=False))
+    return 0
+
+
+def _cmd_tour(args: argparse.Namespace) -> int:
+    from .notebooks import run_notebook
+
+    report = run_notebook(args.notebook, Path(args.out))
+    print(report)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ds4lab", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-model", help="write a synthetic ds4 GGUF with the real layout")
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "flash-dims"])
+    p.add_argument("--variant", default="q2", choices=["q2", "q4"])
+    p.add_argument("--mtp", action="store_true", help="also write the MTP GGUF (<out>-mtp.gguf)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=None, help="number of layers (flash-dims default 2)")
+    p.add_argument("--vocab-rows", type=int, default=None,
+                   help="keep only this many random embedding/output rows non-zero")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=_cmd_make_model)
+
+    p = sub.add_parser("info", help="config, variant, tensors and bytes by component of a GGUF")
+    p.add_argument("file")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--tensors", action="store_true", help="list every tensor")
+    p.add_argument("--main", help="main GGUF whose config an MTP-only file without metadata uses")
+    p.set_defaults(func=_cmd_info)
+
+    p = sub.add_parser("tour", help="execute the tour notebook headless and write an HTML report")
+    p.add_argument("--notebook", default="01_tour")
+    p.add_argument("--out", default="reports")
+    p.set_defaults(func=_cmd_tour)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except Ds4labError as exc:
+        print(f"ds4lab: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

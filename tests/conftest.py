@@ -1,0 +1,77 @@
+"""Shared fixtures: the tiny-a oracle GGUF, decompressed once per machine into pytest's cache."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TINY_A_GZ = REPO_ROOT.parent / "shared" / "oracle" / "tiny-a" / "model.gguf.gz"
+TINY_A_SHA256 = "3961a6e7281d6aafe95bb2761f9633455416404ec75c83b1ce8068bd44b84ecf"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+@pytest.fixture(scope="session")
+def tiny_a_gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Path of the decompressed tiny-a oracle GGUF (132 MB), checked against its sha256."""
+    if not TINY_A_GZ.is_file():
+        pytest.fail(
+            f"oracle GGUF not found at {TINY_A_GZ}: the tests need the shared/ folder next to the repository",
+            pytrace=False,
+        )
+    cache = request.config.cache
+    folder = Path(cache.mkdir("oracle")) if cache is not None else tmp_path_factory.mktemp("oracle")
+    path = folder / "tiny-a.gguf"
+    if path.is_file() and _sha256(path) == TINY_A_SHA256:
+        return path
+    partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+    with gzip.open(TINY_A_GZ) as src, open(partial, "wb") as dst:
+        shutil.copyfileobj(src, dst, 1 << 20)
+    digest = _sha256(partial)
+    if digest != TINY_A_SHA256:
+        partial.unlink()
+        pytest.fail(f"{TINY_A_GZ} decompresses to sha256 {digest}, expected {TINY_A_SHA256}", pytrace=False)
+    partial.replace(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_a_reader(tiny_a_gguf: Path):
+    """gguf-py's own reader of the oracle GGUF: the reference the tests compare against."""
+    import gguf
+
+    return gguf.GGUFReader(tiny_a_gguf)
+
+
+@pytest.fixture(scope="session")
+def synth_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("synth")
+
+
+@pytest.fixture(scope="session")
+def tiny_q2(synth_dir: Path) -> Path:
+    """The `tiny` preset (tiny-a's shape), q2 experts, seed 0."""
+    from ds4lab.synth import make_model
+
+    return make_model(synth_dir / "tiny-q2.gguf", "tiny", "q2", seed=0)[0]
+
+
+@pytest.fixture(scope="session")
+def small_q4_mtp(synth_dir: Path) -> tuple[Path, Path]:
+    """The `small` preset (a different shape), Q4_K experts, with its MTP file."""
+    from ds4lab.synth import make_model
+
+    main, mtp = make_model(synth_dir / "small-q4.gguf", "small", "q4", mtp=True, seed=3, vocab_rows=512)
+    return main, mtp
