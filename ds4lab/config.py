@@ -14,6 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from .errors import ModelFileError
 
 ARCH = "deepseek4"
@@ -66,8 +68,13 @@ class ModelConfig:
     name: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
+        # GGUF stores these as float32: keep them at float32 precision so that a config
+        # written to a file and read back compares equal.
+        for f in dataclasses.fields(self):
+            if f.type == "float":
+                object.__setattr__(self, f.name, _f32(getattr(self, f.name)))
         object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
-        clamp = tuple(float(c) for c in self.swiglu_clamp) or (10.0,) * self.n_layer
+        clamp = tuple(_f32(c) for c in self.swiglu_clamp) or (10.0,) * self.n_layer
         object.__setattr__(self, "swiglu_clamp", clamp)
 
     # ---- derived widths -------------------------------------------------------------
@@ -340,6 +347,11 @@ class _MetadataReader:
             self._bad(key, "an array of floats", value)
             return ()
         return tuple(float(v) for v in value[:_MAX_LAYERS])
+
+
+def _f32(value: float) -> float:
+    with np.errstate(over="ignore"):
+        return float(np.float32(value))
 
 
 def _short(value: Any) -> str:

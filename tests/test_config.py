@@ -77,10 +77,15 @@ def test_hostile_values_are_bounded():
     fields = _fields(preset("tiny"))
     fields["deepseek4.block_count"] = 1 << 31
     fields["deepseek4.expert_group_count"] = 4
+    fields["deepseek4.rope.freq_base"] = 1e300
     with pytest.raises(ModelFileError) as err:
         ModelConfig.from_metadata(fields)
     text = str(err.value)
     assert "block_count" in text and "expert_group_count" in text
+    fields["deepseek4.block_count"] = 6
+    fields["deepseek4.expert_group_count"] = 0
+    with pytest.raises(ModelFileError, match="rope_freq_base: expected a positive finite value, found inf"):
+        ModelConfig.from_metadata(fields)
 
 
 def test_flash_dims_preset_uses_flash_widths():
