@@ -407,6 +407,7 @@ def preset(name: str, n_layer: int | None = None) -> ModelConfig:
     if name == "flash-dims":
         layers = n_layer or 2
         return FLASH.replace(n_layer=layers, compress_ratios=_schedule(layers, 0),
+                             n_hash_layer=min(FLASH.n_hash_layer, layers),
                              swiglu_clamp=(10.0,) * layers, name=f"ds4lab flash-dims {layers}L")
     base = {"tiny": TINY, "small": SMALL}.get(name)
     if base is None:

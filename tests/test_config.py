@@ -67,7 +67,7 @@ def test_structural_rules():
 
 
 def test_flash_shape_is_checked_value_by_value():
-    wrong = FLASH.replace(n_expert=128, compress_ratios=(4,) + FLASH.compress_ratios[1:])
+    wrong = FLASH.replace(n_expert=128, compress_ratios=(4, *FLASH.compress_ratios[1:]))
     problems = config_problems(wrong)
     assert any("n_expert: expected 256" in p for p in problems)
     assert any("compress_ratios[0]: expected 0" in p for p in problems)
@@ -89,6 +89,7 @@ def test_hostile_values_are_bounded():
 
 
 def test_flash_dims_preset_uses_flash_widths():
+    assert preset("flash-dims", 2).n_hash_layer == 2
     cfg = preset("flash-dims", 4)
     assert cfg.n_embd == 4096 and cfg.n_expert == 256 and cfg.compress_ratios == (0, 0, 4, 128)
     assert cfg.shape_name == "custom"
