@@ -9,7 +9,8 @@ preload_openblas()
 from . import gguf
 from .config import ModelConfig
 from .errors import Ds4labError, ModelFileError
+from .model import load
 from .synth import make_model
 
-__all__ = ["Ds4labError", "ModelConfig", "ModelFileError", "gguf", "make_model"]
+__all__ = ["Ds4labError", "ModelConfig", "ModelFileError", "gguf", "load", "make_model"]
 __version__ = "0.1.0"

@@ -27,6 +27,19 @@ def _cmd_info(args: argparse.Namespace) -> int:
 
     main_config = gguf.open(args.main).config if args.main else None
     model = gguf.open(args.file, config=main_config)
+    if args.memory:
+        from .model.weights import resident_bytes
+
+        resident = resident_bytes(model)
+        if args.json:
+            json.dump({"file_bytes": model.header.file_size, "resident_bytes": resident}, sys.stdout, indent=1)
+            print()
+            return 0
+        print(f"{model.path}: file {model.header.file_size / 2**30:.3f} GiB, resident weights "
+              f"{sum(resident.values()) / 2**30:.3f} GiB once loaded")
+        for component, size in sorted(resident.items(), key=lambda kv: -kv[1]):
+            print(f"  {component:16s} {size / 2**30:9.3f} GiB")
+        return 0
     if args.json:
         json.dump(model.summary(), sys.stdout, indent=1)
         print()
@@ -42,6 +55,23 @@ def _cmd_info(args: argparse.Namespace) -> int:
         if not args.tensors:
             print(f"  ... {len(table)} tensors in all (--tensors lists every one)")
         print(model.component_bytes().to_string(index=False))
+    return 0
+
+
+def _cmd_logits(args: argparse.Namespace) -> int:
+    from . import load
+    from .logits import run, save
+
+    if args.tokens:
+        tokens = [int(t) for t in json.loads(Path(args.tokens).read_text())]
+    else:
+        from .tokenizer import load as load_tokenizer
+
+        tokens = load_tokenizer().encode(Path(args.prompt_file).read_text(encoding="utf-8"),
+                                         add_special_tokens=False).ids
+    model = load(args.model, numerics=args.numerics)
+    out = save(args.out, run(model, tokens, k=args.top_k, n_gen=args.gen))
+    print(out)
     return 0
 
 
@@ -73,7 +103,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.add_argument("--tensors", action="store_true", help="list every tensor")
     p.add_argument("--main", help="main GGUF whose config an MTP-only file without metadata uses")
+    p.add_argument("--memory", action="store_true", help="resident memory estimate once loaded by ds4lab")
     p.set_defaults(func=_cmd_info)
+
+    p = sub.add_parser("logits", help="top-k logits of every prompt position and N greedy steps, as .npz")
+    p.add_argument("model")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--tokens", help="JSON list of token ids")
+    src.add_argument("--prompt-file", help="text file, tokenized as is (special tokens by their text)")
+    p.add_argument("--top-k", type=int, default=64)
+    p.add_argument("--numerics", default="float", choices=["float", "ds4-cpu"])
+    p.add_argument("--gen", type=int, default=0, help="greedy steps after the prompt")
+    p.add_argument("--out", required=True)
+    p.set_defaults(func=_cmd_logits)
 
     p = sub.add_parser("tour", help="execute the tour notebook headless and write an HTML report")
     p.add_argument("--notebook", default="01_tour")

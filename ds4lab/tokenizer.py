@@ -49,3 +49,10 @@ def vocab() -> Vocab:
     merges = [m if isinstance(m, str) else " ".join(m) for m in model["merges"]]
     ids = {a["content"]: a["id"] for a in added}
     return Vocab(tokens, types, merges, ids["<｜begin▁of▁sentence｜>"], ids["<｜end▁of▁sentence｜>"])
+
+
+def load():
+    """The real V4 tokenizer as a `tokenizers.Tokenizer` (byte-level BPE, JoyAI pre-tokenizer)."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(tokenizer_json_path())

@@ -1,0 +1,60 @@
+"""Scripted comparison runs: the top-k logits of every prompt position and of N greedy steps.
+
+What `ds4lab logits` writes (an .npz, the conventions of ds4's oracle files):
+- `tokens` int32 [T]; `topk_ids` int32 [T, K] and `topk_logits` float32 [T, K] (descending,
+  ties to the lower id); `logsumexp` float32 [T]; row p is the state after tokens[0..p];
+- `experts` int32 [T, n_layer, n_expert_used]: the routed experts chosen at each position;
+- `gen_ids` int32 [N]; `gen_topk_ids` / `gen_topk_logits` [N, K] and `gen_logsumexp` [N]:
+  row k are the logits after tokens + gen_ids[:k] (row 0 is prompt row T-1), and
+  gen_ids[k] is their argmax.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from .compare import logsumexp, topk
+
+
+def run(model, tokens: list[int], k: int = 64, n_gen: int = 0) -> dict[str, np.ndarray]:
+    """Teacher-forced top-k over the prompt, then `n_gen` greedy steps in the same session."""
+    session = model.session()
+    result = model.forward(session.state, tokens)
+    session.state = result.state
+    logits = np.array(result.logits)
+    ids, vals = topk(logits, k)
+    out = {
+        "tokens": np.asarray(tokens, dtype=np.int32),
+        "topk_ids": ids,
+        "topk_logits": vals,
+        "logsumexp": logsumexp(logits),
+        "experts": np.stack([np.array(e) for e in result.experts], axis=1).astype(np.int32),
+    }
+    rows = [logits[-1]]
+    gen: list[int] = []
+    for _ in range(n_gen):
+        gen.append(int(np.argmax(rows[-1])))
+        if len(gen) < n_gen:
+            rows.append(np.array(session.decode(gen[-1])))
+    gen_logits = np.stack(rows[:n_gen]) if n_gen else np.zeros((0, logits.shape[1]), np.float32)
+    gen_ids, gen_vals = topk(gen_logits, k)
+    out.update(gen_ids=np.asarray(gen, dtype=np.int32), gen_topk_ids=gen_ids, gen_topk_logits=gen_vals,
+               gen_logsumexp=logsumexp(gen_logits))
+    return out
+
+
+def save(path: str | os.PathLike[str], arrays: dict[str, np.ndarray]) -> Path:
+    """Write the arrays atomically (temp file, then rename)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.npz")
+    try:
+        np.savez_compressed(tmp, **arrays)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
+
+

@@ -1,0 +1,109 @@
+"""The compressors: every `ratio` tokens become one pooled row the later tokens can attend.
+
+Each token projects a kv row and a gate score row (plus a learned position term, APE, by the
+token's slot `pos % ratio`) into a frontier buffer. When a token completes a window, the
+window is pooled with a per-dimension softmax over the scores, normalised, rotated to the
+window's first position and rounded (FP8 for attention rows, Hadamard + FP4 for indexer
+keys), then stored in f16.
+
+Ratio 128 pools its own 128 tokens. Ratio 4 overlaps: the projection is twice as wide and
+row w pools 8 candidates, the previous window's first half and its own second half, so
+the frontier keeps two windows: rows 0..3 the last completed window, rows 4..7 the window
+being filled (slot 4 + pos % 4). The very first window's "previous" rows hold score -1e30
+and weigh nothing.
+
+`compress_chunk` processes a whole chunk of tokens at once and leaves the frontier exactly
+as ds4's token-by-token path leaves it (stale slots included), so sessions, snapshots and
+KV files agree with ds4.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+NEG_INF = -1e30
+
+
+@dataclass
+class Frontier:
+    """A compressor's state: kv and score rows, [coff·ratio, coff·width]."""
+
+    kv: mx.array
+    score: mx.array
+
+    @classmethod
+    def empty(cls, ratio: int, width: int) -> Frontier:
+        coff = 2 if ratio == 4 else 1
+        rows, cols = coff * ratio, coff * width
+        return cls(mx.zeros((rows, cols), mx.float32), mx.full((rows, cols), NEG_INF, mx.float32))
+
+
+def project(x: mx.array, wkv: mx.array, wgate: mx.array, ape: mx.array, positions: mx.array,
+            ratio: int) -> tuple[mx.array, mx.array]:
+    """Per-token kv and score rows [T, coff·width]; ape is [ratio, coff·width]."""
+    kv = x @ wkv.T
+    score = x @ wgate.T + ape[positions % ratio]
+    return kv, score
+
+
+def _pool(kv: mx.array, score: mx.array) -> mx.array:
+    """Softmax over axis 1 of score, weights applied to kv: [W, n, D] -> [W, D]."""
+    top = score.max(axis=1, keepdims=True)
+    weights = mx.exp(score - top)
+    pooled = (weights * kv).sum(axis=1) / weights.sum(axis=1)
+    return mx.where(top[:, 0] <= NEG_INF * 0.5, 0.0, pooled)
+
+
+def compress_chunk(frontier: Frontier, kv: mx.array, score: mx.array, p0: int, ratio: int,
+                   width: int) -> tuple[mx.array, Frontier]:
+    """Feed tokens at positions p0.. (rows kv/score [T, coff·width]); return the pooled rows of
+    every window the chunk completes, [E, width], and the new frontier."""
+    t = kv.shape[0]
+    m0 = p0 % ratio
+    n_done = (m0 + t) // ratio
+    overlap = ratio == 4
+    cur_base = ratio if overlap else 0
+
+    # The current window's earlier tokens live in the frontier; line them up with the chunk.
+    seq_kv = mx.concatenate([frontier.kv[cur_base:cur_base + m0], kv])
+    seq_score = mx.concatenate([frontier.score[cur_base:cur_base + m0], score])
+
+    pooled = mx.zeros((0, width), mx.float32)
+    if n_done:
+        win_kv = seq_kv[: n_done * ratio].reshape(n_done, ratio, -1)
+        win_score = seq_score[: n_done * ratio].reshape(n_done, ratio, -1)
+        if overlap:
+            prev_kv = mx.concatenate([frontier.kv[None, :ratio], win_kv[:-1]])
+            prev_score = mx.concatenate([frontier.score[None, :ratio], win_score[:-1]])
+            cand_kv = mx.concatenate([prev_kv[..., :width], win_kv[..., width:]], axis=1)
+            cand_score = mx.concatenate([prev_score[..., :width], win_score[..., width:]], axis=1)
+        else:
+            cand_kv, cand_score = win_kv, win_score
+        pooled = _pool(cand_kv, cand_score)
+
+    # The frontier after the chunk: each slot holds the latest token written to it, and for
+    # ratio 4 rows 0..3 hold the last window completed.
+    new_kv, new_score = frontier.kv, frontier.score
+    if overlap and n_done:
+        new_kv = mx.concatenate([win_kv[-1], new_kv[ratio:]])
+        new_score = mx.concatenate([win_score[-1], new_score[ratio:]])
+    tail = min(t, ratio)
+    slots = mx.array([cur_base + (p0 + i) % ratio for i in range(t - tail, t)])
+    new_kv[slots] = kv[t - tail:]
+    new_score[slots] = score[t - tail:]
+    return pooled, Frontier(new_kv, new_score)
+
+
+def clear_unused_slots(frontier: Frontier, n_tokens: int, ratio: int) -> Frontier:
+    """What ds4 does after a prefill: slots past the partial window are reset to (0, -1e30)."""
+    overlap = ratio == 4
+    start = (ratio if overlap else 0) + n_tokens % ratio
+    end = frontier.kv.shape[0]
+    if start >= end:
+        return frontier
+    kv, score = frontier.kv, frontier.score
+    kv = mx.concatenate([kv[:start], mx.zeros((end - start, kv.shape[1]), mx.float32)])
+    score = mx.concatenate([score[:start], mx.full((end - start, score.shape[1]), NEG_INF, mx.float32)])
+    return Frontier(kv, score)

@@ -1,0 +1,63 @@
+"""Hyper-connections: the n_hc residual streams, their mixing, and the output head's collapse.
+
+The residual is n_hc streams of width n_embd (4 x 4096 in Flash), kept in float32 for the
+whole pass. Before each sublayer a control vector is projected from the RMS-normalised
+streams: `pre` weights collapse the streams into the sublayer input, `post` weights spread
+the sublayer output back, and a Sinkhorn-normalised n_hc x n_hc matrix mixes the old
+streams. Shapes: streams [T, n_hc, n_embd]; control values are per token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from .numerics import rms_norm
+
+
+@dataclass
+class HCControl:
+    pre: mx.array    # [T, n_hc]: weights that collapse the streams into the sublayer input
+    post: mx.array   # [T, n_hc]: how much of the sublayer output each stream receives
+    comb: mx.array   # [T, n_hc (from), n_hc (to)]: doubly-stochastic mixing of the old streams
+
+
+def _control_vector(streams: mx.array, fn: mx.array, eps: float) -> mx.array:
+    flat = streams.reshape(streams.shape[0], -1)
+    return rms_norm(flat, None, eps) @ fn.T
+
+
+def hc_control(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array,
+               sinkhorn_iters: int, rms_eps: float, hc_eps: float) -> HCControl:
+    """pre/post/comb for one sublayer, from the streams right before it (ds4's order of steps)."""
+    n = streams.shape[1]
+    mix = _control_vector(streams, fn, rms_eps)
+    pre = mx.sigmoid(mix[:, :n] * scale[0] + base[:n]) + hc_eps
+    post = 2.0 * mx.sigmoid(mix[:, n:2 * n] * scale[1] + base[n:2 * n])
+    # comb[t, i, j]: row i is the destination-major index ds4 softmaxes over j first.
+    logits = (mix[:, 2 * n:] * scale[2] + base[2 * n:]).reshape(-1, n, n)
+    comb = mx.softmax(logits, axis=-1, precise=True) + hc_eps
+    comb = comb / (comb.sum(axis=1, keepdims=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(axis=2, keepdims=True) + hc_eps)
+        comb = comb / (comb.sum(axis=1, keepdims=True) + hc_eps)
+    return HCControl(pre, post, comb)
+
+
+def hc_collapse(streams: mx.array, weights: mx.array) -> mx.array:
+    """Σ_a w[a]·streams[a]: [T, n_hc, d] x [T, n_hc] -> [T, d]."""
+    return (streams * weights[:, :, None]).sum(axis=1)
+
+
+def hc_expand(out: mx.array, streams: mx.array, control: HCControl) -> mx.array:
+    """New streams: stream c gets post[c]·out + Σ_a comb[a, c]·streams[a]."""
+    mixed = mx.einsum("tac,tad->tcd", control.comb, streams)
+    return control.post[:, :, None] * out[:, None, :] + mixed
+
+
+def hc_head_weights(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array,
+                    rms_eps: float, hc_eps: float) -> mx.array:
+    """The output head's collapse weights: sigmoid without Sinkhorn, [T, n_hc]."""
+    mix = _control_vector(streams, fn, rms_eps)
+    return mx.sigmoid(mix * scale[0] + base) + hc_eps

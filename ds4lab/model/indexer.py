@@ -1,0 +1,41 @@
+"""The lightning indexer: on ratio-4 layers, which compressed rows each token attends.
+
+The indexer has its own ratio-4 compressor (keys of width indexer_head_dim, rounded with
+Hadamard + FP4). A token's query heads come from the q low-rank path, are rotated and
+rounded the same way, and score every visible key as Σ_h w_h·relu(q_h·k), with per-head
+weights projected from the layer input. Only when more rows are visible than top_k does
+the indexer choose; otherwise every visible row is attended.
+"""
+
+from __future__ import annotations
+
+import math
+
+import mlx.core as mx
+
+from .numerics import indexer_qat
+from .rope import rope_tail
+from .weights import LayerWeights
+
+
+def indexer_scores(layer: LayerWeights, xa: mx.array, qr_n: mx.array, keys: mx.array, positions: mx.array,
+                   n_heads: int, head_dim: int, n_rot: int, base: float, yarn) -> mx.array:
+    """Scores [T, N] of every key row for every token (visibility not applied)."""
+    q = (qr_n @ layer.dense["indexer.attn_q_b.weight"].T).reshape(xa.shape[0], n_heads, head_dim)
+    q = indexer_qat(rope_tail(q, positions, n_rot, base, yarn))
+    weights = (xa @ layer.dense["indexer.proj.weight"].T) * (1.0 / math.sqrt(head_dim * n_heads))
+    dots = mx.maximum(q @ keys.T, 0.0)                                 # [T, H, N]
+    return (dots * weights[:, :, None]).sum(axis=1)
+
+
+def select_rows(scores: mx.array, visible: mx.array, n_visible: mx.array, top_k: int) -> mx.array:
+    """Mask [T, N] of the rows each token attends: all visible rows, or the top_k best when more are visible."""
+    n = scores.shape[1]
+    if n <= top_k:
+        return visible
+    masked = mx.where(visible, scores, -mx.inf)
+    # ds4 takes the best rows one by one, ties to the lowest index; a stable descending sort does the same.
+    order = mx.argsort(-masked, axis=1)[:, :top_k]
+    chosen = mx.zeros(scores.shape, dtype=mx.bool_)
+    chosen = mx.put_along_axis(chosen, order, mx.array(True), axis=1)
+    return mx.where((n_visible > top_k)[:, None], chosen & visible, visible)

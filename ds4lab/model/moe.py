@@ -1,0 +1,95 @@
+"""Mixture of experts: router scores, hash or biased top-k selection, routed and shared experts.
+
+Router scores are sqrt(softplus(logit)). The first n_hash_layer layers pick experts by a
+table indexed by the token id; later layers pick the top n_expert_used of score + bias (the
+bias only selects). Route weights are the selected experts' unbiased scores, normalised to
+sum 1 (denominator at least 2^-14) and scaled. Each expert is a clamped SwiGLU whose output
+is scaled by its route weight before the down projection; the shared expert runs always.
+
+Routed experts stay in block form: for a chunk of tokens, only the experts some token chose
+are decoded, a few at a time, and each is applied to the tokens that chose it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from ..quants import gather_experts
+from .weights import ExpertBlocks, LayerWeights
+
+_ROUTE_DENOM_FLOOR = 2.0 ** -14
+# Experts decoded at once: bounds the float32 temporaries (3 matrices each) on big models.
+_EXPERTS_PER_BATCH = 8
+
+
+@dataclass
+class Routing:
+    experts: mx.array   # [T, U] int32, ds4's order (hash-table order, or best first)
+    weights: mx.array   # [T, U] route weights
+    probs: mx.array     # [T, n_expert] sqrt(softplus(router logits))
+
+
+def router_probs(layer: LayerWeights, xf: mx.array) -> mx.array:
+    logits = xf @ layer.dense["ffn_gate_inp.weight"].T
+    softplus = mx.where(logits > 20, logits, mx.where(logits < -20, mx.exp(logits), mx.log1p(mx.exp(logits))))
+    return mx.sqrt(softplus)
+
+
+def route(layer: LayerWeights, xf: mx.array, tokens: mx.array, n_used: int, scale: float,
+          forced: mx.array | None = None) -> Routing:
+    """Choose experts (hash table, biased top-k, or `forced` [T, U]) and their route weights."""
+    probs = router_probs(layer, xf)
+    if forced is not None:
+        experts = forced.astype(mx.int32)
+    elif layer.tid2eid is not None:
+        experts = layer.tid2eid[tokens]
+    else:
+        selection = probs
+        if "exp_probs_b.bias" in layer.dense:
+            selection = probs + layer.dense["exp_probs_b.bias"]
+        experts = mx.argsort(-selection, axis=-1)[:, :n_used].astype(mx.int32)
+    chosen = mx.take_along_axis(probs, experts, axis=-1)
+    denom = mx.maximum(chosen.sum(axis=-1, keepdims=True), _ROUTE_DENOM_FLOOR)
+    return Routing(experts, chosen / denom * scale, probs)
+
+
+def swiglu(gate: mx.array, up: mx.array, clamp: float) -> mx.array:
+    if clamp > 1e-6:
+        gate = mx.minimum(gate, clamp)
+        up = mx.clip(up, -clamp, clamp)
+    return gate * mx.sigmoid(gate) * up
+
+
+def routed_experts(layer: LayerWeights, xf: mx.array, routing: Routing, clamp: float, act_round) -> mx.array:
+    """Σ over each token's chosen experts of W_down·(w·swiglu(W_gate·x, W_up·x)), [T, d]."""
+    gate_t, up_t, down_t = (layer.experts[f"ffn_{r}_exps.weight"] for r in ("gate", "up", "down"))
+    experts = np.array(routing.experts)
+    x_in = act_round(xf)
+    out = mx.zeros(xf.shape, mx.float32)
+    used = np.unique(experts)
+    for start in range(0, len(used), _EXPERTS_PER_BATCH):
+        batch = used[start:start + _EXPERTS_PER_BATCH]
+        ids = mx.array(batch)
+        gate_w, up_w, down_w = (_decode(t, ids) for t in (gate_t, up_t, down_t))
+        for i, e in enumerate(batch):
+            tok, slot = np.nonzero(experts == e)
+            tok_ids = mx.array(tok)
+            x = x_in[tok_ids]
+            w = routing.weights[tok_ids, mx.array(slot)][:, None]
+            mid = act_round(swiglu(x @ gate_w[i].T, x @ up_w[i].T, clamp) * w)
+            out = out.at[tok_ids].add(mid @ down_w[i].T)
+        mx.eval(out)
+    return out
+
+
+def _decode(tensor: ExpertBlocks, ids: mx.array) -> mx.array:
+    return gather_experts(tensor.raw, ids, tensor.type_name, tensor.rows, tensor.cols)
+
+
+def shared_expert(layer: LayerWeights, xf: mx.array, clamp: float, q8) -> mx.array:
+    gate = q8(layer.q8["ffn_gate_shexp.weight"], xf)
+    up = q8(layer.q8["ffn_up_shexp.weight"], xf)
+    return q8(layer.q8["ffn_down_shexp.weight"], swiglu(gate, up, clamp))

@@ -1,0 +1,241 @@
+"""The rounding steps of ds4.c's CPU reference path, as MLX ops.
+
+ds4 does not run DeepSeek V4 in plain float32: it rounds cache rows to f16, simulates the
+model's FP8 KV and FP4 indexer quantisation, and quantises activations to int8 blocks
+before its Q8_0 and K-quant matmuls. Matching ds4 token for token means reproducing those
+roundings, so every function here follows the IEEE semantics of ds4.c's C source (commit
+8d57664) and is bit-exact with it where the docstring says so; `data/numerics_ref.npz`
+holds the reference outputs the tests compare against.
+
+All functions take float32 arrays of any leading shape and work on the last axis. They use
+only MLX ops, so they run on any MLX backend. The block-scaled formats find the power-of-two
+scale and the grid point from the float's bits rather than through `log2`, whose accuracy
+varies between backends.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from bisect import bisect_left
+from functools import cache
+
+import mlx.core as mx
+
+_MANT_BITS = 23
+_EXP_BIAS = 127
+_MIN_NORMAL_EXP = -126
+_MAX_EXP = 127
+
+
+def round_f16(x: mx.array) -> mx.array:
+    """float32 -> f16 -> float32, ds4's storage rounding of KV and indexer cache rows.
+
+    ds4's software `f32_to_f16` is IEEE round-to-nearest-even with subnormals, overflow to
+    inf and NaN kept, which is what MLX's cast does.
+    """
+    return x.astype(mx.float16).astype(mx.float32)
+
+
+def _f32(v: float) -> float:
+    """Round a Python float to the nearest float32, as a C float assignment does."""
+    return struct.unpack("f", struct.pack("f", v))[0]
+
+
+@cache
+def _log2f_carry_table() -> mx.array:
+    """For each exponent e of a normal float32 q = 2^e * (1 + j*2^-23): the smallest j > 0
+    for which float32(log2(q)) is above e, so that ceil(log2f(q)) = e + 1.
+
+    Near a power of two log2(q) = e + tiny, and for |e| >= 4 the float32 result rounds back
+    to exactly e for the first few j; ds4's `ceilf(log2f(.))` then keeps the scale 2^e (the
+    clamp to the format's maximum absorbs the excess). A correctly rounded log2 decides
+    this; glibc's log2f agrees for every normal float32 (checked exhaustively).
+    """
+    def carries(e: int, j: int) -> bool:
+        return _f32(e + math.log2(1.0 + j * 2.0**-_MANT_BITS)) > e
+
+    first = [1 + bisect_left(range(1, 1 << _MANT_BITS), True, key=lambda j, e=e: carries(e, j))
+             for e in range(_MIN_NORMAL_EXP, _MAX_EXP + 1)]
+    return mx.array(first, dtype=mx.int32)
+
+
+def _exponent(x: mx.array) -> mx.array:
+    """Unbiased exponent field of non-negative float32 values (-127 for zero and subnormals)."""
+    return (mx.view(x, mx.int32) >> _MANT_BITS) - _EXP_BIAS
+
+
+def _pow2(k: mx.array) -> mx.array:
+    """2^k as float32 for integer k in [-126, 127], built from the bits so it is exact."""
+    return mx.view((k + _EXP_BIAS) << _MANT_BITS, mx.float32)
+
+
+def _ceil_log2f(q: mx.array) -> mx.array:
+    """`ceilf(log2f(q))` for positive normal float32 q, exactly as ds4 computes it on glibc."""
+    e = _exponent(q)
+    mant = mx.view(q, mx.int32) & ((1 << _MANT_BITS) - 1)
+    carry = mant >= _log2f_carry_table()[e - _MIN_NORMAL_EXP]
+    return e + carry.astype(mx.int32)
+
+
+def _round_minifloat(a: mx.array, mant_bits: int, min_exp: int) -> mx.array:
+    """Nearest value of a small float format to a >= 0 (not above its max), ties to even code.
+
+    ds4 searches the format's value table and breaks ties towards the even code; the codes'
+    parity is their last mantissa bit, so this is round-half-even of a in units of the
+    grid step 2^(max(exponent, min_exp) - mant_bits) (subnormals share the step at min_exp).
+    """
+    step = _pow2(mx.maximum(_exponent(a), min_exp) - mant_bits)
+    return mx.round(a / step) * step
+
+
+def _block_minifloat_round(x: mx.array, block: int, fmax: float, amax_floor: float,
+                           mant_bits: int, min_exp: int) -> mx.array:
+    """ds4's scaled small-float round trip over blocks of the last axis.
+
+    Per block: amax (floored), scale = 2^ceil(log2f(amax / fmax)), v = clamp(x / scale),
+    x <- sign(v) * nearest_grid(|v|) * scale. A negative v that rounds to zero gives -0.0,
+    as ds4's `sign * value` does.
+    """
+    n = x.shape[-1]
+    if n % block:
+        raise ValueError(f"last axis {n} is not a multiple of the {block}-value block")
+    b = x.reshape(*x.shape[:-1], n // block, block)
+    amax = mx.maximum(mx.max(mx.abs(b), axis=-1, keepdims=True), mx.array(amax_floor, mx.float32))
+    scale = _pow2(_ceil_log2f(amax / fmax))
+    v = mx.clip(b / scale, -fmax, fmax)
+    r = _round_minifloat(mx.abs(v), mant_bits, min_exp)
+    return (mx.where(v < 0, -r, r) * scale).reshape(x.shape)
+
+
+def fp8_kv_round(x: mx.array, n_nope: int) -> mx.array:
+    """ds4's FP8 E4M3FN round trip of the first `n_nope` dims (the rest, RoPE dims, untouched).
+
+    `dsv4_fp8_kv_quantize_row_inplace_cpu`: blocks of 64, amax floored at 1e-4, scale
+    2^ceil(log2(amax/448)), values clamped to +-448 and rounded to the nearest e4m3fn value
+    (3 mantissa bits, min normal 2^-6, subnormal step 2^-9), ties to the even code.
+    ds4 applies it to raw and compressed KV rows after RoPE. Bit-exact with ds4.c.
+    """
+    if n_nope % 64:
+        raise ValueError(f"n_nope {n_nope} is not a multiple of ds4's 64-value FP8 block")
+    nope = _block_minifloat_round(x[..., :n_nope], 64, 448.0, 1.0e-4, mant_bits=3, min_exp=-6)
+    return mx.concatenate([nope, x[..., n_nope:]], axis=-1)
+
+
+def hadamard(x: mx.array) -> mx.array:
+    """Walsh-Hadamard transform over the last axis (a power of two), scaled by 1/sqrt(n).
+
+    ds4 (`dsv4_hadamard128_inplace_cpu`, n = 128) runs the unnormalised butterflies
+    (a + b, a - b) with stride 1, 2, 4, ... in natural Sylvester order, then multiplies every
+    value by the float32 constant 1/sqrt(n). Same additions in the same order here, so the
+    result is bit-exact with ds4.c.
+    """
+    n = x.shape[-1]
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"Hadamard length {n} is not a power of two")
+    lead = x.shape[:-1]
+    stride = 1
+    while stride < n:
+        pairs = x.reshape(*lead, n // (2 * stride), 2, stride)
+        a, b = pairs[..., 0, :], pairs[..., 1, :]
+        x = mx.stack([a + b, a - b], axis=-2).reshape(*lead, n)
+        stride *= 2
+    return x * mx.array(1.0 / math.sqrt(n), mx.float32)
+
+
+def fp4_round(x: mx.array) -> mx.array:
+    """ds4's FP4 E2M1 round trip in blocks of 32 (`dsv4_fp4_act_quantize_row_inplace_cpu`).
+
+    amax floored at 6 * 2^-126, scale 2^ceil(log2(amax/6)), clamp to +-6, nearest of
+    {0, 0.5, 1, 1.5, 2, 3, 4, 6} with ties to the even code. Bit-exact with ds4.c.
+    """
+    return _block_minifloat_round(x, 32, 6.0, 7.052966104933725e-38, mant_bits=1, min_exp=0)
+
+
+def indexer_qat(x: mx.array) -> mx.array:
+    """ds4's indexer "QAT": Hadamard then FP4 round trip, on indexer queries and keys.
+
+    Without it ds4's top-k selection of compressed rows is not the model's (ds4.c says so at
+    `dsv4_indexer_qat_row_inplace_cpu`). Bit-exact with ds4.c.
+    """
+    return fp4_round(hadamard(x))
+
+
+def _blocks(x: mx.array, block: int) -> mx.array:
+    """The last axis split into blocks, [..., n / block, block]; ds4 needs whole blocks."""
+    n = x.shape[-1]
+    if n % block:
+        raise ValueError(f"last axis {n} is not a multiple of the {block}-value block")
+    return x.reshape(*x.shape[:-1], n // block, block)
+
+
+def _int8_code(v: mx.array) -> mx.array:
+    """`(int8_t)clamp(lrintf(v), -128, 127)` as float32: round half to even, and through an
+    integer so that a code of zero is +0 as in ds4 (d * code then has ds4's sign of zero)."""
+    return mx.clip(mx.round(v), -128, 127).astype(mx.int8).astype(mx.float32)
+
+
+def q8_0_act_round(x: mx.array) -> mx.array:
+    """The activation as ds4's CPU Q8_0 matvec sees it: dequantised d * q per block of 32.
+
+    `quantize_q8_0_activation`: d = amax / 127 (float32 division, d kept as float32, not
+    f16), q = lrintf(x * (1/d)) (round half to even) clamped to [-128, 127]; an all-zero block
+    gives q = 0. The values d * q are bit-exact with ds4.c.
+
+    ds4 then computes per block f16(w_d) * d * (integer dot of the int8 codes) and sums the
+    blocks in float32. A float matmul of this activation with the dequantised Q8_0 weight
+    has the same terms, rounded and added in a different order: it differs from ds4's
+    output by float32 reassociation only.
+
+    ds4's Makefile builds with -ffast-math; gcc and clang then compute d = amax * float32(1/127),
+    one ulp off amax / 127 in about 4.5% of blocks (the codes differ in about 1 of 10^6
+    values). This follows the source's IEEE semantics. Blocks with amax below about 4e-37 are
+    out of scope: 1/d overflows and ds4's lrintf(inf) is undefined.
+    """
+    b = _blocks(x, 32)
+    d = mx.max(mx.abs(b), axis=-1, keepdims=True) / 127.0
+    inv = mx.where(d == 0, 0.0, 1.0 / mx.where(d == 0, 1.0, d))
+    return (d * _int8_code(b * inv)).reshape(x.shape)
+
+
+def q8_k_act_round(x: mx.array) -> mx.array:
+    """The activation as ds4's routed-expert (Q2_K/IQ2_XXS/Q4_K x Q8_K) dots see it: d * q
+    per block of 256.
+
+    `ds4_quantize_row_q8_K`: max = the signed value of largest magnitude (first one on ties),
+    iscale = -127 / max, q = lrintf(iscale * x) (round half to even) clamped to [-128, 127],
+    d = 1 / iscale stored as float32; an all-zero block gives d = 0, q = 0. ds4 uses it on the
+    expert input and again on the weighted SwiGLU mid before the down projection. The values
+    d * q are bit-exact with ds4.c (which of two opposite maxima is taken only changes the
+    sign of zeros). The K-quant dot products then differ from a float matmul with this
+    activation by reassociation only.
+
+    Under ds4's -ffast-math gcc (not clang) computes d = max * float32(-1/127) instead of
+    1 / iscale: one ulp off in about 28% of blocks, same codes. This follows the source's IEEE
+    semantics. As for Q8_0, blocks with a max below about 4e-37 are out of scope.
+    """
+    b = _blocks(x, 256)
+    mag = mx.abs(b)
+    signed_max = mx.take_along_axis(b, mx.argmax(mag, axis=-1, keepdims=True), axis=-1)
+    zero = mx.max(mag, axis=-1, keepdims=True) == 0
+    iscale = -127.0 / mx.where(zero, 1.0, signed_max)
+    d = mx.where(zero, 0.0, 1.0 / iscale)
+    return (d * _int8_code(iscale * b)).reshape(x.shape)
+
+
+def rms_norm(x: mx.array, weight: mx.array | None = None, eps: float = 1.0e-6) -> mx.array:
+    """ds4's RMSNorm over the last axis: x * (1 / sqrt(mean(x^2) + eps)) [* weight].
+
+    ds4's CPU path accumulates the squares in double and rounds the mean to float32 before
+    adding eps; MLX backends have no portable float64, so the sum here is float32. It is
+    summed in two levels (about sqrt(n) chunks, then their sums): a single float32 reduction
+    over n = 16384 (the HC width) drifts by tens of ulp from ds4's mean, the two levels by a
+    few. The rest (the float32 eps addition, 1 / sqrtf, x * scale, then * weight) is ds4's
+    order, so the output differs from ds4's by a few ulp at most.
+    """
+    n = x.shape[-1]
+    chunks = math.gcd(n, 1 << (n.bit_length() // 2))
+    squares = mx.square(x).reshape(*x.shape[:-1], chunks, n // chunks)
+    mean_sq = mx.sum(mx.sum(squares, axis=-1), axis=-1, keepdims=True) / n
+    y = x * (1.0 / mx.sqrt(mean_sq + mx.array(eps, mx.float32)))
+    return y if weight is None else y * weight

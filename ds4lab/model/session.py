@@ -1,0 +1,54 @@
+"""A generation session over ds4's state: chunked prefill, decode, snapshot and restore."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+
+from .compressor import clear_unused_slots
+from .state import SessionState
+
+DEFAULT_PREFILL_CHUNK = 512
+
+
+class Session:
+    """Holds one sequence's state; `prefill` and `decode` return the next-token logits [n_vocab]."""
+
+    def __init__(self, model, state: SessionState | None = None) -> None:
+        self.model = model
+        self.state = state or model.empty_state()
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.state.tokens
+
+    @property
+    def logits(self) -> mx.array | None:
+        return self.state.logits
+
+    def prefill(self, tokens, chunk: int = DEFAULT_PREFILL_CHUNK) -> mx.array:
+        """Consume `tokens` in chunks; afterwards, like ds4, reset the frontier slots past the
+        partial window (they are never read before being overwritten)."""
+        ids = [int(t) for t in np.asarray(tokens).reshape(-1)]
+        if not ids:
+            raise ValueError("prefill needs at least one token")
+        for start in range(0, len(ids), chunk):
+            self.state = self.model.forward(self.state, ids[start:start + chunk], last_only=True).state
+        n = self.state.n_tokens
+        for cache, ratio in zip(self.state.layers, self.model.config.compress_ratios, strict=False):
+            if cache.frontier is not None:
+                cache.frontier = clear_unused_slots(cache.frontier, n, ratio)
+            if cache.index_frontier is not None:
+                cache.index_frontier = clear_unused_slots(cache.index_frontier, n, ratio)
+        return self.state.logits
+
+    def decode(self, token: int) -> mx.array:
+        """Consume one token; return the logits that predict the next one."""
+        self.state = self.model.forward(self.state, [int(token)], last_only=True).state
+        return self.state.logits
+
+    def snapshot(self) -> SessionState:
+        return self.state.copy()
+
+    def restore(self, snapshot: SessionState) -> None:
+        self.state = snapshot.copy()

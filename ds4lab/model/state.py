@@ -1,0 +1,50 @@
+"""A session's state: exactly what ds4 keeps (and persists in its KV files) per layer.
+
+Per layer: the raw sliding window (the last n_swa KV rows, oldest first, f16-rounded), and
+on compressed layers the compressed rows and the compressor frontier; ratio-4 layers add
+the indexer's compressed keys and frontier. Plus the tokens consumed and the logits after
+the last one. Arrays are never modified in place, so a snapshot is a shallow copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from .compressor import Frontier
+
+
+@dataclass
+class LayerCache:
+    raw: mx.array
+    comp: mx.array | None = None
+    frontier: Frontier | None = None
+    index_comp: mx.array | None = None
+    index_frontier: Frontier | None = None
+
+    @classmethod
+    def empty(cls, ratio: int, head_dim: int, indexer_head_dim: int) -> LayerCache:
+        cache = cls(raw=mx.zeros((0, head_dim), mx.float32))
+        if ratio:
+            cache.comp = mx.zeros((0, head_dim), mx.float32)
+            cache.frontier = Frontier.empty(ratio, head_dim)
+        if ratio == 4:
+            cache.index_comp = mx.zeros((0, indexer_head_dim), mx.float32)
+            cache.index_frontier = Frontier.empty(ratio, indexer_head_dim)
+        return cache
+
+
+@dataclass
+class SessionState:
+    layers: list[LayerCache]
+    tokens: list[int] = field(default_factory=list)
+    logits: mx.array | None = None
+
+    def copy(self) -> SessionState:
+        return SessionState([dataclasses.replace(c) for c in self.layers], list(self.tokens), self.logits)
+
+    @property
+    def n_tokens(self) -> int:
+        return len(self.tokens)

@@ -1,0 +1,181 @@
+"""The model's weights in MLX, loaded from a ds4 GGUF without expanding it.
+
+What each GGUF type becomes, and why:
+- Q8_0 matrices (projections, shared expert, output head) become MLX 8-bit affine
+  matrices with group 32: code q+128, scale d, bias -128·d, all exact in float32. They
+  multiply through `mx.quantized_matmul` and take 40 bytes per 32 weights (Q8_0: 34).
+- Routed experts stay as their GGUF block bytes, one uint8 row per expert; a forward pass
+  decodes only the experts its tokens selected (`gather_experts`).
+- F16 matrices (HC mixers, compressors, indexer, router) are small (about 1 GiB in Flash)
+  and are widened to float32 once, since ds4 multiplies them with float32 activations.
+- F32 vectors stay as they are; the token embedding stays F16 and is gathered by row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+
+from ..config import ModelConfig
+from ..errors import ModelFileError
+from ..gguf import ModelFile
+
+# On the CPU, MLX's quantized matmul runs near 1 GFLOP/s while a float32 GEMM through
+# OpenBLAS runs near 100: for more than a few rows, decoding the matrix first pays.
+_DENSE_GEMM_MIN_ROWS = 8
+
+
+def _prefers_dense_gemm(x: mx.array) -> bool:
+    rows = x.size // x.shape[-1]
+    return rows >= _DENSE_GEMM_MIN_ROWS and mx.default_device() == mx.cpu
+
+
+@dataclass
+class Q8Matrix:
+    """A Q8_0 matrix [rows, cols] held as MLX 8-bit affine (exact), used as y = x @ W.T."""
+
+    codes: mx.array
+    scales: mx.array
+    biases: mx.array
+    rows: int
+    cols: int
+
+    @classmethod
+    def from_blocks(cls, raw: np.ndarray, rows: int, cols: int) -> Q8Matrix:
+        blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, cols // 32, 34)
+        d = blocks[:, :, :2].copy().view(np.float16)[..., 0].astype(np.float32)
+        codes = (blocks[:, :, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+        scales = mx.array(d)
+        return cls(mx.array(codes.reshape(rows, cols).view(np.uint32)), scales, -128.0 * scales, rows, cols)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if _prefers_dense_gemm(x):
+            return x @ self.dense().T
+        return mx.quantized_matmul(x, self.codes, self.scales, self.biases, transpose=True, group_size=32, bits=8)
+
+    def dense(self) -> mx.array:
+        """The matrix in float32 (a temporary: nothing keeps it)."""
+        return mx.dequantize(self.codes, self.scales, self.biases, group_size=32, bits=8)
+
+    def rows_slice(self, start: int, stop: int) -> Q8Matrix:
+        """Rows [start, stop) as their own matrix (the grouped output projection's groups)."""
+        return Q8Matrix(self.codes[start:stop], self.scales[start:stop], self.biases[start:stop],
+                        stop - start, self.cols)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes + self.biases.nbytes
+
+
+@dataclass
+class ExpertBlocks:
+    """A routed-expert tensor kept in its GGUF block format: bytes [n_expert, expert_bytes]."""
+
+    raw: mx.array
+    type_name: str
+    rows: int
+    cols: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.nbytes
+
+
+@dataclass
+class LayerWeights:
+    """One block's tensors, keyed by their GGUF role ('attn_q_a.weight', ...)."""
+
+    index: int | None
+    ratio: int
+    q8: dict[str, Q8Matrix] = field(default_factory=dict)
+    dense: dict[str, mx.array] = field(default_factory=dict)
+    experts: dict[str, ExpertBlocks] = field(default_factory=dict)
+    tid2eid: mx.array | None = None
+
+    def has(self, role: str) -> bool:
+        return role in self.dense or role in self.q8
+
+
+@dataclass
+class ModelWeights:
+    config: ModelConfig
+    token_embd: mx.array
+    output: Q8Matrix
+    head: dict[str, mx.array]
+    layers: list[LayerWeights]
+
+    @property
+    def nbytes(self) -> int:
+        total = self.token_embd.nbytes + self.output.nbytes + sum(v.nbytes for v in self.head.values())
+        for layer in self.layers:
+            total += sum(m.nbytes for m in layer.q8.values()) + sum(v.nbytes for v in layer.dense.values())
+            total += sum(e.nbytes for e in layer.experts.values())
+            total += layer.tid2eid.nbytes if layer.tid2eid is not None else 0
+        return total
+
+
+def _dense(model_file: ModelFile, name: str) -> mx.array:
+    return mx.array(model_file.dequantize(name).astype(np.float32))
+
+
+def _load_block(model_file: ModelFile, prefix: str, index: int | None, ratio: int) -> LayerWeights:
+    cfg = model_file.config
+    layer = LayerWeights(index=index, ratio=ratio)
+    start = len(prefix) + 1
+    for name, info in model_file.tensors.items():
+        if not name.startswith(prefix + "."):
+            continue
+        role = name[start:]
+        if role.endswith("_exps.weight"):
+            n_expert, rows, cols = info.shape
+            raw = model_file.raw(name).reshape(n_expert, -1)
+            layer.experts[role] = ExpertBlocks(mx.array(raw), info.type_name, rows, cols)
+        elif role == "ffn_gate_tid2eid.weight":
+            table = model_file.dequantize(name)
+            if table.size and (table.min() < 0 or table.max() >= cfg.n_expert):
+                raise ModelFileError(model_file.path, f"tensor {name}: expert ids outside 0..{cfg.n_expert - 1}")
+            layer.tid2eid = mx.array(table)
+        elif info.type_name == "Q8_0":
+            rows, cols = info.shape
+            layer.q8[role] = Q8Matrix.from_blocks(model_file.raw(name), rows, cols)
+        else:
+            layer.dense[role] = _dense(model_file, name)
+    return layer
+
+
+def load_weights(model_file: ModelFile) -> ModelWeights:
+    """Every main-model tensor of `model_file` in its MLX form (see the module docstring)."""
+    cfg = model_file.config
+    layers = [_load_block(model_file, f"blk.{i}", i, cfg.compress_ratios[i]) for i in range(cfg.n_layer)]
+    head = {role: _dense(model_file, f"{role}.weight") for role in
+            ("output_hc_base", "output_hc_fn", "output_hc_scale", "output_norm")}
+    embd = model_file.tensor("token_embd.weight")
+    output = model_file.tensor("output.weight")
+    return ModelWeights(
+        config=cfg,
+        token_embd=mx.array(model_file.raw("token_embd.weight").view(np.float16).reshape(embd.shape)),
+        output=Q8Matrix.from_blocks(model_file.raw("output.weight"), *output.shape),
+        head=head,
+        layers=layers,
+    )
+
+
+def resident_bytes(model_file: ModelFile) -> dict[str, int]:
+    """Bytes `load_weights` keeps in memory, by component, computed from the header alone.
+
+    Q8_0 matrices take 40 bytes per 32 weights (codes, float32 scale and bias); F16 matrices
+    other than the embedding are widened to float32; everything else keeps its file size.
+    """
+    totals: dict[str, int] = {}
+    table = model_file.tensor_table()
+    for row in table.itertuples():
+        if row.type == "Q8_0":
+            size = row.n_elements // 32 * 40
+        elif row.type == "F16" and row.name != "token_embd.weight":
+            size = row.n_elements * 4
+        else:
+            size = row.bytes
+        totals[str(row.component)] = totals.get(str(row.component), 0) + int(size)
+    return totals

@@ -1,0 +1,100 @@
+"""The MLX model on synthetic models of two shapes: prefill = decode, snapshots, routing, shapes."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from ds4lab import gguf, load
+
+
+@pytest.fixture(scope="module")
+def small_model(small_q4_mtp):
+    return load(small_q4_mtp[0])
+
+
+@pytest.fixture(scope="module")
+def small_tokens(small_q4_mtp):
+    embd = gguf.open(small_q4_mtp[0]).dequantize("token_embd.weight")
+    rows = np.flatnonzero(np.abs(embd).sum(axis=1))
+    return [int(t) for t in np.random.default_rng(7).choice(rows, size=150)]
+
+
+def _std(logits: np.ndarray) -> float:
+    return float(logits[logits != 0].std())
+
+
+def test_shapes(small_model, small_tokens):
+    cfg = small_model.config
+    logits = small_model(small_tokens[:9])
+    assert logits.shape == (9, cfg.n_vocab) and logits.dtype == mx.float32
+    session = small_model.session()
+    assert session.prefill(small_tokens[:5]).shape == (cfg.n_vocab,)
+    assert session.decode(small_tokens[5]).shape == (cfg.n_vocab,)
+    assert session.tokens == small_tokens[:6]
+
+
+def test_prefill_equals_token_by_token_decode(small_model, small_tokens):
+    # 150 tokens on the small shape: the 16-row window slides, ratio-4 rows pass the
+    # indexer's top-4, and a ratio-128 row is emitted at token 128.
+    full = np.array(small_model(small_tokens))
+    session = small_model.session()
+    rows = [np.array(session.decode(t)) for t in small_tokens]
+    decoded = np.stack(rows)
+    scale = _std(full)
+    assert np.abs(full - decoded).max() <= 1e-4 * scale
+
+    chunked = small_model.session()
+    last = np.array(chunked.prefill(small_tokens, chunk=37))
+    assert np.abs(last - full[-1]).max() <= 1e-4 * scale
+    for mine, ref in zip(chunked.state.layers, session.state.layers, strict=False):
+        for name in ("raw", "comp", "index_comp"):
+            a, b = getattr(mine, name), getattr(ref, name)
+            if a is not None:
+                assert a.shape == b.shape and np.abs(np.array(a) - np.array(b)).max() <= 2e-3, name
+    ratio128 = small_model.config.compress_ratios.index(128)
+    assert session.state.layers[ratio128].comp.shape[0] == 1
+
+
+def test_snapshot_restore(small_model, small_tokens):
+    session = small_model.session()
+    session.prefill(small_tokens[:60])
+    snap = session.snapshot()
+    first = [np.array(session.decode(t)) for t in small_tokens[60:66]]
+    assert session.state.n_tokens == 66 and snap.n_tokens == 60
+    session.restore(snap)
+    again = [np.array(session.decode(t)) for t in small_tokens[60:66]]
+    assert all(np.array_equal(a, b) for a, b in zip(first, again, strict=False))
+    other = small_model.session(snap)
+    assert np.array_equal(np.array(other.decode(small_tokens[60])), first[0])
+
+
+def test_hash_layers_route_by_token_id(small_model, small_tokens, small_q4_mtp):
+    table = gguf.open(small_q4_mtp[0]).dequantize("blk.0.ffn_gate_tid2eid.weight")
+    result = small_model.forward(small_model.empty_state(), small_tokens[:20])
+    assert np.array_equal(np.array(result.experts[0]), table[small_tokens[:20]])
+    biased = np.array(result.experts[1])
+    assert biased.shape == (20, small_model.config.n_expert_used)
+    assert all(len(set(row)) == len(row) for row in biased)
+
+
+def test_forced_experts(small_model, small_tokens):
+    cfg = small_model.config
+    rng = np.random.default_rng(1)
+    forced = np.stack([rng.permutation(cfg.n_expert)[: cfg.n_expert_used] for _ in range(12 * cfg.n_layer)])
+    forced = forced.reshape(12, cfg.n_layer, cfg.n_expert_used)
+    result = small_model.forward(small_model.empty_state(), small_tokens[:12], forced=mx.array(forced))
+    for il in range(cfg.n_layer):
+        assert np.array_equal(np.array(result.experts[il]), forced[:, il])
+    free = np.array(small_model(small_tokens[:12]))
+    assert not np.allclose(np.array(small_model(small_tokens[:12], experts=forced)), free)
+
+
+def test_tiny_shape_runs_both_numerics(tiny_q2):
+    tokens = list(range(1000, 1040))
+    a = np.array(load(tiny_q2, numerics="float")(tokens))
+    b = np.array(load(tiny_q2, numerics="ds4-cpu")(tokens))
+    assert a.shape == b.shape == (40, 129280)
+    rms = np.sqrt(((a - b) ** 2).mean(axis=1)) / _std(a)
+    assert 0 < np.median(rms) < 0.1
