@@ -19,6 +19,7 @@
 # Point `DS4LAB_MODEL` at a real `ds4flash.gguf` to run it on the real thing.
 
 # %%
+
 import os
 
 import matplotlib.pyplot as plt

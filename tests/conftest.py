@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+import ds4lab  # noqa: F401  (first: it loads OpenBLAS before anything imports MLX)
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY_A_GZ = REPO_ROOT.parent / "shared" / "oracle" / "tiny-a" / "model.gguf.gz"
 TINY_A_SHA256 = "3961a6e7281d6aafe95bb2761f9633455416404ec75c83b1ce8068bd44b84ecf"

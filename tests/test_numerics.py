@@ -23,6 +23,7 @@ from ds4lab.model.numerics import (
     fp8_kv_round,
     hadamard,
     indexer_qat,
+    q8_0_act_codes,
     q8_0_act_round,
     q8_k_act_round,
     rms_norm,
@@ -277,3 +278,14 @@ def test_yarn_for_follows_the_layer_kind():
 def test_partial_blocks_are_refused(call):
     with pytest.raises(ValueError):
         call()
+
+
+def test_q8_0_scale_as_ds4s_fast_math_binaries_compute_it():
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4000, 32)).astype(np.float32)
+    amax = np.abs(x).max(-1)
+    strict = np.array(q8_0_act_codes(mx.array(x))[1]).reshape(-1)
+    built = np.array(q8_0_act_codes(mx.array(x), as_built=True)[1]).reshape(-1)
+    assert np.array_equal(strict, amax / np.float32(127))
+    assert np.array_equal(built, amax * np.float32(1 / 127))
+    assert 0 < (strict != built).mean() < 0.2

@@ -13,6 +13,7 @@ import math
 
 import mlx.core as mx
 
+from .linalg import on_cpu
 from .numerics import fp8_kv_round, rms_norm, round_f16
 from .rope import rope_tail
 from .weights import LayerWeights, Q8Matrix
@@ -38,17 +39,56 @@ def finish_kv_row(kv: mx.array, positions: mx.array, n_rot: int, base: float, ya
     return round_f16(fp8_kv_round(kv, kv.shape[-1] - n_rot))
 
 
+def visible_keys(mask: mx.array) -> tuple[mx.array, mx.array]:
+    """Each token's visible keys in ds4's order, packed to the front: (indices [T, L], valid [T, L]).
+
+    `mask` [T, N] marks what each token may see, with keys in cache order (raw window
+    oldest first, then compressed rows). Packing them to the front, padding at the end,
+    gives every token the same sequence of terms in prefill and in decode: trailing
+    padding cannot change a sum, wherever the other rows of a chunk end.
+    """
+    n = mask.shape[1]
+    order = mx.argsort(mx.where(mask, 0, n) + mx.arange(n)[None, :], axis=1)
+    width = max(int(mask.sum(axis=1).max().item()), 1)
+    order = order[:, :width]
+    return order, mx.take_along_axis(mask, order, axis=1)
+
+
 def attend(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array) -> mx.array:
     """Softmax attention with a sink logit per head, K = V.
 
     q [T, H, D]; keys [N, D]; mask [T, N] (True = visible); sinks [H]. Returns [T, H, D].
+    The sink joins the denominator only. On the CPU every sum runs in a fixed order over
+    the packed keys (see `visible_keys` and `linalg`), so a token's output does not depend
+    on the other tokens of its chunk; GPUs use batched matmuls.
     """
+    index, valid = visible_keys(mask)
     scale = 1.0 / math.sqrt(q.shape[-1])
-    scores = (q @ keys.T) * scale                                      # [T, H, N]
-    scores = mx.where(mask[:, None, :], scores, -mx.inf)
-    sink = mx.broadcast_to(sinks[None, :, None], (q.shape[0], q.shape[1], 1))
-    probs = mx.softmax(mx.concatenate([scores, sink], axis=-1), axis=-1, precise=True)
-    return probs[..., :-1] @ keys
+    if not on_cpu():
+        rows = keys[index]                                             # [T, L, D]
+        scores = mx.where(valid[:, None, :], (q @ rows.transpose(0, 2, 1)) * scale, -mx.inf)
+        sink = mx.broadcast_to(sinks[None, :, None], (q.shape[0], q.shape[1], 1))
+        probs = mx.softmax(mx.concatenate([sink, scores], axis=-1), axis=-1, precise=True)
+        return probs[..., 1:] @ rows
+    per_token = q.shape[1] * index.shape[1] * q.shape[2]
+    step = max(1, _CPU_ATTENTION_BUDGET // per_token)
+    return mx.concatenate([_attend_ordered(q[i:i + step], keys[index[i:i + step]], valid[i:i + step], sinks, scale)
+                           for i in range(0, q.shape[0], step)])
+
+
+# Floats held at once by the CPU attention's products (q x keys): bounds its memory.
+_CPU_ATTENTION_BUDGET = 1 << 25
+
+
+def _attend_ordered(q: mx.array, rows: mx.array, valid: mx.array, sinks: mx.array, scale: float) -> mx.array:
+    """The CPU form: products then sums along a non-contiguous axis, which MLX adds in order."""
+    scores = (q[:, :, None, :] * rows[:, None, :, :]).sum(axis=-1) * scale       # [T, H, L]
+    scores = mx.where(valid[:, None, :], scores, -mx.inf)
+    top = mx.maximum(scores.max(axis=-1), sinks[None, :])                         # [T, H]
+    weights = mx.exp(scores - top[..., None])                                     # 0 where masked
+    denom = mx.exp(sinks[None, :] - top) + weights.transpose(0, 2, 1).sum(axis=1)
+    out = (weights[..., None] * rows[:, None, :, :]).sum(axis=2)                  # [T, H, D]
+    return out / denom[..., None]
 
 
 def grouped_output(layer: LayerWeights, heads: mx.array, n_out_group: int, q8) -> mx.array:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from .linalg import linear
+
 NEG_INF = -1e30
 
 
@@ -43,8 +45,8 @@ class Frontier:
 def project(x: mx.array, wkv: mx.array, wgate: mx.array, ape: mx.array, positions: mx.array,
             ratio: int) -> tuple[mx.array, mx.array]:
     """Per-token kv and score rows [T, coff·width]; ape is [ratio, coff·width]."""
-    kv = x @ wkv.T
-    score = x @ wgate.T + ape[positions % ratio]
+    kv = linear(x, wkv)
+    score = linear(x, wgate) + ape[positions % ratio]
     return kv, score
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from .linalg import linear
 from .numerics import rms_norm
 
 
@@ -25,7 +26,7 @@ class HCControl:
 
 def _control_vector(streams: mx.array, fn: mx.array, eps: float) -> mx.array:
     flat = streams.reshape(streams.shape[0], -1)
-    return rms_norm(flat, None, eps) @ fn.T
+    return linear(rms_norm(flat, None, eps), fn)
 
 
 def hc_control(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array,
@@ -52,7 +53,7 @@ def hc_collapse(streams: mx.array, weights: mx.array) -> mx.array:
 
 def hc_expand(out: mx.array, streams: mx.array, control: HCControl) -> mx.array:
     """New streams: stream c gets post[c]·out + Σ_a comb[a, c]·streams[a]."""
-    mixed = mx.einsum("tac,tad->tcd", control.comb, streams)
+    mixed = (control.comb[:, :, :, None] * streams[:, :, None, :]).sum(axis=1)
     return control.post[:, :, None] * out[:, None, :] + mixed
 
 

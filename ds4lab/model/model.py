@@ -21,7 +21,7 @@ import numpy as np
 from ..config import ModelConfig
 from . import attention, compressor, indexer, moe
 from .hc import hc_collapse, hc_control, hc_expand, hc_head_weights
-from .numerics import fp8_kv_round, indexer_qat, q8_0_act_round, q8_k_act_round, rms_norm, round_f16
+from .numerics import fp8_kv_round, indexer_qat, q8_0_act_codes, q8_k_act_round, rms_norm, round_f16
 from .rope import rope_tail, yarn_for
 from .state import LayerCache, SessionState
 from .weights import LayerWeights, ModelWeights, Q8Matrix
@@ -39,7 +39,10 @@ class Numerics:
         self.emulate = mode == "ds4-cpu"
 
     def q8(self, matrix: Q8Matrix, x: mx.array) -> mx.array:
-        return matrix(q8_0_act_round(x) if self.emulate else x)
+        if not self.emulate:
+            return matrix(x)
+        codes, scales = q8_0_act_codes(x, as_built=True)
+        return matrix.ds4_cpu(x, codes, scales)
 
     def experts_in(self, x: mx.array) -> mx.array:
         return q8_k_act_round(x) if self.emulate else x

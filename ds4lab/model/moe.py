@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..quants import gather_experts
+from .linalg import linear
 from .weights import ExpertBlocks, LayerWeights
 
 _ROUTE_DENOM_FLOOR = 2.0 ** -14
@@ -33,7 +34,7 @@ class Routing:
 
 
 def router_probs(layer: LayerWeights, xf: mx.array) -> mx.array:
-    logits = xf @ layer.dense["ffn_gate_inp.weight"].T
+    logits = linear(xf, layer.dense["ffn_gate_inp.weight"])
     softplus = mx.where(logits > 20, logits, mx.where(logits < -20, mx.exp(logits), mx.log1p(mx.exp(logits))))
     return mx.sqrt(softplus)
 
@@ -79,8 +80,8 @@ def routed_experts(layer: LayerWeights, xf: mx.array, routing: Routing, clamp: f
             tok_ids = mx.array(tok)
             x = x_in[tok_ids]
             w = routing.weights[tok_ids, mx.array(slot)][:, None]
-            mid = act_round(swiglu(x @ gate_w[i].T, x @ up_w[i].T, clamp) * w)
-            out = out.at[tok_ids].add(mid @ down_w[i].T)
+            mid = act_round(swiglu(linear(x, gate_w[i]), linear(x, up_w[i]), clamp) * w)
+            out = out.at[tok_ids].add(linear(mid, down_w[i]))
         mx.eval(out)
     return out
 

@@ -21,6 +21,7 @@ from bisect import bisect_left
 from functools import cache
 
 import mlx.core as mx
+import numpy as np
 
 _MANT_BITS = 23
 _EXP_BIAS = 127
@@ -175,6 +176,23 @@ def _int8_code(v: mx.array) -> mx.array:
     return mx.clip(mx.round(v), -128, 127).astype(mx.int8).astype(mx.float32)
 
 
+_INV_127 = float(np.float32(1.0 / 127.0))
+
+
+def q8_0_act_codes(x: mx.array, as_built: bool = False) -> tuple[mx.array, mx.array]:
+    """ds4's Q8_0 activation quantisation as (int8 codes as float32 [..., n/32, 32], scales
+    d [..., n/32]); `q8_0_act_round` is d * codes. See `q8_0_act_round` for the rules.
+
+    `as_built=True` takes d as ds4's -ffast-math binaries compute it (gcc and clang alike):
+    amax * float32(1/127) instead of amax / 127. That is the arithmetic behind ds4's own
+    outputs (the oracle files), so the model's "ds4-cpu" numerics use it."""
+    b = _blocks(x, 32)
+    amax = mx.max(mx.abs(b), axis=-1, keepdims=True)
+    d = amax * _INV_127 if as_built else amax / 127.0
+    inv = mx.where(d == 0, 0.0, 1.0 / mx.where(d == 0, 1.0, d))
+    return _int8_code(b * inv), d[..., 0]
+
+
 def q8_0_act_round(x: mx.array) -> mx.array:
     """The activation as ds4's CPU Q8_0 matvec sees it: dequantised d * q per block of 32.
 
@@ -192,10 +210,8 @@ def q8_0_act_round(x: mx.array) -> mx.array:
     values). This follows the source's IEEE semantics. Blocks with amax below about 4e-37 are
     out of scope: 1/d overflows and ds4's lrintf(inf) is undefined.
     """
-    b = _blocks(x, 32)
-    d = mx.max(mx.abs(b), axis=-1, keepdims=True) / 127.0
-    inv = mx.where(d == 0, 0.0, 1.0 / mx.where(d == 0, 1.0, d))
-    return (d * _int8_code(b * inv)).reshape(x.shape)
+    codes, d = q8_0_act_codes(x)
+    return (d[..., None] * codes).reshape(x.shape)
 
 
 def q8_k_act_round(x: mx.array) -> mx.array:

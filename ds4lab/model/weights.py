@@ -13,6 +13,7 @@ What each GGUF type becomes, and why:
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -21,15 +22,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import ModelFileError
 from ..gguf import ModelFile
-
-# On the CPU, MLX's quantized matmul runs near 1 GFLOP/s while a float32 GEMM through
-# OpenBLAS runs near 100: for more than a few rows, decoding the matrix first pays.
-_DENSE_GEMM_MIN_ROWS = 8
-
-
-def _prefers_dense_gemm(x: mx.array) -> bool:
-    rows = x.size // x.shape[-1]
-    return rows >= _DENSE_GEMM_MIN_ROWS and mx.default_device() == mx.cpu
+from .linalg import linear
 
 
 @dataclass
@@ -41,6 +34,7 @@ class Q8Matrix:
     biases: mx.array
     rows: int
     cols: int
+    float32: mx.array | None = None   # the decoded matrix, kept on the CPU while a budget allows
 
     @classmethod
     def from_blocks(cls, raw: np.ndarray, rows: int, cols: int) -> Q8Matrix:
@@ -51,12 +45,35 @@ class Q8Matrix:
         return cls(mx.array(codes.reshape(rows, cols).view(np.uint32)), scales, -128.0 * scales, rows, cols)
 
     def __call__(self, x: mx.array) -> mx.array:
-        if _prefers_dense_gemm(x):
-            return x @ self.dense().T
+        # On the CPU, MLX's quantized matmul runs near 1 GFLOP/s while a float32 GEMM through
+        # OpenBLAS runs near 100, and `linear` keeps prefill and decode bit-identical.
+        if mx.default_device() == mx.cpu:
+            return linear(x, self.dense())
         return mx.quantized_matmul(x, self.codes, self.scales, self.biases, transpose=True, group_size=32, bits=8)
 
+    def ds4_cpu(self, x: mx.array, x_codes: mx.array, x_scales: mx.array) -> mx.array:
+        """y = x @ W.T the way ds4's CPU Q8_0 matvec computes it, for an activation already
+        quantised to int8 codes [.., n/32, 32] with float32 scales [.., n/32].
+
+        Per block of 32 the integer dot is exact (float32 holds it exactly, so any GEMM order
+        gives it); the blocks are then accumulated in order as acc += (d_w * d_x) * isum,
+        ds4's expression. What remains is float32 rounding identical to ds4's loop."""
+        lead = x.shape[:-1]
+        xc = x_codes.reshape(-1, x_codes.shape[-2], 32)
+        xs = x_scales.reshape(-1, x_scales.shape[-1])
+        unit = mx.ones_like(self.scales)
+        w_codes = mx.dequantize(self.codes, unit, -128.0 * unit, group_size=32, bits=8)
+        w_codes = w_codes.reshape(self.rows, -1, 32)
+        acc = mx.zeros((xc.shape[0], self.rows), mx.float32)
+        for b in range(w_codes.shape[1]):
+            isum = xc[:, b] @ w_codes[:, b].T
+            acc = acc + (self.scales[:, b][None, :] * xs[:, b][:, None]) * isum
+        return acc.reshape(*lead, self.rows)
+
     def dense(self) -> mx.array:
-        """The matrix in float32 (a temporary: nothing keeps it)."""
+        """The matrix in float32: the kept copy if there is one, else a temporary."""
+        if self.float32 is not None:
+            return self.float32
         return mx.dequantize(self.codes, self.scales, self.biases, group_size=32, bits=8)
 
     def rows_slice(self, start: int, stop: int) -> Q8Matrix:
@@ -66,7 +83,8 @@ class Q8Matrix:
 
     @property
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.scales.nbytes + self.biases.nbytes
+        kept = self.float32.nbytes if self.float32 is not None else 0
+        return self.codes.nbytes + self.scales.nbytes + self.biases.nbytes + kept
 
 
 @dataclass
@@ -145,6 +163,21 @@ def _load_block(model_file: ModelFile, prefix: str, index: int | None, ratio: in
     return layer
 
 
+# Q8_0 matrices kept decoded in float32 on the CPU, so that decode steps do not decode
+# them again: up to this many bytes (the output head first), DS4LAB_CPU_DENSE_MB to change.
+CPU_DENSE_BUDGET_MB = 1024
+
+
+def _keep_decoded(weights: ModelWeights, budget: int) -> None:
+    matrices = [weights.output] + [m for layer in weights.layers for m in layer.q8.values()]
+    for matrix in matrices:
+        size = matrix.rows * matrix.cols * 4
+        if size <= budget:
+            matrix.float32 = matrix.dense()
+            mx.eval(matrix.float32)
+            budget -= size
+
+
 def load_weights(model_file: ModelFile) -> ModelWeights:
     """Every main-model tensor of `model_file` in its MLX form (see the module docstring)."""
     cfg = model_file.config
@@ -153,13 +186,16 @@ def load_weights(model_file: ModelFile) -> ModelWeights:
             ("output_hc_base", "output_hc_fn", "output_hc_scale", "output_norm")}
     embd = model_file.tensor("token_embd.weight")
     output = model_file.tensor("output.weight")
-    return ModelWeights(
+    weights = ModelWeights(
         config=cfg,
         token_embd=mx.array(model_file.raw("token_embd.weight").view(np.float16).reshape(embd.shape)),
         output=Q8Matrix.from_blocks(model_file.raw("output.weight"), *output.shape),
         head=head,
         layers=layers,
     )
+    if mx.default_device() == mx.cpu:
+        _keep_decoded(weights, int(os.environ.get("DS4LAB_CPU_DENSE_MB", CPU_DENSE_BUDGET_MB)) << 20)
+    return weights
 
 
 def resident_bytes(model_file: ModelFile) -> dict[str, int]:
