@@ -1,0 +1,96 @@
+"""Prefill and decode speed of the MLX model, and decode against the memory roofline.
+
+Prints tokens/s for prefill (one chunk) and decode (greedy steps), the bytes one decode
+step must read (weights outside the routed experts, plus n_expert_used experts per layer),
+the memory bandwidth measured in the same run (a large array reduction), and the ratio of
+decode's achieved bytes/s to that bandwidth.
+
+    python bench/bench_model.py                          # CPU: tiny, and flash-dims with 2 layers
+    python bench/bench_model.py --in-memory --layers 43  # GPU: flash-dims built in memory, no file
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import mlx.core as mx
+
+import ds4lab  # first: OpenBLAS before MLX on Linux
+from ds4lab.config import preset
+from ds4lab.model import Model
+from ds4lab.model.random_weights import random_weights
+from ds4lab.model.weights import ModelWeights
+
+
+def bandwidth() -> float:
+    """Bytes/s of a reduction over a 1 GiB array (reads dominate), best of 5."""
+    x = mx.ones((1 << 28,), mx.float32)
+    mx.eval(x)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        mx.eval(x.sum())
+        best = min(best, time.perf_counter() - t)
+    return x.nbytes / best
+
+
+def decode_bytes(w: ModelWeights) -> int:
+    cfg = w.config
+    experts = sum(e.nbytes for layer in w.layers for e in layer.experts.values())
+    rest = w.nbytes - experts - w.token_embd.nbytes
+    return int(rest + experts * cfg.n_expert_used / cfg.n_expert + cfg.n_embd * 2)
+
+
+def bench(name: str, model: Model, prompt: int, steps: int, bw: float) -> None:
+    tokens = list(range(1000, 1000 + prompt))
+    session = model.session()
+    mx.eval(session.prefill(tokens[:8]))            # warm-up: kernels, caches
+    session = model.session()
+    t = time.perf_counter()
+    logits = session.prefill(tokens)
+    mx.eval(logits)
+    prefill = prompt / (time.perf_counter() - t)
+    t = time.perf_counter()
+    for _ in range(steps):
+        logits = session.decode(int(mx.argmax(logits).item()))
+        mx.eval(logits)
+    decode = steps / (time.perf_counter() - t)
+    per_token = decode_bytes(model.weights)
+    print(f"{name:34s} prefill {prefill:9.1f} tok/s   decode {decode:8.2f} tok/s   "
+          f"{per_token / 2**20:9.1f} MiB/token   roofline ratio {decode * per_token / bw:6.1%}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--in-memory", action="store_true", help="flash-dims with random weights, no file")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--variant", default="q2", choices=["q2", "q4"])
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=8)
+    args = parser.parse_args()
+    device = mx.default_device()
+    bw = bandwidth()
+    print(f"device {device}, measured memory bandwidth {bw / 1e9:.1f} GB/s")
+    if args.in_memory:
+        cfg = preset("flash-dims", args.layers)
+        t = time.perf_counter()
+        weights = random_weights(cfg, args.variant)
+        print(f"built {cfg.n_layer}-layer flash-dims {args.variant} in memory: {weights.nbytes / 2**30:.1f} GiB "
+              f"in {time.perf_counter() - t:.0f} s")
+        bench(f"flash-dims {cfg.n_layer}L {args.variant} (memory)", Model(weights), args.prompt, args.steps, bw)
+        return
+    from ds4lab.synth import make_model
+
+    with tempfile.TemporaryDirectory(dir=".") as tmp:
+        tiny = make_model(Path(tmp) / "tiny.gguf", "tiny", args.variant, seed=0)[0]
+        bench(f"tiny {args.variant}", ds4lab.load(tiny), args.prompt, args.steps, bw)
+        flash = make_model(Path(tmp) / "flash.gguf", "flash-dims", args.variant, n_layer=args.layers,
+                           seed=0, vocab_rows=4096)[0]
+        bench(f"flash-dims {args.layers}L {args.variant}", ds4lab.load(flash), args.prompt, args.steps, bw)
+
+
+if __name__ == "__main__":
+    main()
