@@ -28,7 +28,8 @@ def preload_openblas() -> str | None:
     if loaded_blas or not sys.platform.startswith("linux") or os.environ.get("DS4LAB_NO_OPENBLAS"):
         return loaded_blas
     if "mlx.core" in sys.modules:
-        if any(os.path.exists(p) for p in OPENBLAS_CANDIDATES):
+        on_cpu = sys.modules["mlx.core"].default_device() == sys.modules["mlx.core"].cpu
+        if on_cpu and any(os.path.exists(p) for p in OPENBLAS_CANDIDATES):
             warnings.warn("ds4lab was imported after mlx: MLX keeps its reference BLAS (fp32 GEMM ~60x slower "
                           "on CPU). Import ds4lab first.", RuntimeWarning, stacklevel=3)
         return None

@@ -36,3 +36,36 @@ def test_bad_file_is_a_clear_error(tmp_path):
     result = _run("info", str(bad))
     assert result.returncode == 2
     assert result.stderr.startswith(f"ds4lab: {bad}") and "Traceback" not in result.stderr
+
+
+def test_logits_command(tmp_path, tiny_q2):
+    ids = tmp_path / "ids.json"
+    ids.write_text(json.dumps(list(range(3000, 3012))))
+    out = tmp_path / "run.npz"
+    result = _run("logits", str(tiny_q2), "--tokens", str(ids), "--top-k", "5", "--gen", "3",
+                  "--numerics", "float", "--out", str(out))
+    assert result.returncode == 0, result.stderr
+    import numpy as np
+
+    from ds4lab import load
+
+    z = np.load(out)
+    assert z["tokens"].tolist() == list(range(3000, 3012))
+    assert z["topk_ids"].shape == (12, 5) and z["topk_ids"].dtype == np.int32
+    assert z["experts"].shape == (12, 6, 6) and z["gen_ids"].shape == (3,)
+    logits = np.array(load(tiny_q2)(list(range(3000, 3012))))
+    assert np.array_equal(z["topk_ids"][:, 0], logits.argmax(1))
+    assert np.allclose(z["logsumexp"], np.log(np.exp(logits.astype(np.float64)).sum(1)), rtol=1e-5)
+    assert z["gen_ids"][0] == logits[-1].argmax() and z["gen_topk_ids"][0, 0] == z["gen_ids"][0]
+    assert (np.diff(z["gen_topk_logits"], axis=1) <= 0).all()
+
+
+def test_info_memory(tiny_q2):
+    result = _run("info", str(tiny_q2), "--memory", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    resident = report["resident_bytes"]
+    # Q8_0 output head: 40 bytes per 32 weights; routed experts keep their block bytes.
+    assert resident["output"] >= 129280 * 256 // 32 * 40
+    # 6 layers x 16 experts x 256 rows, one 256-value block per row: IQ2_XXS gate/up, Q2_K down.
+    assert resident["routed experts"] == 6 * 16 * 256 * (2 * 66 + 84)
