@@ -19,7 +19,9 @@
 # Point `DS4LAB_MODEL` at a real `ds4flash.gguf` to run it on the real thing.
 
 # %%
+import ds4lab  # first: on Linux it loads OpenBLAS before MLX starts
 
+# isort: split
 import os
 
 import matplotlib.pyplot as plt
@@ -94,3 +96,68 @@ ax.set_ylabel("density (1/unit)")
 ax.set_yscale("log")
 ax.set_title(f"layer {layer} weights by block format")
 ax.legend(fontsize=8)
+
+# %% [markdown]
+# ## The model
+# `ds4lab.load` builds DeepSeek V4 in MLX from the file: routed experts stay in their block
+# format and only the experts a token selects are decoded. `numerics="ds4-cpu"` also rounds
+# activations the way ds4's CPU path does, for tight comparisons with ds4.c.
+
+# %%
+model = ds4lab.load(path, numerics="float")
+tokenizer = model.tokenizer
+prompt = "<｜begin▁of▁sentence｜><｜User｜>Tell me about the sea.<｜Assistant｜></think>"
+tokens = tokenizer.encode(prompt, add_special_tokens=False).ids
+session = model.session()
+logits = session.prefill(tokens)
+generated = []
+for _ in range(8):
+    generated.append(int(mx.argmax(logits).item()))
+    logits = session.decode(generated[-1])
+print(len(tokens), "prompt tokens; greedy continuation (random weights, so no sense):")
+print(repr(tokenizer.decode(generated)))
+
+# %% [markdown]
+# ## Logits of every position
+# `model(tokens)` returns `[T, n_vocab]`; the top candidates of the last position:
+
+# %%
+all_logits = np.array(model(tokens))
+last = all_logits[-1]
+top = np.argsort(-last)[:10]
+pd.DataFrame({"token_id": top, "text": [tokenizer.decode([int(t)]) for t in top], "logit": last[top],
+              "log_prob": last[top] - np.log(np.exp(last - last.max()).sum()) - last.max()})
+
+# %% [markdown]
+# ## Routing
+# The first `n_hash_layer` layers pick experts by token id; later ones by the router's
+# biased top-k. Which experts each position used, layer by layer:
+
+# %%
+result = model.forward(model.empty_state(), tokens)
+experts = np.stack([np.array(e) for e in result.experts], axis=1)       # [T, n_layer, n_expert_used]
+counts = np.zeros((cfg.n_layer, cfg.n_expert), int)
+for layer in range(cfg.n_layer):
+    np.add.at(counts[layer], experts[:, layer].ravel(), 1)
+fig, ax = plt.subplots(figsize=(8, 3))
+image = ax.imshow(counts, aspect="auto", cmap="viridis")
+ax.set_xlabel("expert id")
+ax.set_ylabel("layer")
+ax.set_title(f"routed expert use over {len(tokens)} prompt positions")
+fig.colorbar(image, ax=ax, label="positions routed (count)")
+
+# %% [markdown]
+# ## The session state
+# Exactly what ds4 keeps per layer: the raw sliding window, the compressed rows, the
+# compressor frontier, and on ratio-4 layers the indexer's keys and frontier.
+
+# %%
+state = session.snapshot()
+pd.DataFrame([{
+    "layer": i,
+    "compress_ratio": cfg.compress_ratios[i],
+    "raw_rows": cache.raw.shape[0],
+    "compressed_rows": 0 if cache.comp is None else cache.comp.shape[0],
+    "indexer_rows": 0 if cache.index_comp is None else cache.index_comp.shape[0],
+    "frontier_shape": None if cache.frontier is None else tuple(cache.frontier.kv.shape),
+} for i, cache in enumerate(state.layers)])
