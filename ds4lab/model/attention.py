@@ -49,7 +49,8 @@ def visible_keys(mask: mx.array) -> tuple[mx.array, mx.array]:
     """
     n = mask.shape[1]
     order = mx.argsort(mx.where(mask, 0, n) + mx.arange(n)[None, :], axis=1)
-    width = max(int(mask.sum(axis=1).max().item()), 1)
+    # A single token (decode) keeps every column: no host round trip to size the pack.
+    width = n if mask.shape[0] == 1 else max(int(mask.sum(axis=1).max().item()), 1)
     order = order[:, :width]
     return order, mx.take_along_axis(mask, order, axis=1)
 

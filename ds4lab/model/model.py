@@ -112,7 +112,8 @@ class Model:
             streams, cache = self._attention_block(layer, state.layers[il], streams, positions, p0)
             layer_forced = None if forced is None else forced[:, il]
             streams, routing = self._ffn_block(layer, streams, token_ids, layer_forced)
-            mx.eval(streams)
+            if len(tokens) > 1:
+                mx.eval(streams)     # bounds a prefill chunk's graph; a decode step stays one graph
             new_layers.append(cache)
             experts.append(routing.experts)
         if last_only:

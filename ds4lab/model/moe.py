@@ -18,12 +18,14 @@ import mlx.core as mx
 import numpy as np
 
 from ..quants import gather_experts
-from .linalg import linear
+from .linalg import linear, on_cpu
 from .weights import ExpertBlocks, LayerWeights
 
 _ROUTE_DENOM_FLOOR = 2.0 ** -14
 # Experts decoded at once: bounds the float32 temporaries (3 matrices each) on big models.
 _EXPERTS_PER_BATCH = 8
+# Up to this many (token, expert) pairs a GPU decodes per pair instead of per expert.
+_GATHERED_MAX_PAIRS = 48
 
 
 @dataclass
@@ -65,8 +67,16 @@ def swiglu(gate: mx.array, up: mx.array, clamp: float) -> mx.array:
 
 
 def routed_experts(layer: LayerWeights, xf: mx.array, routing: Routing, clamp: float, act_round) -> mx.array:
-    """Σ over each token's chosen experts of W_down·(w·swiglu(W_gate·x, W_up·x)), [T, d]."""
+    """Σ over each token's chosen experts of W_down·(w·swiglu(W_gate·x, W_up·x)), [T, d].
+
+    Two schedules, the same sums. Few (token, expert) pairs on a GPU: decode each pair's
+    expert and multiply, all lazily (no host round trip, so a decode step stays one graph).
+    Otherwise (prefill, and always on the CPU, where `linear` keeps rows batch-invariant):
+    decode each expert some token chose once, a few at a time, and apply it to its tokens.
+    """
     gate_t, up_t, down_t = (layer.experts[f"ffn_{r}_exps.weight"] for r in ("gate", "up", "down"))
+    if not on_cpu() and routing.experts.size <= _GATHERED_MAX_PAIRS:
+        return _routed_gathered(gate_t, up_t, down_t, act_round(xf), routing, clamp, act_round)
     experts = np.array(routing.experts)
     x_in = act_round(xf)
     out = mx.zeros(xf.shape, mx.float32)
@@ -84,6 +94,18 @@ def routed_experts(layer: LayerWeights, xf: mx.array, routing: Routing, clamp: f
             out = out.at[tok_ids].add(linear(mid, down_w[i]))
         mx.eval(out)
     return out
+
+
+def _routed_gathered(gate_t: ExpertBlocks, up_t: ExpertBlocks, down_t: ExpertBlocks, x_in: mx.array,
+                     routing: Routing, clamp: float, act_round) -> mx.array:
+    t, u = routing.experts.shape
+    ids = routing.experts.reshape(-1)
+    x = mx.repeat(x_in, u, axis=0)[:, :, None]                          # [T*U, d, 1]
+    gate = (_decode(gate_t, ids) @ x)[..., 0]
+    up = (_decode(up_t, ids) @ x)[..., 0]
+    mid = act_round(swiglu(gate, up, clamp) * routing.weights.reshape(-1, 1))
+    down = (_decode(down_t, ids) @ mid[:, :, None])[..., 0]            # [T*U, d]
+    return down.reshape(t, u, -1).sum(axis=1)
 
 
 def _decode(tensor: ExpertBlocks, ids: mx.array) -> mx.array:
