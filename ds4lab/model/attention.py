@@ -15,7 +15,7 @@ import mlx.core as mx
 
 from .linalg import on_cpu
 from .numerics import fp8_kv_round, rms_norm, round_f16
-from .rope import rope_tail
+from .rope import Rotation
 from .weights import LayerWeights, Q8Matrix
 
 
@@ -33,10 +33,9 @@ def project_kv(layer: LayerWeights, xa: mx.array, eps: float, q8) -> mx.array:
     return rms_norm(q8(layer.q8["attn_kv.weight"], xa), layer.dense["attn_kv_a_norm.weight"], eps)
 
 
-def finish_kv_row(kv: mx.array, positions: mx.array, n_rot: int, base: float, yarn) -> mx.array:
+def finish_kv_row(kv: mx.array, rotation: Rotation, n_rot: int) -> mx.array:
     """RoPE at the token's position, ds4's FP8 round trip on the non-RoPE dims, f16 storage."""
-    kv = rope_tail(kv, positions, n_rot, base, yarn)
-    return round_f16(fp8_kv_round(kv, kv.shape[-1] - n_rot))
+    return round_f16(fp8_kv_round(rotation.apply(kv), kv.shape[-1] - n_rot))
 
 
 def visible_keys(mask: mx.array) -> tuple[mx.array, mx.array]:
@@ -102,5 +101,6 @@ def grouped_output(layer: LayerWeights, heads: mx.array, n_out_group: int, q8) -
     return q8(layer.q8["attn_output_b.weight"], mx.concatenate(low, axis=-1))
 
 
-def output_heads(heads: mx.array, positions: mx.array, n_rot: int, base: float, yarn) -> mx.array:
-    return rope_tail(heads, positions, n_rot, base, yarn, inverse=True)
+def output_heads(heads: mx.array, rotation: Rotation) -> mx.array:
+    """Head outputs turned back by the query position's angle (ds4's inverse RoPE)."""
+    return rotation.apply(heads, inverse=True)

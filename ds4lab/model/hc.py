@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .linalg import linear
+from .linalg import linear, on_cpu
 from .numerics import rms_norm
 
 
@@ -31,9 +31,18 @@ def _control_vector(streams: mx.array, fn: mx.array, eps: float) -> mx.array:
 
 def hc_control(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array,
                sinkhorn_iters: int, rms_eps: float, hc_eps: float) -> HCControl:
-    """pre/post/comb for one sublayer, from the streams right before it (ds4's order of steps)."""
-    n = streams.shape[1]
+    """pre/post/comb for one sublayer, from the streams right before it (ds4's order of steps).
+
+    On a GPU the ~60 small steps of the split run as one compiled kernel; the CPU runs them
+    one by one so that the float operations stay exactly ds4's.
+    """
     mix = _control_vector(streams, fn, rms_eps)
+    split = _split if on_cpu() else _split_compiled
+    return HCControl(*split(mix, scale, base, streams.shape[1], sinkhorn_iters, hc_eps))
+
+
+def _split(mix: mx.array, scale: mx.array, base: mx.array, n: int, sinkhorn_iters: int,
+           hc_eps: float) -> tuple[mx.array, mx.array, mx.array]:
     pre = mx.sigmoid(mix[:, :n] * scale[0] + base[:n]) + hc_eps
     post = 2.0 * mx.sigmoid(mix[:, n:2 * n] * scale[1] + base[n:2 * n])
     # comb[t, i, j]: row i is the destination-major index ds4 softmaxes over j first.
@@ -43,7 +52,10 @@ def hc_control(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array,
     for _ in range(sinkhorn_iters - 1):
         comb = comb / (comb.sum(axis=2, keepdims=True) + hc_eps)
         comb = comb / (comb.sum(axis=1, keepdims=True) + hc_eps)
-    return HCControl(pre, post, comb)
+    return pre, post, comb
+
+
+_split_compiled = mx.compile(_split)
 
 
 def hc_collapse(streams: mx.array, weights: mx.array) -> mx.array:

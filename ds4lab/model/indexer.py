@@ -15,15 +15,15 @@ import mlx.core as mx
 
 from .linalg import linear
 from .numerics import indexer_qat
-from .rope import rope_tail
+from .rope import Rotation
 from .weights import LayerWeights
 
 
-def indexer_scores(layer: LayerWeights, xa: mx.array, qr_n: mx.array, keys: mx.array, positions: mx.array,
-                   n_heads: int, head_dim: int, n_rot: int, base: float, yarn) -> mx.array:
+def indexer_scores(layer: LayerWeights, xa: mx.array, qr_n: mx.array, keys: mx.array, rotation: Rotation,
+                   n_heads: int, head_dim: int) -> mx.array:
     """Scores [T, N] of every key row for every token (visibility not applied)."""
     q = linear(qr_n, layer.dense["indexer.attn_q_b.weight"]).reshape(xa.shape[0], n_heads, head_dim)
-    q = indexer_qat(rope_tail(q, positions, n_rot, base, yarn))
+    q = indexer_qat(rotation.apply(q))
     weights = linear(xa, layer.dense["indexer.proj.weight"]) * (1.0 / math.sqrt(head_dim * n_heads))
     dots = mx.maximum(q @ keys.T, 0.0)                                 # [T, H, N]
     return (dots * weights[:, :, None]).sum(axis=1)

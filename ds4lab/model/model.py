@@ -22,7 +22,7 @@ from ..config import ModelConfig
 from . import attention, compressor, indexer, moe
 from .hc import hc_collapse, hc_control, hc_expand, hc_head_weights
 from .numerics import fp8_kv_round, indexer_qat, q8_0_act_codes, q8_k_act_round, rms_norm, round_f16
-from .rope import rope_tail, yarn_for
+from .rope import Rotation, rope_tail, yarn_for
 from .state import LayerCache, SessionState
 from .weights import LayerWeights, ModelWeights, Q8Matrix
 
@@ -108,8 +108,12 @@ class Model:
         x = self.weights.token_embd[token_ids].astype(mx.float32)
         streams = mx.broadcast_to(x[:, None, :], (x.shape[0], cfg.n_hc, cfg.n_embd))
         new_layers, experts = [], []
+        rotations: dict[tuple, Rotation] = {}
         for il, layer in enumerate(self.weights.layers):
-            streams, cache = self._attention_block(layer, state.layers[il], streams, positions, p0)
+            kind = (cfg.rope_base(il), yarn_for(cfg, layer.ratio))
+            if kind not in rotations:
+                rotations[kind] = Rotation.at(positions, cfg.n_rot, *kind)
+            streams, cache = self._attention_block(layer, state.layers[il], streams, positions, p0, rotations[kind])
             layer_forced = None if forced is None else forced[:, il]
             streams, routing = self._ffn_block(layer, streams, token_ids, layer_forced)
             if len(tokens) > 1:
@@ -123,7 +127,7 @@ class Model:
         return ChunkResult(logits, experts, new_state)
 
     def _attention_block(self, layer: LayerWeights, cache: LayerCache, streams: mx.array,
-                         positions: mx.array, p0: int) -> tuple[mx.array, LayerCache]:
+                         positions: mx.array, p0: int, rotation: Rotation) -> tuple[mx.array, LayerCache]:
         cfg, nm = self.config, self.numerics
         ratio = layer.ratio
         base, yarn = cfg.rope_base(layer.index), yarn_for(cfg, ratio)
@@ -132,9 +136,8 @@ class Model:
                              cfg.hc_sinkhorn_iter, cfg.rms_eps, cfg.hc_eps)
         xa = rms_norm(hc_collapse(streams, control.pre), d["attn_norm.weight"], cfg.rms_eps)
         q, qr_n = attention.project_q(layer, xa, cfg.n_head, cfg.head_dim, cfg.rms_eps, nm.q8)
-        q = rope_tail(q, positions, cfg.n_rot, base, yarn)
-        kv = attention.finish_kv_row(attention.project_kv(layer, xa, cfg.rms_eps, nm.q8), positions,
-                                     cfg.n_rot, base, yarn)
+        q = rotation.apply(q)
+        kv = attention.finish_kv_row(attention.project_kv(layer, xa, cfg.rms_eps, nm.q8), rotation, cfg.n_rot)
 
         # Raw window: the rows kept from earlier chunks, then this chunk's rows.
         raw_keys = mx.concatenate([cache.raw, kv])
@@ -157,14 +160,14 @@ class Model:
                 index_keys = mx.concatenate([cache.index_comp, index_rows])
                 new_cache.index_comp, new_cache.index_frontier = index_keys, index_frontier
                 if index_keys.shape[0] > cfg.indexer_top_k:
-                    scores = indexer.indexer_scores(layer, xa, qr_n, index_keys, positions, cfg.indexer_heads,
-                                                    cfg.indexer_head_dim, cfg.n_rot, base, yarn)
+                    scores = indexer.indexer_scores(layer, xa, qr_n, index_keys, rotation, cfg.indexer_heads,
+                                                    cfg.indexer_head_dim)
                     comp_mask = indexer.select_rows(scores, comp_mask, n_visible, cfg.indexer_top_k)
             keys = mx.concatenate([raw_keys, comp])
             mask = mx.concatenate([mask, comp_mask], axis=1)
 
         heads = attention.attend(q, keys, mask, d["attn_sinks.weight"])
-        heads = attention.output_heads(heads, positions, cfg.n_rot, base, yarn)
+        heads = attention.output_heads(heads, rotation)
         out = attention.grouped_output(layer, heads, cfg.n_out_group, nm.q8)
         return hc_expand(out, streams, control), new_cache
 

@@ -204,3 +204,21 @@ def rope_tail(x: mx.array, positions: mx.array | int, n_rot: int, base: float,
     """
     cos, sin = rope_cos_sin(positions, n_rot, base, yarn)
     return apply_rope_tail(x, cos, sin, inverse)
+
+
+@dataclass(frozen=True)
+class Rotation:
+    """The (cos, sin) of a set of positions for one layer kind, computed once and applied to
+    every tensor rotated at those positions (q, the KV row, indexer queries, head outputs)."""
+
+    cos: mx.array
+    sin: mx.array
+
+    @classmethod
+    def at(cls, positions: mx.array, n_rot: int, base: float, yarn: YarnParams | None) -> Rotation:
+        cos, sin = rope_cos_sin(positions, n_rot, base, yarn)
+        mx.eval(cos, sin)
+        return cls(cos, sin)
+
+    def apply(self, x: mx.array, inverse: bool = False) -> mx.array:
+        return apply_rope_tail(x, self.cos, self.sin, inverse)
