@@ -14,8 +14,9 @@ import mlx.core as mx
 import numpy as np
 
 from ds4lab.config import preset
-from ds4lab.model import Model
-from ds4lab.model.random_weights import random_weights
+from ds4lab.model import Model, kernels
+from ds4lab.model.moe import _decode
+from ds4lab.model.random_weights import _expert_blocks, random_weights
 
 
 def logits_on(device, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -28,7 +29,23 @@ def logits_on(device, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
     return full, decoded
 
 
+def check_fused_experts() -> None:
+    """The fused expert kernels against decode-then-multiply, per block format."""
+    for type_name in ("IQ2_XXS", "Q2_K", "Q4_K"):
+        if not kernels.available(type_name):
+            print(f"{type_name}: no fused kernel on {mx.default_device()}")
+            continue
+        tensor = _expert_blocks(type_name, 16, 512, 1024)
+        ids = mx.array([3, 15, 0, 3, 7, 9], dtype=mx.int32)
+        x = mx.random.normal((6, 1024))
+        fused = np.array(kernels.expert_matvec(tensor, ids, x))
+        ref = np.array((_decode(tensor, ids) @ x[:, :, None])[..., 0])
+        print(f"{type_name}: fused kernel vs decode-then-multiply, max rel err "
+              f"{np.abs(fused - ref).max() / np.abs(ref).max():.2e}")
+
+
 def main() -> None:
+    check_fused_experts()
     gpu = mx.default_device()
     tokens = list(range(2000, 2048))
     g_full, g_dec = logits_on(gpu, tokens)

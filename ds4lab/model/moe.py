@@ -18,6 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..quants import gather_experts
+from . import kernels
 from .linalg import linear, on_cpu
 from .weights import ExpertBlocks, LayerWeights
 
@@ -100,12 +101,18 @@ def _routed_gathered(gate_t: ExpertBlocks, up_t: ExpertBlocks, down_t: ExpertBlo
                      routing: Routing, clamp: float, act_round) -> mx.array:
     t, u = routing.experts.shape
     ids = routing.experts.reshape(-1)
-    x = mx.repeat(x_in, u, axis=0)[:, :, None]                          # [T*U, d, 1]
-    gate = (_decode(gate_t, ids) @ x)[..., 0]
-    up = (_decode(up_t, ids) @ x)[..., 0]
+    x = mx.repeat(x_in, u, axis=0)                                      # [T*U, d]
+    gate = _matvec(gate_t, ids, x)
+    up = _matvec(up_t, ids, x)
     mid = act_round(swiglu(gate, up, clamp) * routing.weights.reshape(-1, 1))
-    down = (_decode(down_t, ids) @ mid[:, :, None])[..., 0]            # [T*U, d]
-    return down.reshape(t, u, -1).sum(axis=1)
+    return _matvec(down_t, ids, mid).reshape(t, u, -1).sum(axis=1)
+
+
+def _matvec(tensor: ExpertBlocks, ids: mx.array, x: mx.array) -> mx.array:
+    """Expert ids[p] times x[p], [P, rows]: the fused kernel on CUDA, else decode then multiply."""
+    if kernels.available(tensor.type_name):
+        return kernels.expert_matvec(tensor, ids, x)
+    return (_decode(tensor, ids) @ x[:, :, None])[..., 0]
 
 
 def _decode(tensor: ExpertBlocks, ids: mx.array) -> mx.array:

@@ -1,0 +1,27 @@
+// y[p, row] = sum_c W[ids[p]][row, c] * x[p, c] for IQ2_XXS blocks (66 bytes per 256 values):
+// f16 d, then per 32 values 4 grid indices and a u32 of four 7-bit sign indices plus a
+// 4-bit scale s; w = d * (0.5 + s) * 0.25 * grid * sign.
+const int lane = threadIdx.x & 31;
+const int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+const int p = blockIdx.y;
+if (row >= ROWS) return;
+const uint8_t* w = raw + (size_t)ids[p] * EXPERT_BYTES + (size_t)row * (COLS / 256) * 66;
+const float* xv = x + (size_t)p * COLS;
+const int sub = lane >> 2, part = lane & 3;
+float acc = 0.0f;
+for (int b = 0; b < COLS / 256; ++b) {
+    const uint8_t* blk = w + b * 66;
+    const uint8_t* s8 = blk + 2 + 8 * sub;
+    const uint32_t aux = (uint32_t)s8[4] | ((uint32_t)s8[5] << 8) | ((uint32_t)s8[6] << 16) | ((uint32_t)s8[7] << 24);
+    const float db = ds4lab_f16_at(blk) * (0.5f + (float)(aux >> 28)) * 0.25f;
+    const uint8_t* g = grid + 8 * (int)s8[part];
+    const uint8_t signs = ksigns[(aux >> (7 * part)) & 127];
+    const float* xs = xv + b * 256 + lane * 8;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        const float v = (signs >> k) & 1 ? -(float)g[k] : (float)g[k];
+        acc += db * v * xs[k];
+    }
+}
+acc = ds4lab_warp_sum(acc);
+if (lane == 0) y[(size_t)p * ROWS + row] = acc;
