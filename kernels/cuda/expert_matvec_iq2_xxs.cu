@@ -1,12 +1,7 @@
 // y[p, row] = sum_c W[ids[p]][row, c] * x[p, c] for IQ2_XXS blocks (66 bytes per 256 values):
 // f16 d, then per 32 values 4 grid indices and a u32 of four 7-bit sign indices plus a
 // 4-bit scale s; w = d * (0.5 + s) * 0.25 * grid * sign.
-const int lane = threadIdx.x & 31;
-const int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-const int p = blockIdx.y;
-if (row >= ROWS) return;
-const uint8_t* w = raw + (size_t)ids[p] * EXPERT_BYTES + (size_t)row * (COLS / 256) * 66;
-const float* xv = x + (size_t)p * COLS;
+DS4LAB_EXPERT_ROW_BEGIN(66)
 const int sub = lane >> 2, part = lane & 3;
 float acc = 0.0f;
 for (int b = 0; b < COLS / 256; ++b) {
@@ -23,5 +18,4 @@ for (int b = 0; b < COLS / 256; ++b) {
         acc += db * v * xs[k];
     }
 }
-acc = ds4lab_warp_sum(acc);
-if (lane == 0) y[(size_t)p * ROWS + row] = acc;
+DS4LAB_EXPERT_ROW_END(acc)

@@ -1,12 +1,7 @@
 // y[p, row] = sum_c W[ids[p]][row, c] * x[p, c] for Q2_K blocks (84 bytes per 256 values):
 // 16 scale bytes (low nibble scale, high nibble min, per 16 values), 64 bytes of 2-bit
 // codes, f16 d and dmin; w = d * scale * q - dmin * min.
-const int lane = threadIdx.x & 31;
-const int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-const int p = blockIdx.y;
-if (row >= ROWS) return;
-const uint8_t* w = raw + (size_t)ids[p] * EXPERT_BYTES + (size_t)row * (COLS / 256) * 84;
-const float* xv = x + (size_t)p * COLS;
+DS4LAB_EXPERT_ROW_BEGIN(84)
 const int first = lane * 8, half = first >> 7, within = first & 127;
 const int shift = 2 * (within >> 5), k0 = within & 31;
 float acc = 0.0f;
@@ -20,5 +15,4 @@ for (int b = 0; b < COLS / 256; ++b) {
 #pragma unroll
     for (int k = 0; k < 8; ++k) acc += (dl * (float)((q[k] >> shift) & 3) - ml) * xs[k];
 }
-acc = ds4lab_warp_sum(acc);
-if (lane == 0) y[(size_t)p * ROWS + row] = acc;
+DS4LAB_EXPERT_ROW_END(acc)

@@ -1,12 +1,7 @@
 // y[p, row] = sum_c W[ids[p]][row, c] * x[p, c] for Q4_K blocks (144 bytes per 256 values):
 // f16 d and dmin, 12 bytes of 6-bit (scale, min) pairs for 8 groups of 32, 128 bytes of
 // nibbles (low nibbles first, per 64 values); w = d * scale * q - dmin * min.
-const int lane = threadIdx.x & 31;
-const int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-const int p = blockIdx.y;
-if (row >= ROWS) return;
-const uint8_t* w = raw + (size_t)ids[p] * EXPERT_BYTES + (size_t)row * (COLS / 256) * 144;
-const float* xv = x + (size_t)p * COLS;
+DS4LAB_EXPERT_ROW_BEGIN(144)
 const int first = lane * 8, group = first >> 5, chunk = first >> 6;
 const int shift = 4 * ((first >> 5) & 1), k0 = first & 31;
 float acc = 0.0f;
@@ -28,5 +23,4 @@ for (int b = 0; b < COLS / 256; ++b) {
 #pragma unroll
     for (int k = 0; k < 8; ++k) acc += (dl * (float)((q[k] >> shift) & 15) - ml) * xs[k];
 }
-acc = ds4lab_warp_sum(acc);
-if (lane == 0) y[(size_t)p * ROWS + row] = acc;
+DS4LAB_EXPERT_ROW_END(acc)
