@@ -98,3 +98,22 @@ def test_tiny_shape_runs_both_numerics(tiny_q2):
     assert a.shape == b.shape == (40, 129280)
     rms = np.sqrt(((a - b) ** 2).mean(axis=1)) / _std(a)
     assert 0 < np.median(rms) < 0.1
+
+
+def test_restored_snapshot_is_untouched_by_what_followed(small_model, small_tokens):
+    def frontiers(session):
+        return [np.array(f.kv) for c in session.state.layers for f in (c.frontier, c.index_frontier) if f is not None]
+
+    a = small_model.session()
+    a.prefill(small_tokens[:60])
+    snap = a.snapshot()
+    for t in small_tokens[100:106]:
+        a.decode(t)
+    a.restore(snap)
+    for t in small_tokens[60:63]:
+        a.decode(t)
+    b = small_model.session()
+    b.prefill(small_tokens[:60])
+    for t in small_tokens[60:63]:
+        b.decode(t)
+    assert all(np.array_equal(x, y) for x, y in zip(frontiers(a), frontiers(b), strict=True))

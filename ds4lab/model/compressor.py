@@ -93,6 +93,8 @@ def compress_chunk(frontier: Frontier, kv: mx.array, score: mx.array, p0: int, r
         new_score = mx.concatenate([win_score[-1], new_score[ratio:]])
     tail = min(t, ratio)
     slots = mx.array([cur_base + (p0 + i) % ratio for i in range(t - tail, t)])
+    # Item assignment writes into the array object, which a snapshot may share: copy first.
+    new_kv, new_score = mx.array(new_kv), mx.array(new_score)
     new_kv[slots] = kv[t - tail:]
     new_score[slots] = score[t - tail:]
     return pooled, Frontier(new_kv, new_score)
