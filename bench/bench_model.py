@@ -11,6 +11,9 @@ decode's achieved bytes/s to that bandwidth.
 
 from __future__ import annotations
 
+import ds4lab  # first: OpenBLAS before MLX on Linux
+
+# isort: split
 import argparse
 import tempfile
 import time
@@ -18,7 +21,6 @@ from pathlib import Path
 
 import mlx.core as mx
 
-import ds4lab  # first: OpenBLAS before MLX on Linux
 from ds4lab.config import preset
 from ds4lab.model import Model
 from ds4lab.model.random_weights import random_weights
