@@ -1,0 +1,183 @@
+"""Generation over a session: samplers, stop strings, streamed steps, ds4's logprob dumps.
+
+`stream` yields one `Step` per generated token: the token, the text it adds (UTF-8 is
+decoded incrementally, so a character split over two tokens comes out whole), its
+log-prob and, on request, the top alternatives. Sampling happens on the host from the
+float32 logits: greedy when temperature is 0, else temperature, then top-k, top-p and min-p
+filters, drawn with a seeded generator. `dump_logprobs` writes the JSON that ds4's
+`--dump-logprobs` writes, so the two can be diffed.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+import numpy as np
+
+from .tokenizer import TOKEN_NORMAL, vocab
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+
+@dataclass
+class Step:
+    index: int
+    token: int
+    text: str
+    logprob: float
+    top: list[tuple[int, float, float]] = field(default_factory=list)   # (id, logit, logprob)
+    finish: str | None = None       # on the last step: "eos", "stop" or "length"
+
+
+@dataclass
+class Generation:
+    text: str
+    tokens: list[int]
+    steps: list[Step]
+    finish_reason: str      # "eos", "stop", or "length"
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = np.asarray(logits, dtype=np.float64)
+    top = x.max()
+    return (x - top - np.log(np.exp(x - top).sum())).astype(np.float32)
+
+
+def sample(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> int:
+    """One token id from `logits` under `sampling` (greedy when temperature is 0; ties to the lower id)."""
+    logits = np.asarray(logits, dtype=np.float64)
+    if sampling.temperature <= 0:
+        return int(np.argmax(logits))
+    order = np.argsort(-logits, kind="stable")
+    if sampling.top_k > 0:
+        order = order[: sampling.top_k]
+    z = logits[order] / sampling.temperature
+    probs = np.exp(z - z.max())
+    probs /= probs.sum()
+    keep = np.ones(len(order), dtype=bool)
+    if sampling.top_p < 1.0:
+        keep &= (np.cumsum(probs) - probs) < sampling.top_p
+    if sampling.min_p > 0.0:
+        keep &= probs >= sampling.min_p * probs[0]
+    probs = np.where(keep, probs, 0.0)
+    return int(order[rng.choice(len(order), p=probs / probs.sum())])
+
+
+@cache
+def _byte_decoder() -> dict[str, int]:
+    """GPT-2's byte-level alphabet, character -> byte (what the BPE token strings are written in)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def token_bytes(token: int) -> bytes:
+    """The bytes a token stands for: byte-level BPE tokens decoded, control tokens as their text."""
+    v = vocab()
+    text = v.tokens[token]
+    if v.token_types[token] != TOKEN_NORMAL:
+        return text.encode("utf-8")
+    table = _byte_decoder()
+    return bytes(table[c] for c in text) if all(c in table for c in text) else text.encode("utf-8")
+
+
+def _top(logits: np.ndarray, logprobs: np.ndarray, k: int) -> list[tuple[int, float, float]]:
+    ids = np.argsort(-logits, kind="stable")[:k]
+    return [(int(i), float(logits[i]), float(logprobs[i])) for i in ids]
+
+
+def stream(model, prompt: Sequence[int], max_tokens: int = 256, sampling: Sampling = Sampling(),
+           stop: Sequence[str] = (), top_logprobs: int = 0, session=None) -> Iterator[Step]:
+    """Prefill `prompt` (or continue `session`) and yield generated steps until EOS, a stop
+    string (the text before it is yielded, the stop string is not) or `max_tokens`.
+
+    With stop strings, up to (longest stop - 1) characters are held back until it is
+    clear they do not begin one; the last step carries the rest and `finish`."""
+    session = session or model.session()
+    logits = session.prefill(list(prompt)) if prompt else session.logits
+    rng = np.random.default_rng(sampling.seed)
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    hold = max((len(s) for s in stop), default=1) - 1
+    pending = ""
+    eos = vocab().eos_id
+    for index in range(max_tokens):
+        row = np.array(logits, dtype=np.float32)
+        lp = log_softmax(row)
+        token = sample(row, sampling, rng)
+        top = _top(row, lp, top_logprobs) if top_logprobs else []
+        if token == eos:
+            yield Step(index, token, pending, float(lp[token]), top, finish="eos")
+            return
+        pending += decoder.decode(token_bytes(token))
+        hit = min((pending.find(s) for s in stop if s in pending), default=-1)
+        if hit >= 0:
+            yield Step(index, token, pending[:hit], float(lp[token]), top, finish="stop")
+            return
+        if index + 1 == max_tokens:
+            yield Step(index, token, pending + decoder.decode(b"", final=True), float(lp[token]), top,
+                       finish="length")
+            return
+        emit = pending[: max(len(pending) - hold, 0)]
+        pending = pending[len(emit):]
+        yield Step(index, token, emit, float(lp[token]), top)
+        logits = session.decode(token)
+
+
+def generate(model, prompt: str | Sequence[int], max_tokens: int = 256, sampling: Sampling = Sampling(),
+             stop: Sequence[str] = (), top_logprobs: int = 0) -> Generation:
+    """Generate from a prompt (text, tokenized as is, or token ids); see `stream`."""
+    ids = model.tokenizer.encode(prompt, add_special_tokens=False).ids if isinstance(prompt, str) else list(prompt)
+    steps = list(stream(model, ids, max_tokens, sampling, stop, top_logprobs))
+    finish = steps[-1].finish if steps else "length"
+    tokens = [s.token for s in steps if s.finish != "eos"]
+    return Generation("".join(s.text for s in steps), tokens, steps, finish or "length")
+
+
+def _json_token(token: int) -> dict:
+    raw = token_bytes(token)
+    return {"id": token, "text": raw.decode("utf-8", errors="replace"), "bytes": list(raw)}
+
+
+def dump_logprobs(model, prompt: Sequence[int], path: str | os.PathLike[str], max_tokens: int = 4,
+                  top_k: int = 20, ctx: int = 32768) -> Path:
+    """Greedy steps with their top-k (ids, logits, logprobs), as ds4's `--dump-logprobs` writes them."""
+    top_k = min(max(top_k, 1), 128)
+    session = model.session()
+    logits = session.prefill(list(prompt))
+    steps = []
+    for step in range(max_tokens):
+        row = np.array(logits, dtype=np.float32)
+        lp = log_softmax(row)
+        token = int(np.argmax(row))
+        steps.append({"step": step, "selected": _json_token(token),
+                      "top_logprobs": [{"token": _json_token(i), "logit": lg, "logprob": p}
+                                       for i, lg, p in _top(row, lp, top_k)]})
+        if token == vocab().eos_id:
+            break
+        logits = session.decode(token)
+    doc = {"source": "ds4lab", "prompt_tokens": len(prompt), "ctx": ctx, "top_k": top_k, "steps": steps}
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(doc, indent=1, ensure_ascii=False), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+

@@ -1,0 +1,90 @@
+"""Generation: samplers, stop strings, streamed text, greedy against ds4, ds4's dump schema."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ds4lab import load
+from ds4lab.eval import compare_vectors
+from ds4lab.generate import Sampling, dump_logprobs, generate, sample, stream, token_bytes
+
+ORACLE = Path(__file__).resolve().parents[2] / "shared" / "oracle" / "tiny-a"
+OFFICIAL = Path(__file__).resolve().parents[2] / "shared" / "vectors" / "official"
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_q2):
+    return load(tiny_q2)
+
+
+def test_sampler_rules():
+    rng = np.random.default_rng(0)
+    logits = np.array([1.0, 3.0, 2.0, 3.0, -1.0])
+    assert sample(logits, Sampling(), rng) == 1                       # greedy, tie to the lower id
+    assert sample(logits, Sampling(temperature=1.0, top_k=1), rng) == 1
+    draws = {sample(logits, Sampling(temperature=1.0, top_k=3, seed=1), rng) for _ in range(200)}
+    assert draws == {1, 2, 3}
+    # min_p 0.5 keeps what is at least half as likely as the best: ids 1 and 3 (2 is e^-1 = 0.37).
+    draws = {sample(logits, Sampling(temperature=1.0, min_p=0.5), rng) for _ in range(200)}
+    assert draws == {1, 3}
+    # top_p 0.5: the first token alone already reaches 0.5 of the mass among {1, 3, 2, ...}
+    probs = np.exp(logits - logits.max()) / np.exp(logits - logits.max()).sum()
+    assert probs[1] < 0.5 and probs[1] + probs[3] >= 0.5
+    draws = {sample(logits, Sampling(temperature=1.0, top_p=0.5), rng) for _ in range(200)}
+    assert draws == {1, 3}
+
+
+def test_seeded_sampling_repeats(tiny):
+    s = Sampling(temperature=0.9, top_k=50, top_p=0.95, seed=11)
+    a = generate(tiny, list(range(500, 520)), max_tokens=6, sampling=s)
+    b = generate(tiny, list(range(500, 520)), max_tokens=6, sampling=s)
+    assert a.tokens == b.tokens and len(a.tokens) == 6 and a.finish_reason == "length"
+
+
+def test_streamed_text_is_the_decoded_tokens(tiny):
+    g = generate(tiny, list(range(700, 720)), max_tokens=10, top_logprobs=3)
+    assert g.text == b"".join(token_bytes(t) for t in g.tokens).decode("utf-8", errors="replace")
+    assert g.text == tiny.tokenizer.decode(g.tokens)
+    assert all(len(s.top) == 3 and s.top[0][0] == s.token for s in g.steps)
+
+
+def test_stop_strings(tiny):
+    full = generate(tiny, list(range(700, 720)), max_tokens=10)
+    stop = full.text[len(full.text) // 2: len(full.text) // 2 + 2]
+    cut = generate(tiny, list(range(700, 720)), max_tokens=10, stop=[stop])
+    assert cut.finish_reason == "stop" and stop not in cut.text
+    assert full.text.startswith(cut.text) and full.text[len(cut.text):].startswith(stop)
+
+
+def test_greedy_matches_ds4_on_tiny_a(tiny_a_gguf):
+    oracle = np.load(ORACLE / "oracle.npz")
+    model = load(tiny_a_gguf, numerics="ds4-cpu")
+    steps = list(stream(model, [int(t) for t in oracle["tokens"]], max_tokens=16))
+    gaps = oracle["gen_topk_logits"][:, 0] - oracle["gen_topk_logits"][:, 1]
+    first_tie = int(np.argmax(gaps < 0.2)) if (gaps < 0.2).any() else 16
+    assert [s.token for s in steps[:first_tie]] == oracle["gen_ids"][:first_tie].tolist()
+    assert first_tie >= 4
+
+
+def test_dump_logprobs_schema_and_scoring(tmp_path, tiny):
+    path = dump_logprobs(tiny, list(range(900, 910)), tmp_path / "dump.json", max_tokens=3, top_k=5)
+    doc = json.loads(path.read_text())
+    assert {"source", "prompt_tokens", "ctx", "top_k", "steps"} <= set(doc) and doc["prompt_tokens"] == 10
+    step = doc["steps"][0]
+    assert set(step) == {"step", "selected", "top_logprobs"}
+    assert set(step["selected"]) == {"id", "text", "bytes"}
+    assert {"token", "logit", "logprob"} == set(step["top_logprobs"][0])
+    assert step["top_logprobs"][0]["token"]["id"] == step["selected"]["id"]
+    # A dump scored against itself (in the official schema) agrees everywhere.
+    official = {"steps": [{"step": s["step"], "token": s["selected"], "logprob": s["top_logprobs"][0]["logprob"],
+                           "top_logprobs": s["top_logprobs"]} for s in doc["steps"]]}
+    scores = compare_vectors(doc, official)
+    assert scores["top1_match"].all() and (scores["topk_overlap"] == 1).all()
+    assert (scores["mean_abs_logprob_diff"] == 0).all()
+    real = json.loads((OFFICIAL / "short_italian_fact.official.json").read_text())
+    against = compare_vectors(doc, real)
+    assert len(against) == 3 and not against["top1_match"].any()
