@@ -75,6 +75,24 @@ def _cmd_logits(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from . import load
+    from .generate import Sampling, dump_logprobs, stream
+
+    model = load(args.model, numerics=args.numerics)
+    text = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text(encoding="utf-8")
+    ids = model.tokenizer.encode(text, add_special_tokens=False).ids
+    if args.dump_logprobs:
+        print(dump_logprobs(model, ids, args.dump_logprobs, max_tokens=args.max_tokens, top_k=args.top_logprobs))
+        return 0
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
+    for step in stream(model, ids, args.max_tokens, sampling, args.stop):
+        sys.stdout.write(step.text)
+        sys.stdout.flush()
+    print()
+    return 0
+
+
 def _cmd_tour(args: argparse.Namespace) -> int:
     from .notebooks import run_notebook
 
@@ -116,6 +134,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--gen", type=int, default=0, help="greedy steps after the prompt")
     p.add_argument("--out", required=True)
     p.set_defaults(func=_cmd_logits)
+
+    p = sub.add_parser("generate", help="generate from a prompt (text as is; special tokens by their text)")
+    p.add_argument("model")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompt-file")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--numerics", default="float", choices=["float", "ds4-cpu"])
+    p.add_argument("--dump-logprobs", help="write ds4's --dump-logprobs JSON (greedy) instead of text")
+    p.add_argument("--top-logprobs", type=int, default=20, help="alternatives per step in the dump")
+    p.set_defaults(func=_cmd_generate)
 
     p = sub.add_parser("tour", help="execute the tour notebook headless and write an HTML report")
     p.add_argument("--notebook", default="01_tour")

@@ -69,3 +69,19 @@ def test_info_memory(tiny_q2):
     assert resident["output"] >= 129280 * 256 // 32 * 40
     # 6 layers x 16 experts x 256 rows, one 256-value block per row: IQ2_XXS gate/up, Q2_K down.
     assert resident["routed experts"] == 6 * 16 * 256 * (2 * 66 + 84)
+
+
+def test_generate_command(tmp_path, tiny_q2):
+    text = _run("generate", str(tiny_q2), "--prompt", "Hello there", "--max-tokens", "4")
+    assert text.returncode == 0, text.stderr
+    from ds4lab import load
+    from ds4lab.generate import generate
+
+    model = load(tiny_q2)
+    assert text.stdout == generate(model, "Hello there", max_tokens=4).text + "\n"
+    dump = tmp_path / "d.json"
+    made = _run("generate", str(tiny_q2), "--prompt", "Hello there", "--max-tokens", "2",
+                "--dump-logprobs", str(dump), "--top-logprobs", "3")
+    assert made.returncode == 0, made.stderr
+    doc = json.loads(dump.read_text())
+    assert len(doc["steps"]) == 2 and len(doc["steps"][0]["top_logprobs"]) == 3
