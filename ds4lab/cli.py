@@ -86,7 +86,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         print(dump_logprobs(model, ids, args.dump_logprobs, max_tokens=args.max_tokens, top_k=args.top_logprobs))
         return 0
     sampling = Sampling(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
-    for step in stream(model, ids, args.max_tokens, sampling, args.stop):
+    for step in stream(model, ids, args.max_tokens, sampling, args.stop, progress=len(ids) > 2048):
         sys.stdout.write(step.text)
         sys.stdout.flush()
     print()

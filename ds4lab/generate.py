@@ -106,14 +106,14 @@ def _top(logits: np.ndarray, logprobs: np.ndarray, k: int) -> list[tuple[int, fl
 
 
 def stream(model, prompt: Sequence[int], max_tokens: int = 256, sampling: Sampling = Sampling(),
-           stop: Sequence[str] = (), top_logprobs: int = 0, session=None) -> Iterator[Step]:
+           stop: Sequence[str] = (), top_logprobs: int = 0, session=None, progress: bool = False) -> Iterator[Step]:
     """Prefill `prompt` (or continue `session`) and yield generated steps until EOS, a stop
     string (the text before it is yielded, the stop string is not) or `max_tokens`.
 
     With stop strings, up to (longest stop - 1) characters are held back until it is
     clear they do not begin one; the last step carries the rest and `finish`."""
     session = session or model.session()
-    logits = session.prefill(list(prompt)) if prompt else session.logits
+    logits = session.prefill(list(prompt), progress=progress) if prompt else session.logits
     rng = np.random.default_rng(sampling.seed)
     decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
     hold = max((len(s) for s in stop), default=1) - 1

@@ -26,14 +26,25 @@ class Session:
     def logits(self) -> mx.array | None:
         return self.state.logits
 
-    def prefill(self, tokens, chunk: int = DEFAULT_PREFILL_CHUNK) -> mx.array:
-        """Consume `tokens` in chunks; afterwards, like ds4, reset the frontier slots past the
-        partial window (they are never read before being overwritten)."""
+    def prefill(self, tokens, chunk: int = DEFAULT_PREFILL_CHUNK, progress: bool = False) -> mx.array:
+        """Consume `tokens` in chunks (a progress bar over them with `progress`); afterwards,
+        like ds4, reset the frontier slots past the partial window (they are never read
+        before being overwritten)."""
         ids = [int(t) for t in np.asarray(tokens).reshape(-1)]
         if not ids:
             raise ValueError("prefill needs at least one token")
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), unit="tok", desc="prefill")
         for start in range(0, len(ids), chunk):
-            self.state = self.model.forward(self.state, ids[start:start + chunk], last_only=True).state
+            part = ids[start:start + chunk]
+            self.state = self.model.forward(self.state, part, last_only=True).state
+            if bar is not None:
+                bar.update(len(part))
+        if bar is not None:
+            bar.close()
         n = self.state.n_tokens
         for cache, ratio in zip(self.state.layers, self.model.config.compress_ratios, strict=False):
             if cache.frontier is not None:
