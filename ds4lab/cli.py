@@ -93,6 +93,19 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_render(args: argparse.Namespace) -> int:
+    from .chat import ChatError, render
+
+    request = json.loads(Path(args.request).read_text(encoding="utf-8"))
+    try:
+        text = render(request, context_tokens=args.ctx)
+    except ChatError as exc:
+        print(f"ds4lab: {args.request}: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.buffer.write(text.encode("utf-8"))
+    return 0
+
+
 def _cmd_tour(args: argparse.Namespace) -> int:
     from .notebooks import run_notebook
 
@@ -151,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dump-logprobs", help="write ds4's --dump-logprobs JSON (greedy) instead of text")
     p.add_argument("--top-logprobs", type=int, default=20, help="alternatives per step in the dump")
     p.set_defaults(func=_cmd_generate)
+
+    p = sub.add_parser("render", help="print the exact prompt ds4-server renders for a chat request")
+    p.add_argument("request", help="OpenAI-style chat request JSON")
+    p.add_argument("--ctx", type=int, default=None, help="the server's context size (Think Max needs >= 393216)")
+    p.set_defaults(func=_cmd_render)
 
     p = sub.add_parser("tour", help="execute the tour notebook headless and write an HTML report")
     p.add_argument("--notebook", default="01_tour")

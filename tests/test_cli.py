@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
@@ -85,3 +86,11 @@ def test_generate_command(tmp_path, tiny_q2):
     assert made.returncode == 0, made.stderr
     doc = json.loads(dump.read_text())
     assert len(doc["steps"]) == 2 and len(doc["steps"][0]["top_logprobs"]) == 3
+
+
+def test_render_command_prints_ds4s_bytes():
+    oracle = Path(__file__).resolve().parents[2] / "shared" / "oracle" / "tiny-a" / "prompt"
+    result = subprocess.run([sys.executable, "-m", "ds4lab.cli", "render", str(oracle / "request.json")],
+                            capture_output=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (oracle / "rendered.txt").read_bytes()
