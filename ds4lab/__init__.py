@@ -9,8 +9,9 @@ preload_openblas()
 from . import gguf
 from .config import ModelConfig
 from .errors import Ds4labError, ModelFileError
+from .generate import generate, stream
 from .model import load
 from .synth import make_model
 
-__all__ = ["Ds4labError", "ModelConfig", "ModelFileError", "gguf", "load", "make_model"]
+__all__ = ["Ds4labError", "ModelConfig", "ModelFileError", "generate", "gguf", "load", "make_model", "stream"]
 __version__ = "0.1.0"

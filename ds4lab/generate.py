@@ -15,12 +15,11 @@ import json
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
 
 import numpy as np
 
-from .tokenizer import TOKEN_NORMAL, vocab
+from .tokenizer import TOKEN_NORMAL, byte_maps, vocab
 
 
 @dataclass(frozen=True)
@@ -76,27 +75,13 @@ def sample(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> 
     return int(order[rng.choice(len(order), p=probs / probs.sum())])
 
 
-@cache
-def _byte_decoder() -> dict[str, int]:
-    """GPT-2's byte-level alphabet, character -> byte (what the BPE token strings are written in)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[chr(b)] = b
-        else:
-            chars[chr(256 + extra)] = b
-            extra += 1
-    return chars
-
-
 def token_bytes(token: int) -> bytes:
     """The bytes a token stands for: byte-level BPE tokens decoded, control tokens as their text."""
     v = vocab()
     text = v.tokens[token]
     if v.token_types[token] != TOKEN_NORMAL:
         return text.encode("utf-8")
-    table = _byte_decoder()
+    table = byte_maps()[1]
     return bytes(table[c] for c in text) if all(c in table for c in text) else text.encode("utf-8")
 
 

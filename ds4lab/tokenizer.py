@@ -73,7 +73,7 @@ def vocab() -> Vocab:
 
 
 @lru_cache(maxsize=1)
-def _byte_maps() -> tuple[dict[int, str], dict[str, int]]:
+def byte_maps() -> tuple[dict[int, str], dict[str, int]]:
     """GPT-2's byte <-> printable-codepoint table (the same one ds4's `gpt2_byte_to_codepoint` builds)."""
     keep = [*range(33, 127), *range(161, 173), *range(174, 256)]
     enc = {b: chr(b) for b in keep}
@@ -86,14 +86,14 @@ def _byte_maps() -> tuple[dict[int, str], dict[str, int]]:
 
 
 def _byte_encode(piece: str) -> str:
-    enc = _byte_maps()[0]
+    enc = byte_maps()[0]
     return "".join(enc[b] for b in piece.encode("utf-8", "surrogatepass"))
 
 
 def _byte_decode(tokens: Iterable[str]) -> str:
     """The ByteLevel decoder: a token made only of byte characters becomes those bytes, any other
     token (a special token such as <｜User｜>) its own UTF-8; invalid UTF-8 is replaced."""
-    dec = _byte_maps()[1]
+    dec = byte_maps()[1]
     out = bytearray()
     for t in tokens:
         try:

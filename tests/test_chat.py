@@ -330,3 +330,13 @@ def test_parse_tool_calls_thinking_ignores_dsml_in_reasoning():
 def test_parse_tool_calls_malformed_raises():
     with pytest.raises(ChatError):
         parse_tool_calls('<｜DSML｜tool_calls>\n<｜DSML｜invoke name="f">\n<｜DSML｜parameter name="x">1')
+
+
+def test_render_tokenize_decode_round_trip():
+    from ds4lab.tokenizer import load
+
+    request = json.loads((ORACLE_PROMPT / "request.json").read_text(encoding="utf-8"))
+    text = render(request)
+    for mode in ("reference", "ds4"):
+        tokenizer = load(mode=mode)
+        assert tokenizer.decode(tokenizer.encode(text)).encode("utf-8") == text.encode("utf-8")

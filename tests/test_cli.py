@@ -94,3 +94,17 @@ def test_render_command_prints_ds4s_bytes():
                             capture_output=True, timeout=60)
     assert result.returncode == 0, result.stderr
     assert result.stdout == (oracle / "rendered.txt").read_bytes()
+
+
+def test_tokenize_and_chat_commands(tmp_path, tiny_q2):
+    oracle = Path(__file__).resolve().parents[2] / "shared" / "oracle" / "tiny-a"
+    count = _run("tokenize", str(oracle / "prompt" / "rendered.txt"), "--mode", "ds4", "--count")
+    assert count.returncode == 0 and count.stdout.strip() == "392"
+    ids = _run("tokenize", str(oracle / "prompt" / "rendered.txt"), "--mode", "ds4")
+    import numpy as np
+
+    assert json.loads(ids.stdout) == np.load(oracle / "oracle.npz")["tokens"].tolist()
+    chat = subprocess.run([sys.executable, "-m", "ds4lab.cli", "chat", str(tiny_q2), "--max-tokens", "3"],
+                          input="Hello\nAgain\n", capture_output=True, text=True, timeout=300)
+    assert chat.returncode == 0, chat.stderr
+    assert chat.stdout.count("\n") >= 2 and chat.stdout.strip()
