@@ -9,7 +9,7 @@ preload_openblas()
 from . import gguf
 from .config import ModelConfig
 from .errors import Ds4labError, ModelFileError
-from .generate import generate, stream
+from .generation import generate, stream
 from .model import load
 from .synth import make_model
 

@@ -77,7 +77,7 @@ def _cmd_logits(args: argparse.Namespace) -> int:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from . import load
-    from .generate import Sampling, dump_logprobs, stream
+    from .generation import Sampling, dump_logprobs, stream
 
     model = load(args.model, numerics=args.numerics)
     if args.request:
@@ -136,7 +136,7 @@ def _input_lines():
 def _cmd_chat(args: argparse.Namespace) -> int:
     from . import load
     from .chat import parse_tool_calls, render
-    from .generate import Sampling, stream
+    from .generation import Sampling, stream
     from .tokenizer import load as load_tokenizer
 
     model = load(args.model, numerics=args.numerics)

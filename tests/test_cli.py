@@ -76,7 +76,7 @@ def test_generate_command(tmp_path, tiny_q2):
     text = _run("generate", str(tiny_q2), "--prompt", "Hello there", "--max-tokens", "4")
     assert text.returncode == 0, text.stderr
     from ds4lab import load
-    from ds4lab.generate import generate
+    from ds4lab.generation import generate
 
     model = load(tiny_q2)
     assert text.stdout == generate(model, "Hello there", max_tokens=4).text + "\n"

@@ -10,7 +10,7 @@ import pytest
 
 from ds4lab import load
 from ds4lab.eval import compare_vectors
-from ds4lab.generate import Sampling, dump_logprobs, generate, sample, stream, token_bytes
+from ds4lab.generation import Sampling, dump_logprobs, generate, sample, stream, token_bytes
 
 ORACLE = Path(__file__).resolve().parents[2] / "shared" / "oracle" / "tiny-a"
 OFFICIAL = Path(__file__).resolve().parents[2] / "shared" / "vectors" / "official"
