@@ -77,7 +77,7 @@ def _cmd_logits(args: argparse.Namespace) -> int:
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from . import load
-    from .generation import Sampling, dump_logprobs, stream
+    from .generation import dump_logprobs, stream
 
     model = load(args.model, numerics=args.numerics)
     if args.request:
@@ -91,8 +91,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.dump_logprobs:
         print(dump_logprobs(model, ids, args.dump_logprobs, max_tokens=args.max_tokens, top_k=args.top_logprobs))
         return 0
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
-    for step in stream(model, ids, args.max_tokens, sampling, args.stop, progress=len(ids) > 2048):
+    for step in stream(model, ids, args.max_tokens, _sampling(args), args.stop, progress=len(ids) > 2048):
         sys.stdout.write(step.text)
         sys.stdout.flush()
     print()
@@ -136,7 +135,7 @@ def _input_lines():
 def _cmd_chat(args: argparse.Namespace) -> int:
     from . import load
     from .chat import parse_tool_calls, render
-    from .generation import Sampling, stream
+    from .generation import stream
     from .tokenizer import load as load_tokenizer
 
     model = load(args.model, numerics=args.numerics)
@@ -144,7 +143,7 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     request: dict = {"messages": [], "thinking": {"type": "enabled" if args.think else "disabled"}}
     if args.system:
         request["messages"].append({"role": "system", "content": args.system})
-    sampling = Sampling(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
+    sampling = _sampling(args)
     session = model.session()
     for line in _input_lines():
         if not line.strip():
@@ -174,6 +173,20 @@ def _cmd_tour(args: argparse.Namespace) -> int:
     report = run_notebook(args.notebook, Path(args.out))
     print(report)
     return 0
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def _sampling(args: argparse.Namespace):
+    from .generation import Sampling
+
+    return Sampling(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -217,11 +230,7 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-file")
     src.add_argument("--request", help="OpenAI-style chat request JSON, rendered as ds4-server does")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    _add_sampling_args(p)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--numerics", default="float", choices=["float", "ds4-cpu"])
     p.add_argument("--dump-logprobs", help="write ds4's --dump-logprobs JSON (greedy) instead of text")
@@ -245,11 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--system", default="")
     p.add_argument("--think", action="store_true", help="thinking mode (default: non-thinking)")
     p.add_argument("--max-tokens", type=int, default=256)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
+    _add_sampling_args(p)
     p.add_argument("--numerics", default="float", choices=["float", "ds4-cpu"])
     p.set_defaults(func=_cmd_chat)
 
