@@ -13,14 +13,16 @@ comparisons with ds4.c's logits tight.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
 from ..config import ModelConfig
+from ..hooks import ActivationCache, HookFn, HookRegistry, NameFilter, hook_names
 from . import attention, compressor, indexer, moe
-from .hc import hc_collapse, hc_control, hc_expand, hc_head_weights
+from .hc import HCControl, hc_collapse, hc_control, hc_expand, hc_head_weights
 from .numerics import fp8_kv_round, indexer_qat, q8_0_act_codes, q8_k_act_round, rms_norm, round_f16
 from .rope import Rotation, rope_tail, yarn_for
 from .state import LayerCache, SessionState
@@ -64,6 +66,7 @@ class Model:
         self.numerics = Numerics(numerics)
         self.source = source
         self._tokenizer = None
+        self._hooks = HookRegistry(hook_names(self.config))
 
     # ---- public entry points --------------------------------------------------------
     def __call__(self, tokens, experts=None) -> mx.array:
@@ -75,6 +78,36 @@ class Model:
         tokens = _as_tokens(tokens)
         forced = None if experts is None else mx.array(np.asarray(experts, dtype=np.int32))
         return self.forward(self.empty_state(), tokens, forced=forced).logits
+
+    # ---- hooks --------------------------------------------------------------------
+    def hook_names(self) -> list[str]:
+        """Every hook point, in forward order (see ds4lab.hooks)."""
+        return list(self._hooks.names)
+
+    @contextmanager
+    def hooks(self, fwd_hooks: list[tuple[NameFilter, HookFn]]):
+        """Hooks active inside the `with` block, in sessions' prefill and decode too."""
+        added = [pair for which, fn in fwd_hooks for pair in self._hooks.add(which, fn)]
+        try:
+            yield self
+        finally:
+            self._hooks.remove(added)
+
+    def run_with_hooks(self, tokens, fwd_hooks: list[tuple[NameFilter, HookFn]]) -> mx.array:
+        """Logits of every position with `fwd_hooks` applied; `fn(act, hook)` may return a replacement."""
+        with self.hooks(fwd_hooks):
+            return self(tokens)
+
+    def run_with_cache(self, tokens, names: NameFilter | list[str] | None = None) -> tuple[mx.array, ActivationCache]:
+        """(logits, cache): the activations at the points `names` selects (all when None), as numpy."""
+        cache = ActivationCache()
+        wanted = names if isinstance(names, list) else [names or (lambda _: True)]
+
+        def record(act: mx.array, hook) -> None:
+            cache.record(act, hook)
+
+        logits = self.run_with_hooks(tokens, [(which, record) for which in wanted])
+        return logits, cache
 
     def session(self, state: SessionState | None = None):
         """A new generation session, empty or starting from a snapshot."""
@@ -101,11 +134,12 @@ class Model:
     def forward(self, state: SessionState, tokens: list[int], forced: mx.array | None = None,
                 last_only: bool = False) -> ChunkResult:
         """Run `tokens` (positions len(state.tokens)..) through the model, extending `state`."""
-        cfg = self.config
+        cfg, hook = self.config, self._hooks.fire
         p0 = len(state.tokens)
+        self._hooks.positions = np.arange(p0, p0 + len(tokens))
         positions = mx.arange(p0, p0 + len(tokens))
         token_ids = mx.array(tokens, dtype=mx.int32)
-        x = self.weights.token_embd[token_ids].astype(mx.float32)
+        x = hook("hook_embed", self.weights.token_embd[token_ids].astype(mx.float32))
         streams = mx.broadcast_to(x[:, None, :], (x.shape[0], cfg.n_hc, cfg.n_embd))
         new_layers, experts = [], []
         rotations: dict[tuple, Rotation] = {}
@@ -113,9 +147,13 @@ class Model:
             kind = (cfg.rope_base(il), yarn_for(cfg, layer.ratio))
             if kind not in rotations:
                 rotations[kind] = Rotation.at(positions, cfg.n_rot, *kind)
+            b = f"blocks.{il}."
+            streams = hook(b + "hook_resid_pre", streams)
             streams, cache = self._attention_block(layer, state.layers[il], streams, positions, p0, rotations[kind])
+            streams = hook(b + "hook_resid_mid", streams)
             layer_forced = None if forced is None else forced[:, il]
             streams, routing = self._ffn_block(layer, streams, token_ids, layer_forced)
+            streams = hook(b + "hook_resid_post", streams)
             if len(tokens) > 1:
                 mx.eval(streams)     # bounds a prefill chunk's graph; a decode step stays one graph
             new_layers.append(cache)
@@ -128,16 +166,18 @@ class Model:
 
     def _attention_block(self, layer: LayerWeights, cache: LayerCache, streams: mx.array,
                          positions: mx.array, p0: int, rotation: Rotation) -> tuple[mx.array, LayerCache]:
-        cfg, nm = self.config, self.numerics
+        cfg, nm, hook = self.config, self.numerics, self._hooks.fire
+        b = f"blocks.{layer.index}.attn."
         ratio = layer.ratio
         base, yarn = cfg.rope_base(layer.index), yarn_for(cfg, ratio)
         d = layer.dense
-        control = hc_control(streams, d["hc_attn_fn.weight"], d["hc_attn_scale.weight"], d["hc_attn_base.weight"],
-                             cfg.hc_sinkhorn_iter, cfg.rms_eps, cfg.hc_eps)
-        xa = rms_norm(hc_collapse(streams, control.pre), d["attn_norm.weight"], cfg.rms_eps)
+        control = self._control(b, streams, d["hc_attn_fn.weight"], d["hc_attn_scale.weight"],
+                                d["hc_attn_base.weight"])
+        xa = hook(b + "hook_in", rms_norm(hc_collapse(streams, control.pre), d["attn_norm.weight"], cfg.rms_eps))
         q, qr_n = attention.project_q(layer, xa, cfg.n_head, cfg.head_dim, cfg.rms_eps, nm.q8)
-        q = rotation.apply(q)
+        q = hook(b + "hook_q", rotation.apply(q))
         kv = attention.finish_kv_row(attention.project_kv(layer, xa, cfg.rms_eps, nm.q8), rotation, cfg.n_rot)
+        kv = hook(b + "hook_kv", kv)
 
         # Raw window: the rows kept from earlier chunks, then this chunk's rows.
         raw_keys = mx.concatenate([cache.raw, kv])
@@ -150,26 +190,34 @@ class Model:
         if ratio:
             comp_rows, frontier = self._compress(layer, "attn_compressor", cache.frontier, xa, positions, p0, ratio,
                                                  cfg.head_dim, base, yarn)
-            comp = mx.concatenate([cache.comp, comp_rows])
+            comp = mx.concatenate([cache.comp, hook(b + "compressor.hook_rows", comp_rows)])
             n_visible = (positions + 1) // ratio
             comp_mask = mx.arange(comp.shape[0])[None, :] < n_visible[:, None]
             new_cache.comp, new_cache.frontier = comp, frontier
             if ratio == 4:
                 index_rows, index_frontier = self._compress(layer, "indexer_compressor", cache.index_frontier, xa,
                                                             positions, p0, ratio, cfg.indexer_head_dim, base, yarn)
-                index_keys = mx.concatenate([cache.index_comp, index_rows])
+                index_keys = mx.concatenate([cache.index_comp, hook(b + "indexer.hook_rows", index_rows)])
                 new_cache.index_comp, new_cache.index_frontier = index_keys, index_frontier
                 if index_keys.shape[0] > cfg.indexer_top_k:
                     scores = indexer.indexer_scores(layer, xa, qr_n, index_keys, rotation, cfg.indexer_heads,
                                                     cfg.indexer_head_dim)
+                    scores = hook(b + "indexer.hook_scores", scores)
                     comp_mask = indexer.select_rows(scores, comp_mask, n_visible, cfg.indexer_top_k)
+                comp_mask = hook(b + "indexer.hook_selected", comp_mask)
             keys = mx.concatenate([raw_keys, comp])
             mask = mx.concatenate([mask, comp_mask], axis=1)
 
         heads = attention.attend(q, keys, mask, d["attn_sinks.weight"])
-        heads = attention.output_heads(heads, rotation)
-        out = attention.grouped_output(layer, heads, cfg.n_out_group, nm.q8)
+        heads = hook(b + "hook_z", attention.output_heads(heads, rotation))
+        out = hook(b + "hook_out", attention.grouped_output(layer, heads, cfg.n_out_group, nm.q8))
         return hc_expand(out, streams, control), new_cache
+
+    def _control(self, prefix: str, streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array) -> HCControl:
+        cfg, hook = self.config, self._hooks.fire
+        c = hc_control(streams, fn, scale, base, cfg.hc_sinkhorn_iter, cfg.rms_eps, cfg.hc_eps)
+        return HCControl(hook(prefix + "hook_hc_pre", c.pre), hook(prefix + "hook_hc_post", c.post),
+                         hook(prefix + "hook_hc_comb", c.comb))
 
     def _compress(self, layer: LayerWeights, name: str, frontier: compressor.Frontier, xa: mx.array,
                   positions: mx.array, p0: int, ratio: int, width: int, base: float, yarn) -> tuple:
@@ -190,23 +238,28 @@ class Model:
 
     def _ffn_block(self, layer: LayerWeights, streams: mx.array, token_ids: mx.array,
                    forced: mx.array | None) -> tuple[mx.array, moe.Routing]:
-        cfg, nm = self.config, self.numerics
+        cfg, nm, hook = self.config, self.numerics, self._hooks.fire
+        b = f"blocks.{layer.index}.ffn."
         d = layer.dense
-        control = hc_control(streams, d["hc_ffn_fn.weight"], d["hc_ffn_scale.weight"], d["hc_ffn_base.weight"],
-                             cfg.hc_sinkhorn_iter, cfg.rms_eps, cfg.hc_eps)
-        xf = rms_norm(hc_collapse(streams, control.pre), d["ffn_norm.weight"], cfg.rms_eps)
+        control = self._control(b, streams, d["hc_ffn_fn.weight"], d["hc_ffn_scale.weight"], d["hc_ffn_base.weight"])
+        xf = hook(b + "hook_in", rms_norm(hc_collapse(streams, control.pre), d["ffn_norm.weight"], cfg.rms_eps))
         routing = moe.route(layer, xf, token_ids, cfg.n_expert_used, cfg.expert_weight_scale, forced)
+        hook(b + "hook_router_probs", routing.probs)
+        experts = hook(b + "hook_experts", routing.experts)
+        if experts is not routing.experts:      # a hook chose the experts: weigh them by the router's scores
+            routing = moe.route(layer, xf, token_ids, cfg.n_expert_used, cfg.expert_weight_scale, experts)
+        routing.weights = hook(b + "hook_expert_weights", routing.weights)
         clamp = cfg.swiglu_clamp[layer.index]
-        routed = moe.routed_experts(layer, xf, routing, clamp, nm.experts_in)
-        shared = moe.shared_expert(layer, xf, clamp, nm.q8)
-        return hc_expand(routed + shared, streams, control), routing
+        routed = hook(b + "hook_routed_out", moe.routed_experts(layer, xf, routing, clamp, nm.experts_in))
+        shared = hook(b + "hook_shared_out", moe.shared_expert(layer, xf, clamp, nm.q8))
+        return hc_expand(hook(b + "hook_out", routed + shared), streams, control), routing
 
     def _head(self, streams: mx.array) -> mx.array:
-        cfg, h = self.config, self.weights.head
-        w = hc_head_weights(streams, h["output_hc_fn"], h["output_hc_scale"], h["output_hc_base"],
-                            cfg.rms_eps, cfg.hc_eps)
-        z = rms_norm(hc_collapse(streams, w), h["output_norm"], cfg.rms_eps)
-        return self.numerics.q8(self.weights.output, z)
+        cfg, h, hook = self.config, self.weights.head, self._hooks.fire
+        w = hook("hook_final_weights", hc_head_weights(streams, h["output_hc_fn"], h["output_hc_scale"],
+                                                       h["output_hc_base"], cfg.rms_eps, cfg.hc_eps))
+        z = hook("hook_final_norm", rms_norm(hc_collapse(streams, w), h["output_norm"], cfg.rms_eps))
+        return hook("hook_logits", self.numerics.q8(self.weights.output, z))
 
 
 def _as_tokens(tokens) -> list[int]:

@@ -1,0 +1,124 @@
+"""Hook points: named places in the forward pass where activations are read or replaced.
+
+Names are dotted, TransformerLens style: `hook_embed`, `blocks.3.attn.hook_q`,
+`blocks.3.ffn.hook_experts`, `hook_logits`. A hook is `fn(act, hook)`; `hook.name` is the
+point's name, `hook.layer` its block, `hook.positions` the absolute token positions of the
+chunk being run (so caches taken during chunked prefill or decode line up). A hook that
+returns an array replaces the activation; one that returns None only reads it. A point
+with no hook costs one dictionary lookup.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+import numpy as np
+import pandas as pd
+
+from .config import ModelConfig
+
+
+@dataclass(frozen=True)
+class HookPoint:
+    name: str
+    layer: int | None
+    positions: np.ndarray
+
+
+HookFn = Callable[[mx.array, HookPoint], "mx.array | None"]
+NameFilter = str | Callable[[str], bool]
+
+
+def hook_names(cfg: ModelConfig) -> list[str]:
+    """Every hook point of a model with this config, in the order the forward pass reaches them."""
+    names = ["hook_embed"]
+    for layer, ratio in enumerate(cfg.compress_ratios[: cfg.n_layer]):
+        b = f"blocks.{layer}."
+        names += [b + "hook_resid_pre"] + [b + f"attn.hook_hc_{k}" for k in ("pre", "post", "comb")]
+        names += [b + "attn.hook_in", b + "attn.hook_q", b + "attn.hook_kv"]
+        if ratio:
+            names.append(b + "attn.compressor.hook_rows")
+        if ratio == 4:
+            names += [b + "attn.indexer.hook_rows", b + "attn.indexer.hook_scores", b + "attn.indexer.hook_selected"]
+        names += [b + "attn.hook_z", b + "attn.hook_out", b + "hook_resid_mid"]
+        names += [b + f"ffn.hook_hc_{k}" for k in ("pre", "post", "comb")] + [b + "ffn.hook_in"]
+        names += [b + f"ffn.hook_{k}" for k in ("router_probs", "experts", "expert_weights", "routed_out",
+                                                 "shared_out", "out")]
+        names.append(b + "hook_resid_post")
+    return [*names, "hook_final_weights", "hook_final_norm", "hook_logits"]
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    return int(parts[1]) if parts[0] == "blocks" else None
+
+
+@dataclass
+class HookRegistry:
+    """The hooks registered on a model, by point name."""
+
+    names: list[str]
+    by_name: dict[str, list[HookFn]] = field(default_factory=dict)
+    positions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+
+    def resolve(self, which: NameFilter) -> list[str]:
+        chosen = [n for n in self.names if (which(n) if callable(which) else n == which)]
+        if not chosen:
+            raise KeyError(f"no hook point matches {which!r} (model.hook_names() lists them)")
+        return chosen
+
+    def add(self, which: NameFilter, fn: HookFn) -> list[tuple[str, HookFn]]:
+        added = []
+        for name in self.resolve(which):
+            self.by_name.setdefault(name, []).append(fn)
+            added.append((name, fn))
+        return added
+
+    def remove(self, added: Iterable[tuple[str, HookFn]]) -> None:
+        for name, fn in added:
+            fns = self.by_name.get(name, [])
+            if fn in fns:
+                fns.remove(fn)
+            if not fns:
+                self.by_name.pop(name, None)
+
+    def fire(self, name: str, value: mx.array) -> mx.array:
+        fns = self.by_name.get(name)
+        if not fns:
+            return value
+        point = HookPoint(name, _layer_of(name), self.positions)
+        for fn in fns:
+            out = fn(value, point)
+            if out is not None:
+                value = out
+        return value
+
+
+class ActivationCache(dict):
+    """name -> numpy array, rows of chunks run one after another concatenated (see `positions`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.positions: dict[str, np.ndarray] = {}
+
+    def record(self, act: mx.array, hook: HookPoint) -> None:
+        value = np.array(act)
+        if hook.name in self:
+            self[hook.name] = np.concatenate([self[hook.name], value])
+            self.positions[hook.name] = np.concatenate([self.positions[hook.name], hook.positions])
+        else:
+            self[hook.name] = value
+            self.positions[hook.name] = hook.positions
+
+    def to_frame(self, name: str) -> pd.DataFrame:
+        """A tidy table of one cached point: one row per (position, index...) with its value."""
+        value = self[name]
+        index = np.indices(value.shape).reshape(value.ndim, -1)
+        columns = {"position": self.positions[name][index[0]] if len(self.positions[name]) == value.shape[0]
+                   else index[0]}
+        for axis in range(1, value.ndim):
+            columns[f"index{axis}"] = index[axis]
+        columns["value"] = value.reshape(-1)
+        return pd.DataFrame(columns)

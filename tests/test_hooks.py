@@ -1,0 +1,85 @@
+"""Hook points: every point fires, caches hold what the forward computed, interventions act."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from ds4lab import gguf, load
+
+
+@pytest.fixture(scope="module")
+def small(small_q4_mtp):
+    embd = gguf.open(small_q4_mtp[0]).dequantize("token_embd.weight")
+    rows = np.flatnonzero(np.abs(embd).sum(axis=1))
+    tokens = [int(t) for t in np.random.default_rng(3).choice(rows, size=40)]
+    return load(small_q4_mtp[0]), tokens
+
+
+def test_every_point_fires_once_per_forward(small):
+    model, tokens = small
+    seen: list[str] = []
+    logits = model.run_with_hooks(tokens, [(lambda name: True, lambda act, hook: seen.append(hook.name))])
+    assert seen == model.hook_names()          # each once, in the documented order
+    assert logits.shape == (40, model.config.n_vocab)
+    with pytest.raises(KeyError):
+        model.run_with_hooks(tokens, [("blocks.0.attn.hook_nothing", lambda a, h: None)])
+
+
+def test_cache_matches_the_forward(small):
+    model, tokens = small
+    logits, cache = model.run_with_cache(tokens, lambda n: n.endswith(("hook_logits", "ffn.hook_experts",
+                                                                        "hook_final_norm", "attn.hook_hc_comb")))
+    assert np.array_equal(cache["hook_logits"], np.array(logits))
+    result = model.forward(model.empty_state(), tokens)
+    assert np.array_equal(cache["blocks.1.ffn.hook_experts"], np.array(result.experts[1]))
+    # Recompute the logits from the cached final norm with the output matrix decoded by hand.
+    dense = np.array(model.weights.output.dense())
+    assert np.allclose(cache["hook_final_norm"] @ dense.T, cache["hook_logits"], rtol=1e-4, atol=1e-4)
+    comb = cache["blocks.0.attn.hook_hc_comb"]
+    assert np.allclose(comb.sum(axis=1), 1, atol=1e-3)          # Sinkhorn: columns sum to 1
+    assert set(cache) == {n for n in model.hook_names() if n.endswith(("hook_logits", "ffn.hook_experts",
+                                                                       "hook_final_norm", "attn.hook_hc_comb"))}
+    assert np.array_equal(cache.positions["hook_logits"], np.arange(40))
+    frame = cache.to_frame("blocks.2.ffn.hook_experts")
+    assert list(frame.columns) == ["position", "index1", "value"] and len(frame) == 40 * model.config.n_expert_used
+
+
+def test_zeroing_attention_output_removes_the_sublayer(small):
+    model, tokens = small
+    layer = 2
+    names = [f"blocks.{layer}.hook_resid_pre", f"blocks.{layer}.attn.hook_hc_comb", f"blocks.{layer}.hook_resid_mid"]
+    def zero(act, hook):
+        return mx.zeros_like(act)
+
+    with model.hooks([(f"blocks.{layer}.attn.hook_out", zero)]):
+        _, cache = model.run_with_cache(tokens, names)
+    # With no attention output the streams are only the Sinkhorn mix of the old ones.
+    expected = np.einsum("tac,tad->tcd", cache[names[1]], cache[names[0]])
+    assert np.allclose(cache[names[2]], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_forcing_experts_through_the_hook(small):
+    model, tokens = small
+    cfg = model.config
+    forced = mx.array(np.tile(np.arange(cfg.n_expert_used, dtype=np.int32), (40, 1)))
+    name = "blocks.3.ffn.hook_experts"
+    logits, cache = model.run_with_cache(tokens, [name])
+    with model.hooks([(name, lambda act, hook: forced)]):
+        changed = model(tokens)
+        result = model.forward(model.empty_state(), tokens)
+    assert np.array_equal(np.array(result.experts[3]), np.array(forced))
+    assert not np.array_equal(cache[name], np.array(forced))
+    assert not np.allclose(np.array(changed), np.array(logits))
+
+
+def test_hooks_fire_in_sessions_with_absolute_positions(small):
+    model, tokens = small
+    positions = []
+    with model.hooks([("hook_embed", lambda act, hook: positions.append(hook.positions.tolist()))]):
+        session = model.session()
+        session.prefill(tokens[:10], chunk=4)
+        session.decode(tokens[10])
+    assert positions == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [10]]
+    assert not model._hooks.by_name
