@@ -42,6 +42,7 @@ def hook_names(cfg: ModelConfig) -> list[str]:
             names.append(b + "attn.compressor.hook_rows")
         if ratio == 4:
             names += [b + "attn.indexer.hook_rows", b + "attn.indexer.hook_scores", b + "attn.indexer.hook_selected"]
+        names += [b + "attn.hook_pattern", b + "attn.hook_key_span"]
         names += [b + "attn.hook_z", b + "attn.hook_out", b + "hook_resid_mid"]
         names += [b + f"ffn.hook_hc_{k}" for k in ("pre", "post", "comb")] + [b + "ffn.hook_in"]
         names += [b + f"ffn.hook_{k}" for k in ("router_probs", "experts", "expert_weights", "routed_out",
@@ -83,6 +84,9 @@ class HookRegistry:
                 fns.remove(fn)
             if not fns:
                 self.by_name.pop(name, None)
+
+    def wants(self, name: str) -> bool:
+        return name in self.by_name
 
     def fire(self, name: str, value: mx.array) -> mx.array:
         fns = self.by_name.get(name)

@@ -83,3 +83,23 @@ def test_hooks_fire_in_sessions_with_absolute_positions(small):
         session.decode(tokens[10])
     assert positions == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9], [10]]
     assert not model._hooks.by_name
+
+
+def test_attention_pattern_over_the_keys_used(small):
+    model, tokens = small
+    cfg = model.config
+    layer = cfg.compress_ratios.index(4)
+    b = f"blocks.{layer}.attn."
+    _, cache = model.run_with_cache(tokens, [b + "hook_pattern", b + "hook_key_span", b + "indexer.hook_selected"])
+    weights, span = cache[b + "hook_pattern"], cache[b + "hook_key_span"]
+    assert np.allclose(weights.sum(axis=-1), 1, atol=1e-5)           # sink share + key weights
+    used = span[..., 0] >= 0
+    assert (weights[:, :, 1:][np.broadcast_to(~used[:, None, :], weights[:, :, 1:].shape)] == 0).all()
+    for t in range(len(tokens)):
+        raw = span[t][used[t] & (span[t, :, 0] == span[t, :, 1])]
+        # the raw window: the last n_swa positions up to t, oldest first
+        assert raw[:, 0].tolist() == list(range(max(0, t - cfg.n_swa + 1), t + 1))
+        comp = span[t][used[t] & (span[t, :, 0] != span[t, :, 1])]
+        assert (comp[:, 1] <= t).all()                                 # compressed rows only of past windows
+        assert len(comp) == cache[b + "indexer.hook_selected"][t].sum()
+        assert (np.diff(comp[:, 1]) > 0).all()                         # compressed rows in cache order

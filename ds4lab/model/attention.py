@@ -76,6 +76,21 @@ def attend(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array) -> mx.a
                            for i in range(0, q.shape[0], step)])
 
 
+def pattern(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array) -> tuple[mx.array, mx.array]:
+    """The attention weights over the keys each token used: (weights [T, H, 1 + L], key index [T, L]).
+
+    Column 0 is the sink's share; column 1 + j weighs key `index[t, j]` (into the keys
+    passed to `attend`: raw window rows, then compressed rows), -1 where a token has fewer
+    keys than the widest. Each row sums to 1. A reading of `attend`, computed on request.
+    """
+    index, valid = visible_keys(mask)
+    scores = (q @ keys[index].transpose(0, 2, 1)) * (1.0 / math.sqrt(q.shape[-1]))
+    scores = mx.where(valid[:, None, :], scores, -mx.inf)
+    sink = mx.broadcast_to(sinks[None, :, None], (q.shape[0], q.shape[1], 1))
+    weights = mx.softmax(mx.concatenate([sink, scores], axis=-1), axis=-1, precise=True)
+    return weights, mx.where(valid, index.astype(mx.int32), -1)
+
+
 # Floats held at once by the CPU attention's products (q x keys): bounds its memory.
 _CPU_ATTENTION_BUDGET = 1 << 25
 

@@ -208,10 +208,29 @@ class Model:
             keys = mx.concatenate([raw_keys, comp])
             mask = mx.concatenate([mask, comp_mask], axis=1)
 
+        if self._hooks.wants(b + "hook_pattern") or self._hooks.wants(b + "hook_key_span"):
+            self._read_pattern(b, q, keys, mask, d["attn_sinks.weight"], raw_pos, ratio)
         heads = attention.attend(q, keys, mask, d["attn_sinks.weight"])
         heads = hook(b + "hook_z", attention.output_heads(heads, rotation))
         out = hook(b + "hook_out", attention.grouped_output(layer, heads, cfg.n_out_group, nm.q8))
         return hc_expand(out, streams, control), new_cache
+
+    def _read_pattern(self, prefix: str, q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array,
+                      raw_pos: mx.array, ratio: int) -> None:
+        """Fire the pattern points: weights over the used keys (sink first) and the token
+        positions each key covers, [first, last] (a raw row one position; compressed row c the
+        window [c·ratio, c·ratio + ratio - 1], from ratio·(c - 1) on ratio-4 layers, which
+        overlap the previous window; -1 for padding)."""
+        weights, index = attention.pattern(q, keys, mask, sinks)
+        n_raw = raw_pos.shape[0]
+        row = mx.maximum(index - n_raw, 0)
+        overlap = ratio if ratio == 4 else 0
+        first = mx.where(index < n_raw, raw_pos[mx.minimum(mx.maximum(index, 0), n_raw - 1)],
+                         mx.maximum(row * max(ratio, 1) - overlap, 0))
+        last = mx.where(index < n_raw, first, row * max(ratio, 1) + max(ratio, 1) - 1)
+        span = mx.where((index >= 0)[..., None], mx.stack([first, last], axis=-1), -1)
+        self._hooks.fire(prefix + "hook_pattern", weights)
+        self._hooks.fire(prefix + "hook_key_span", span)
 
     def _control(self, prefix: str, streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array) -> HCControl:
         cfg, hook = self.config, self._hooks.fire
