@@ -100,15 +100,44 @@ class HookRegistry:
         return value
 
 
-class ActivationCache(dict):
-    """name -> numpy array, rows of chunks run one after another concatenated (see `positions`)."""
+def floats_per_token(name: str, cfg: ModelConfig, n_tokens: int) -> int:
+    """How many float32 values a point holds per token of a run of `n_tokens` (an estimate for
+    the attention pattern and the indexer, whose width grows with the context)."""
+    leaf = name.rsplit(".", 1)[-1]
+    ratio = cfg.compress_ratios[int(name.split(".")[1])] if name.startswith("blocks.") else 0
+    keys = cfg.n_swa + (n_tokens // ratio if ratio else 0)
+    sizes = {
+        "hook_resid_pre": cfg.hc_dim, "hook_resid_mid": cfg.hc_dim, "hook_resid_post": cfg.hc_dim,
+        "hook_hc_pre": cfg.n_hc, "hook_hc_post": cfg.n_hc, "hook_hc_comb": cfg.n_hc * cfg.n_hc,
+        "hook_q": cfg.q_dim, "hook_z": cfg.q_dim, "hook_kv": cfg.head_dim,
+        "hook_router_probs": cfg.n_expert, "hook_experts": cfg.n_expert_used, "hook_expert_weights": cfg.n_expert_used,
+        "hook_final_weights": cfg.n_hc, "hook_logits": cfg.n_vocab,
+        "hook_pattern": cfg.n_head * (1 + keys), "hook_key_span": 2 * keys,
+        "hook_scores": keys, "hook_selected": keys,
+    }
+    if name.endswith("compressor.hook_rows"):
+        return cfg.head_dim // max(ratio, 1) + 1
+    if name.endswith("indexer.hook_rows"):
+        return cfg.indexer_head_dim // max(ratio, 1) + 1
+    return sizes.get(leaf, cfg.n_embd)
 
-    def __init__(self) -> None:
+
+class ActivationCache(dict):
+    """name -> numpy array, rows of chunks run one after another concatenated (see `positions`).
+
+    `keep` (absolute token positions) keeps only those rows of the points whose first axis
+    is the chunk's tokens; other points are kept whole."""
+
+    def __init__(self, keep: np.ndarray | None = None) -> None:
         super().__init__()
         self.positions: dict[str, np.ndarray] = {}
+        self.keep = keep
 
     def record(self, act: mx.array, hook: HookPoint) -> None:
         value = np.array(act)
+        if self.keep is not None and value.ndim and value.shape[0] == len(hook.positions):
+            rows = np.isin(hook.positions, self.keep)
+            value, hook = value[rows], HookPoint(hook.name, hook.layer, hook.positions[rows])
         if hook.name in self:
             self[hook.name] = np.concatenate([self[hook.name], value])
             self.positions[hook.name] = np.concatenate([self.positions[hook.name], hook.positions])

@@ -103,3 +103,15 @@ def test_attention_pattern_over_the_keys_used(small):
         assert (comp[:, 1] <= t).all()                                 # compressed rows only of past windows
         assert len(comp) == cache[b + "indexer.hook_selected"][t].sum()
         assert (np.diff(comp[:, 1]) > 0).all()                         # compressed rows in cache order
+
+
+def test_cache_positions_and_estimate(small):
+    model, tokens = small
+    names = ["blocks.1.hook_resid_post", "hook_logits"]
+    estimate = model.cache_estimate(names, len(tokens))
+    _, full = model.run_with_cache(tokens, names)
+    assert estimate == sum(v.nbytes for v in full.values())
+    _, some = model.run_with_cache(tokens, names, positions=[3, 7, 39])
+    assert some["hook_logits"].shape == (3, model.config.n_vocab)
+    assert np.array_equal(some["hook_logits"], full["hook_logits"][[3, 7, 39]])
+    assert some.positions["blocks.1.hook_resid_post"].tolist() == [3, 7, 39]

@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import ModelConfig
-from ..hooks import ActivationCache, HookFn, HookRegistry, NameFilter, hook_names
+from ..hooks import ActivationCache, HookFn, HookRegistry, NameFilter, floats_per_token, hook_names
 from . import attention, compressor, indexer, moe
 from .hc import HCControl, hc_collapse, hc_control, hc_expand, hc_head_weights
 from .numerics import fp8_kv_round, indexer_qat, q8_0_act_codes, q8_k_act_round, rms_norm, round_f16
@@ -98,9 +98,18 @@ class Model:
         with self.hooks(fwd_hooks):
             return self(tokens)
 
-    def run_with_cache(self, tokens, names: NameFilter | list[str] | None = None) -> tuple[mx.array, ActivationCache]:
-        """(logits, cache): the activations at the points `names` selects (all when None), as numpy."""
-        cache = ActivationCache()
+    def cache_estimate(self, names: NameFilter | list[str] | None, n_tokens: int) -> int:
+        """Bytes `run_with_cache` would hold for `n_tokens` tokens (before running anything)."""
+        wanted = names if isinstance(names, list) else [names or (lambda _: True)]
+        chosen = {n for which in wanted for n in self._hooks.resolve(which)}
+        return sum(4 * n_tokens * floats_per_token(n, self.config, n_tokens) for n in chosen)
+
+    def run_with_cache(self, tokens, names: NameFilter | list[str] | None = None,
+                       positions=None) -> tuple[mx.array, ActivationCache]:
+        """(logits, cache): the activations at the points `names` selects (all when None), as
+        numpy; `positions` (absolute token positions) keeps only those tokens' rows.
+        `cache_estimate` says beforehand how much memory that takes."""
+        cache = ActivationCache(None if positions is None else np.asarray(positions).reshape(-1))
         wanted = names if isinstance(names, list) else [names or (lambda _: True)]
 
         def record(act: mx.array, hook) -> None:
