@@ -115,3 +115,44 @@ def test_cache_positions_and_estimate(small):
     assert some["hook_logits"].shape == (3, model.config.n_vocab)
     assert np.array_equal(some["hook_logits"], full["hook_logits"][[3, 7, 39]])
     assert some.positions["blocks.1.hook_resid_post"].tolist() == [3, 7, 39]
+
+
+def test_interventions(small):
+    from ds4lab.interventions import ablate_experts, force_experts, patch, select_compressed_rows
+
+    model, tokens = small
+    cfg = model.config
+    used = cfg.n_expert_used
+    name = "blocks.3.ffn.hook_experts"
+    _, base = model.run_with_cache(tokens, [name])
+    with model.hooks(force_experts(3, range(used))):
+        _, forced = model.run_with_cache(tokens, [name])
+    assert (forced[name] == np.arange(used)).all()
+
+    banned = [int(base[name][0, 0]), int(base[name][5, 1])]
+    with model.hooks(ablate_experts(3, banned)):
+        _, ablated = model.run_with_cache(tokens, [name])
+    assert not np.isin(ablated[name], banned).any()
+    assert all(len(set(row)) == used for row in ablated[name])
+    kept = [set(r) - set(banned) for r in base[name]]
+    assert all(k <= set(a) for k, a in zip(kept, ablated[name], strict=True))
+
+    # Patching every position of the attention output with a donor run's gives the donor's logits.
+    other = tokens[::-1]
+    point = "blocks.1.attn.hook_out"
+    donor_logits, donor = model.run_with_cache(other, [point, "hook_embed", "blocks.0.hook_resid_post"])
+    patched = model.run_with_hooks(tokens, patch("blocks.0.hook_resid_post", donor))
+    assert np.allclose(np.array(patched), np.array(donor_logits), atol=1e-5)
+    one = model.run_with_hooks(tokens, patch(point, donor, positions=[7]))
+    clean = model(tokens)
+    diff = np.abs(np.array(one) - np.array(clean)).max(axis=1)
+    assert (diff[:7] == 0).all() and diff[7] > 0
+
+    layer = cfg.compress_ratios.index(4)
+    only_first = select_compressed_rows(layer, lambda sel, hook: mx.arange(sel.shape[1])[None, :] < 1)
+    pattern = f"blocks.{layer}.attn.hook_key_span"
+    with model.hooks(only_first):
+        _, cache = model.run_with_cache(tokens, [pattern])
+    span = cache[pattern]
+    comp = span[..., 0] != span[..., 1]
+    assert (comp & (span[..., 0] >= 0)).sum(axis=1).max() == 1

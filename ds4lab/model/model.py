@@ -201,7 +201,8 @@ class Model:
                                                  cfg.head_dim, base, yarn)
             comp = mx.concatenate([cache.comp, hook(b + "compressor.hook_rows", comp_rows)])
             n_visible = (positions + 1) // ratio
-            comp_mask = mx.arange(comp.shape[0])[None, :] < n_visible[:, None]
+            comp_row = mx.arange(comp.shape[0])[None, :]
+            comp_mask = comp_row < n_visible[:, None]
             new_cache.comp, new_cache.frontier = comp, frontier
             if ratio == 4:
                 index_rows, index_frontier = self._compress(layer, "indexer_compressor", cache.index_frontier, xa,
@@ -213,7 +214,8 @@ class Model:
                                                     cfg.indexer_head_dim)
                     scores = hook(b + "indexer.hook_scores", scores)
                     comp_mask = indexer.select_rows(scores, comp_mask, n_visible, cfg.indexer_top_k)
-                comp_mask = hook(b + "indexer.hook_selected", comp_mask)
+                # A hook may choose other rows, never ones the token cannot see yet.
+                comp_mask = hook(b + "indexer.hook_selected", comp_mask) & (comp_row < n_visible[:, None])
             keys = mx.concatenate([raw_keys, comp])
             mask = mx.concatenate([mask, comp_mask], axis=1)
 

@@ -1,0 +1,75 @@
+"""Interventions researchers reach for, as hooks for `model.hooks(...)` / `run_with_hooks`.
+
+Each function returns a list of (hook name, fn) pairs:
+
+- `force_experts(layer, ids)`: the routed experts of a block, for every token (or per token);
+  route weights still come from the router's scores of the forced experts.
+- `ablate_experts(layer, experts)`: take experts out of a block; each token gets the best
+  remaining experts by the router's selection score (hash layers: the table's other choices
+  are kept and each ablated one is replaced by the best remaining expert).
+- `patch(name, source, positions=None)`: activation patching: rows of `name` replaced by
+  those a cache from another run holds (`run_with_cache` on the source prompt), at the given
+  absolute positions (all the source's positions when None).
+- `select_compressed_rows(layer, fn)`: override which compressed rows a ratio-4 layer attends
+  (`fn(selected [T, rows] bool, hook) -> bool mask`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import mlx.core as mx
+import numpy as np
+
+from .hooks import ActivationCache, HookPoint
+
+
+def force_experts(layer: int, ids: Sequence[int] | np.ndarray) -> list[tuple[str, Callable]]:
+    chosen = np.asarray(ids, dtype=np.int32)
+
+    def fn(experts: mx.array, hook: HookPoint) -> mx.array:
+        return mx.array(np.broadcast_to(chosen, experts.shape).copy())
+
+    return [(f"blocks.{layer}.ffn.hook_experts", fn)]
+
+
+def ablate_experts(layer: int, experts: Sequence[int], bias: np.ndarray | None = None) -> list[tuple[str, Callable]]:
+    """`bias` is the block's `exp_probs_b` (selection-only); without it, plain router scores rank."""
+    banned = np.asarray(sorted(set(experts)), dtype=np.int64)
+    seen: dict[str, np.ndarray] = {}
+
+    def keep_probs(probs: mx.array, hook: HookPoint) -> None:
+        seen["probs"] = np.array(probs)
+
+    def replace(chosen: mx.array, hook: HookPoint) -> mx.array:
+        score = seen["probs"] + (0 if bias is None else bias)
+        score[:, banned] = -np.inf
+        current = np.array(chosen)
+        out = np.empty_like(current)
+        for t, row in enumerate(current):
+            keep = [e for e in row if e not in banned]
+            ranked = [int(e) for e in np.argsort(-score[t], kind="stable") if e not in keep and e not in banned]
+            out[t] = keep + ranked[: len(row) - len(keep)]
+        return mx.array(out)
+
+    prefix = f"blocks.{layer}.ffn."
+    return [(prefix + "hook_router_probs", keep_probs), (prefix + "hook_experts", replace)]
+
+
+def patch(name: str, source: ActivationCache, positions: Sequence[int] | None = None) -> list[tuple[str, Callable]]:
+    donor, donor_pos = source[name], source.positions[name]
+    wanted = donor_pos if positions is None else np.asarray(positions)
+
+    def fn(act: mx.array, hook: HookPoint) -> mx.array:
+        rows = np.flatnonzero(np.isin(hook.positions, wanted))
+        if not len(rows):
+            return act
+        values = np.array(act)
+        values[rows] = donor[np.searchsorted(donor_pos, hook.positions[rows])]
+        return mx.array(values)
+
+    return [(name, fn)]
+
+
+def select_compressed_rows(layer: int, fn: Callable[[mx.array, HookPoint], mx.array]) -> list[tuple[str, Callable]]:
+    return [(f"blocks.{layer}.attn.indexer.hook_selected", fn)]
