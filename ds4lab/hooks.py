@@ -42,6 +42,8 @@ def hook_names(cfg: ModelConfig) -> list[str]:
             names.append(b + "attn.compressor.hook_rows")
         if ratio == 4:
             names += [b + "attn.indexer.hook_rows", b + "attn.indexer.hook_scores", b + "attn.indexer.hook_selected"]
+        if ratio:
+            names.append(b + "attn.hook_comp_mask")
         names += [b + "attn.hook_pattern", b + "attn.hook_key_span"]
         names += [b + "attn.hook_z", b + "attn.hook_out", b + "hook_resid_mid"]
         names += [b + f"ffn.hook_hc_{k}" for k in ("pre", "post", "comb")] + [b + "ffn.hook_in"]
@@ -144,6 +146,43 @@ class ActivationCache(dict):
         else:
             self[hook.name] = value
             self.positions[hook.name] = hook.positions
+
+    def routing_frame(self) -> pd.DataFrame:
+        """One row per (position, layer, slot): the expert chosen and, if cached, its route weight."""
+        frames = []
+        for name in (n for n in self if n.endswith("ffn.hook_experts")):
+            layer = int(name.split(".")[1])
+            experts = self[name]
+            frame = pd.DataFrame({
+                "position": np.repeat(self.positions[name], experts.shape[1]),
+                "layer": layer,
+                "slot": np.tile(np.arange(experts.shape[1]), experts.shape[0]),
+                "expert": experts.reshape(-1),
+            })
+            weights = self.get(name.replace("hook_experts", "hook_expert_weights"))
+            if weights is not None:
+                frame["weight"] = weights.reshape(-1)
+            frames.append(frame)
+        return pd.concat(frames, ignore_index=True)
+
+    def attention_frame(self, layer: int) -> pd.DataFrame:
+        """One row per (position, head, key used): the weight and the token positions the key
+        covers; the sink's share as key -1. Needs `hook_pattern` and `hook_key_span` cached."""
+        weights = self[f"blocks.{layer}.attn.hook_pattern"]
+        span = self[f"blocks.{layer}.attn.hook_key_span"]
+        t, h, width = weights.shape
+        key = np.arange(width) - 1
+        first = np.concatenate([np.full((t, 1), -1), span[..., 0]], axis=1)
+        last = np.concatenate([np.full((t, 1), -1), span[..., 1]], axis=1)
+        frame = pd.DataFrame({
+            "position": np.repeat(self.positions[f"blocks.{layer}.attn.hook_pattern"], h * width),
+            "head": np.tile(np.repeat(np.arange(h), width), t),
+            "key": np.tile(key, t * h),
+            "first": np.repeat(first, h, axis=0).reshape(-1),
+            "last": np.repeat(last, h, axis=0).reshape(-1),
+            "weight": weights.reshape(-1),
+        })
+        return frame[(frame["key"] < 0) | (frame["first"] >= 0)].reset_index(drop=True)
 
     def to_frame(self, name: str) -> pd.DataFrame:
         """A tidy table of one cached point: one row per (position, index...) with its value."""

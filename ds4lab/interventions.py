@@ -10,8 +10,12 @@ Each function returns a list of (hook name, fn) pairs:
 - `patch(name, source, positions=None)`: activation patching: rows of `name` replaced by
   those a cache from another run holds (`run_with_cache` on the source prompt), at the given
   absolute positions (all the source's positions when None).
-- `select_compressed_rows(layer, fn)`: override which compressed rows a ratio-4 layer attends
-  (`fn(selected [T, rows] bool, hook) -> bool mask`).
+- `select_compressed_rows(layer, fn)`: override which compressed rows a layer attends, on
+  ratio-4 (after the indexer) and ratio-128 layers alike (`fn(mask [T, rows] bool, hook) ->
+  bool mask`); rows a token cannot see yet stay masked. `drop_compressed_rows(layer, rows)`
+  hides the given rows from every token.
+- `edit_frontier(session, layer, fn, indexer=False)`: replace a compressor's frontier (kv and
+  score rows, ds4's state) in a live session, e.g. to erase a partial window.
 """
 
 from __future__ import annotations
@@ -72,4 +76,32 @@ def patch(name: str, source: ActivationCache, positions: Sequence[int] | None = 
 
 
 def select_compressed_rows(layer: int, fn: Callable[[mx.array, HookPoint], mx.array]) -> list[tuple[str, Callable]]:
-    return [(f"blocks.{layer}.attn.indexer.hook_selected", fn)]
+    return [(f"blocks.{layer}.attn.hook_comp_mask", fn)]
+
+
+def drop_compressed_rows(layer: int, rows: Sequence[int]) -> list[tuple[str, Callable]]:
+    dropped = np.asarray(rows, dtype=np.int64)
+
+    def fn(mask: mx.array, hook: HookPoint) -> mx.array:
+        keep = ~np.isin(np.arange(mask.shape[1]), dropped)
+        return mask & mx.array(keep)[None, :]
+
+    return select_compressed_rows(layer, fn)
+
+
+def edit_frontier(session, layer: int, fn: Callable[[mx.array, mx.array], tuple[mx.array, mx.array]],
+                  indexer: bool = False) -> None:
+    """Set a compressor frontier to `fn(kv, score)` (arrays [rows, width], as `Frontier` holds them)."""
+    from .model.compressor import Frontier
+
+    cache = session.state.layers[layer]
+    frontier = cache.index_frontier if indexer else cache.frontier
+    if frontier is None:
+        raise ValueError(f"layer {layer} has no {'indexer ' if indexer else ''}compressor")
+    kv, score = fn(frontier.kv, frontier.score)
+    if kv.shape != frontier.kv.shape or score.shape != frontier.score.shape:
+        raise ValueError(f"layer {layer}: the frontier must keep its shape {tuple(frontier.kv.shape)}")
+    if indexer:
+        cache.index_frontier = Frontier(kv, score)
+    else:
+        cache.frontier = Frontier(kv, score)

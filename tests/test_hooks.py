@@ -156,3 +156,37 @@ def test_interventions(small):
     span = cache[pattern]
     comp = span[..., 0] != span[..., 1]
     assert (comp & (span[..., 0] >= 0)).sum(axis=1).max() == 1
+
+
+def test_frames_drop_rows_and_frontier_edits(small):
+    from ds4lab.interventions import drop_compressed_rows, edit_frontier
+
+    model, tokens = small
+    cfg = model.config
+    layer = cfg.compress_ratios.index(4)
+    b = f"blocks.{layer}."
+    names = [b + "attn.hook_pattern", b + "attn.hook_key_span", b + "ffn.hook_experts", b + "ffn.hook_expert_weights"]
+    _, cache = model.run_with_cache(tokens, names)
+    routing = cache.routing_frame()
+    assert len(routing) == 40 * cfg.n_expert_used and set(routing.columns) >= {"position", "layer", "expert", "weight"}
+    assert np.allclose(routing.groupby("position")["weight"].sum(), cfg.expert_weight_scale, rtol=1e-4)
+    attention = cache.attention_frame(layer)
+    assert np.allclose(attention.groupby(["position", "head"])["weight"].sum(), 1, atol=1e-5)
+    assert (attention.loc[attention["key"] >= 0, "last"] <= attention.loc[attention["key"] >= 0, "position"]).all()
+
+    with model.hooks(drop_compressed_rows(layer, [0, 1])):
+        _, dropped = model.run_with_cache(tokens, [b + "attn.hook_key_span"])
+    span = dropped[b + "attn.hook_key_span"]
+    compressed = (span[..., 0] >= 0) & (span[..., 0] != span[..., 1])
+    assert not (compressed & (span[..., 1] < 8)).any()              # rows 0 and 1 cover tokens 0..7
+
+    plain, edited = model.session(), model.session()
+    plain.prefill(tokens[:30])
+    edited.prefill(tokens[:30])
+    edit_frontier(edited, layer, lambda kv, score: (mx.zeros_like(kv), mx.full(score.shape, -1e30)))
+    for t in tokens[30:33]:                                         # token 31 completes the window 28..31
+        plain.decode(t)
+        edited.decode(t)
+    a, c = plain.state.layers[layer].comp, edited.state.layers[layer].comp
+    assert a.shape == c.shape and not np.array_equal(np.array(a[-1]), np.array(c[-1]))
+    assert np.array_equal(np.array(a[:-1]), np.array(c[:-1]))

@@ -216,6 +216,7 @@ class Model:
                     comp_mask = indexer.select_rows(scores, comp_mask, n_visible, cfg.indexer_top_k)
                 # A hook may choose other rows, never ones the token cannot see yet.
                 comp_mask = hook(b + "indexer.hook_selected", comp_mask) & (comp_row < n_visible[:, None])
+            comp_mask = hook(b + "hook_comp_mask", comp_mask) & (comp_row < n_visible[:, None])
             keys = mx.concatenate([raw_keys, comp])
             mask = mx.concatenate([mask, comp_mask], axis=1)
 
