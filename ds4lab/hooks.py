@@ -39,9 +39,10 @@ def hook_names(cfg: ModelConfig) -> list[str]:
         names += [b + "hook_resid_pre"] + [b + f"attn.hook_hc_{k}" for k in ("pre", "post", "comb")]
         names += [b + "attn.hook_in", b + "attn.hook_q", b + "attn.hook_kv"]
         if ratio:
-            names.append(b + "attn.compressor.hook_rows")
+            names += [b + "attn.compressor.hook_rows", b + "attn.compressor.hook_frontier"]
         if ratio == 4:
-            names += [b + "attn.indexer.hook_rows", b + "attn.indexer.hook_scores", b + "attn.indexer.hook_selected"]
+            names += [b + "attn.indexer.hook_rows", b + "attn.indexer.hook_frontier", b + "attn.indexer.hook_scores",
+                      b + "attn.indexer.hook_selected"]
         if ratio:
             names.append(b + "attn.hook_comp_mask")
         names += [b + "attn.hook_pattern", b + "attn.hook_key_span"]
@@ -117,6 +118,8 @@ def floats_per_token(name: str, cfg: ModelConfig, n_tokens: int) -> int:
         "hook_pattern": cfg.n_head * (1 + keys), "hook_key_span": 2 * keys,
         "hook_scores": keys, "hook_selected": keys,
     }
+    if name.endswith("hook_frontier"):
+        return 0
     if name.endswith("compressor.hook_rows"):
         return cfg.head_dim // max(ratio, 1) + 1
     if name.endswith("indexer.hook_rows"):

@@ -190,3 +190,19 @@ def test_frames_drop_rows_and_frontier_edits(small):
     a, c = plain.state.layers[layer].comp, edited.state.layers[layer].comp
     assert a.shape == c.shape and not np.array_equal(np.array(a[-1]), np.array(c[-1]))
     assert np.array_equal(np.array(a[:-1]), np.array(c[:-1]))
+
+
+def test_frontier_hook_reads_and_replaces_the_state(small):
+    model, tokens = small
+    layer = model.config.compress_ratios.index(4)
+    name = f"blocks.{layer}.attn.compressor.hook_frontier"
+    session = model.session()
+    seen = []
+    session.prefill(tokens[:9])
+    with model.hooks([(name, lambda act, hook: seen.append(np.array(act)))]):
+        session.decode(tokens[9])
+    frontier = session.state.layers[layer].frontier
+    assert np.array_equal(seen[-1][0], np.array(frontier.kv)) and np.array_equal(seen[-1][1], np.array(frontier.score))
+    with model.hooks([(name, lambda act, hook: mx.zeros_like(act))]):
+        session.decode(tokens[10])
+    assert not np.array(session.state.layers[layer].frontier.kv).any()

@@ -200,6 +200,7 @@ class Model:
             comp_rows, frontier = self._compress(layer, "attn_compressor", cache.frontier, xa, positions, p0, ratio,
                                                  cfg.head_dim, base, yarn)
             comp = mx.concatenate([cache.comp, hook(b + "compressor.hook_rows", comp_rows)])
+            frontier = self._hook_frontier(b + "compressor.hook_frontier", frontier)
             n_visible = (positions + 1) // ratio
             comp_row = mx.arange(comp.shape[0])[None, :]
             comp_mask = comp_row < n_visible[:, None]
@@ -208,6 +209,7 @@ class Model:
                 index_rows, index_frontier = self._compress(layer, "indexer_compressor", cache.index_frontier, xa,
                                                             positions, p0, ratio, cfg.indexer_head_dim, base, yarn)
                 index_keys = mx.concatenate([cache.index_comp, hook(b + "indexer.hook_rows", index_rows)])
+                index_frontier = self._hook_frontier(b + "indexer.hook_frontier", index_frontier)
                 new_cache.index_comp, new_cache.index_frontier = index_keys, index_frontier
                 if index_keys.shape[0] > cfg.indexer_top_k:
                     scores = indexer.indexer_scores(layer, xa, qr_n, index_keys, rotation, cfg.indexer_heads,
@@ -226,6 +228,13 @@ class Model:
         heads = hook(b + "hook_z", attention.output_heads(heads, rotation))
         out = hook(b + "hook_out", attention.grouped_output(layer, heads, cfg.n_out_group, nm.q8))
         return hc_expand(out, streams, control), new_cache
+
+    def _hook_frontier(self, name: str, frontier: compressor.Frontier) -> compressor.Frontier:
+        """The frontier after the chunk as [2 (kv, score), rows, width]; a replacement becomes the state."""
+        if not self._hooks.wants(name):
+            return frontier
+        both = self._hooks.fire(name, mx.stack([frontier.kv, frontier.score]))
+        return compressor.Frontier(both[0], both[1])
 
     def _read_pattern(self, prefix: str, q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array,
                       raw_pos: mx.array, ratio: int) -> None:
