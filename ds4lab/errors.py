@@ -7,9 +7,9 @@ class Ds4labError(Exception):
     """Base class of every error ds4lab raises on bad input."""
 
 
-class ModelFileError(Ds4labError, ValueError):
-    """A GGUF file that is not a valid ds4 model: each problem names the key or tensor,
-    what was expected and what was found."""
+class FileFormatError(Ds4labError, ValueError):
+    """A file that breaks its format: each problem names the field, what was expected and
+    what was found, and where known the byte offset."""
 
     def __init__(self, path: str, problems: list[str] | str, offset: int | None = None) -> None:
         self.path = str(path)
@@ -21,3 +21,11 @@ class ModelFileError(Ds4labError, ValueError):
         else:
             text = f"{where}: {len(self.problems)} problems\n" + "\n".join(f"  - {p}" for p in self.problems)
         super().__init__(text)
+
+
+class ModelFileError(FileFormatError):
+    """A GGUF file that is not a valid ds4 model (a key, a tensor, the container)."""
+
+
+class KVCFileError(FileFormatError):
+    """A ds4 disk-cache (.kv) file that cannot be read: header, text, payload or trailer."""

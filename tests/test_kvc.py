@@ -1,0 +1,73 @@
+"""ds4's .kv files: every block of the oracle's files (written by ds4's own code) read exactly."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from ds4lab.config import preset
+from ds4lab.errors import KVCFileError
+from ds4lab.kvc import read
+
+ORACLE = Path(__file__).resolve().parents[2] / "shared" / "oracle" / "tiny-a"
+RATIOS = preset("tiny").compress_ratios
+
+
+def _sha(a: np.ndarray) -> str:
+    return hashlib.sha256(np.ascontiguousarray(a).astype("<f4").tobytes()).hexdigest()
+
+
+@pytest.mark.parametrize("folder", ["kv", "kv-ba00a8a"])
+def test_oracle_files_match_their_manifest(folder):
+    manifest = json.loads((ORACLE / folder / "manifest.json").read_text())
+    assert len(manifest["files"]) == 3
+    for entry in manifest["files"]:
+        f = read(ORACLE / folder / entry["file"], RATIOS)
+        for key, value in entry["kvc_header"].items():
+            if key == "magic":
+                continue
+            got = f.header.reason_name if key == "reason_name" else getattr(f.header, key)
+            assert got == value, (entry["file"], key)
+        assert f.payload == {k: entry["payload_header"][k] for k in f.payload}
+        assert f.n_comp == entry["n_comp"] and f.n_index_comp == entry["n_index_comp"]
+        assert f.text_sha1 == entry["text_sha1"] == entry["file"].removesuffix(".kv")
+        assert len(f.trailer) == entry["trailer_bytes"]
+        assert hashlib.sha256(f.tokens.astype("<u4").tobytes()).hexdigest() == entry["token_ids_sha256"]
+        assert _sha(f.logits) == entry["logits"]["sha256"] and int(f.logits.argmax()) == entry["logits"]["argmax"]
+        for layer, want in zip(f.layers, entry["layers"], strict=True):
+            blocks = layer.blocks()
+            assert set(blocks) == {k for k, v in want.items() if isinstance(v, dict)}
+            for name, array in blocks.items():
+                assert list(array.shape) == want[name]["shape"] and _sha(array) == want[name]["sha256"], name
+
+
+def test_tokens_are_the_oracle_prompt():
+    oracle = np.load(ORACLE / "oracle.npz")
+    f = read(ORACLE / "kv" / "aaa0f5572975136c8071ff8b0e541d53a155c086.kv", RATIOS)
+    assert np.array_equal(f.tokens, oracle["tokens"][:300])
+    assert (ORACLE / "prompt" / "rendered.txt").read_bytes().startswith(f.text) and len(f.text) == 1721
+
+
+def test_bad_files_are_clear_errors(tmp_path):
+    good = (ORACLE / "kv" / "aaa0f5572975136c8071ff8b0e541d53a155c086.kv").read_bytes()
+    path = tmp_path / "x.kv"
+    cases = {
+        "truncated or corrupt": good[:100000],
+        "magic": b"KVX" + good[3:],
+        "payload_bytes": good[:40] + struct.pack("<Q", 2161940 - 4) + good[48:],
+        "needs": good[:48] + struct.pack("<I", 1 << 31) + good[52:],
+        "exceeds": good[:1773 + 32] + struct.pack("<I", 1 << 30) + good[1773 + 36:],
+    }
+    for needle, content in cases.items():
+        path.write_bytes(content)
+        with pytest.raises(KVCFileError) as err:
+            read(path, RATIOS)
+        assert str(path) in str(err.value) and needle in str(err.value), needle
+    path.write_bytes(good)
+    with pytest.raises(KVCFileError, match="neither Flash nor Pro"):
+        read(path)
