@@ -71,3 +71,24 @@ def test_bad_files_are_clear_errors(tmp_path):
     path.write_bytes(good)
     with pytest.raises(KVCFileError, match="neither Flash nor Pro"):
         read(path)
+
+
+def test_restore_from_ds4s_file_continues_like_ds4(tiny_a_gguf):
+    """Load ds4's 300-token state into a session and decode the rest of the prompt: the logits
+    follow ds4's own restored run (oracle `restore_*`) within the model's numerics bars."""
+    import mlx.core as mx
+
+    from ds4lab import load
+    from ds4lab.compare import compare_topk, summarize
+    from ds4lab.kvc import to_state
+
+    oracle = np.load(ORACLE / "oracle.npz")
+    model = load(tiny_a_gguf, numerics="ds4-cpu")
+    state = to_state(read(ORACLE / "kv" / "aaa0f5572975136c8071ff8b0e541d53a155c086.kv", RATIOS))
+    session = model.session(state)
+    result = model.forward(session.state, [int(t) for t in oracle["tokens"][300:]],
+                           forced=mx.array(oracle["experts"][300:]))
+    stats = summarize(compare_topk(np.array(result.logits), oracle["restore_topk_ids"],
+                                   oracle["restore_topk_logits"], oracle["logit_std"][300:]))
+    print(stats)
+    assert stats["top1"] >= 0.90 and stats["rms_median"] <= 0.045

@@ -214,3 +214,25 @@ def _parse(r: _Reader, compress_ratios) -> KVCFile:
         layers.append(layer)
     trailer = bytes(r.buf[r.pos:])
     return KVCFile(path, header, text, fields, toks, logits, n_comp, n_index, layers, trailer)
+
+
+def to_state(kvc: KVCFile):
+    """The session state a .kv file holds, for `model.session(state)`: ds4's raw windows,
+    compressed rows, frontiers, tokens and last logits."""
+    import mlx.core as mx
+
+    from ..model.compressor import Frontier
+    from ..model.state import LayerCache, SessionState
+
+    def arr(a: np.ndarray | None) -> mx.array | None:
+        return None if a is None else mx.array(a)
+
+    layers = []
+    for layer in kvc.layers:
+        cache = LayerCache(raw=mx.array(layer.raw), comp=arr(layer.comp), index_comp=arr(layer.index_comp))
+        if layer.attn_state_kv is not None:
+            cache.frontier = Frontier(mx.array(layer.attn_state_kv), mx.array(layer.attn_state_score))
+        if layer.index_state_kv is not None:
+            cache.index_frontier = Frontier(mx.array(layer.index_state_kv), mx.array(layer.index_state_score))
+        layers.append(cache)
+    return SessionState(layers=layers, tokens=[int(t) for t in kvc.tokens], logits=mx.array(kvc.logits))
