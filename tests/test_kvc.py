@@ -92,3 +92,16 @@ def test_restore_from_ds4s_file_continues_like_ds4(tiny_a_gguf):
                                    oracle["restore_topk_logits"], oracle["logit_std"][300:]))
     print(stats)
     assert stats["top1"] >= 0.90 and stats["rms_median"] <= 0.045
+
+
+@pytest.mark.parametrize("folder", ["kv", "kv-ba00a8a"])
+def test_write_reproduces_ds4s_bytes(tmp_path, folder):
+    import os
+
+    from ds4lab.kvc import write
+
+    for name in ("aaa0f5572975136c8071ff8b0e541d53a155c086.kv", "32efa32002047952225f813c5e30380f5f367a27.kv"):
+        original = (ORACLE / folder / name).read_bytes()
+        out = write(tmp_path / "cache" / name, read(ORACLE / folder / name, RATIOS))
+        assert out.read_bytes() == original
+        assert os.stat(out).st_mode & 0o777 == 0o600 and os.stat(out.parent).st_mode & 0o777 == 0o700

@@ -236,3 +236,42 @@ def to_state(kvc: KVCFile):
             cache.index_frontier = Frontier(mx.array(layer.index_state_kv), mx.array(layer.index_state_score))
         layers.append(cache)
     return SessionState(layers=layers, tokens=[int(t) for t in kvc.tokens], logits=mx.array(kvc.logits))
+
+
+def encode(kvc: KVCFile) -> bytes:
+    """The bytes of a .kv file, laid out exactly as ds4 writes them (header, text, payload, trailer)."""
+    h = kvc.header
+    head = bytearray(HEADER_BYTES)
+    head[0:3] = KVC_MAGIC
+    head[3:8] = bytes([h.version, h.quant_bits, h.reason, h.ext_flags, h.model_id])
+    struct.pack_into("<3I", head, 8, h.tokens, h.hits, h.ctx)
+    head[20] = h.payload_abi
+    body = [struct.pack("<13I", *(kvc.payload[k] for k in _PAYLOAD_FIELDS)),
+            np.asarray(kvc.tokens, "<u4").tobytes(), np.asarray(kvc.logits, "<f4").tobytes(),
+            np.asarray(kvc.n_comp, "<u4").tobytes(), np.asarray(kvc.n_index_comp, "<u4").tobytes()]
+    for layer in kvc.layers:
+        body += [np.ascontiguousarray(a, "<f4").tobytes() for a in layer.blocks().values()]
+    payload = b"".join(body)
+    struct.pack_into("<3Q", head, 24, h.created, h.last_used, len(payload))
+    return bytes(head) + struct.pack("<I", len(kvc.text)) + kvc.text + payload + kvc.trailer
+
+
+def write(path, kvc: KVCFile) -> Path:
+    """Write a .kv file atomically (temp file, then rename), 0600 in a 0700 directory: cache
+    files hold prompts verbatim."""
+    import os
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    data = encode(kvc)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path
