@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .atomic import atomic_open
 from .tokenizer import TOKEN_NORMAL, byte_maps, vocab
 
 
@@ -161,8 +162,7 @@ def dump_logprobs(model, prompt: Sequence[int], path: str | os.PathLike[str], ma
         logits = session.decode(token)
     doc = {"source": "ds4lab", "prompt_tokens": len(prompt), "ctx": ctx, "top_k": top_k, "steps": steps}
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(doc, indent=1, ensure_ascii=False), encoding="utf-8")
-    os.replace(tmp, path)
+    with atomic_open(path) as fh:
+        fh.write(json.dumps(doc, indent=1, ensure_ascii=False).encode("utf-8"))
     return path
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from .atomic import atomic_open
 from .config import ARCH, ModelConfig
 from .errors import ModelFileError
 from .layout import COMPONENTS, VARIANT_TYPES, main_tensors, mtp_tensors
@@ -470,19 +471,12 @@ def write_gguf(path: str | os.PathLike[str], metadata: list[tuple[str, str, Any]
         head += struct.pack("<IQ", FORMATS[t.type_name].ggml_type, rel)
     head += bytes(-len(head) % alignment)
 
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with builtins.open(tmp, "wb") as fh:
-            fh.write(head)
-            for t in tensors:
-                data = np.ascontiguousarray(t.produce()).view(np.uint8).reshape(-1)
-                if data.size != t.n_bytes:
-                    raise ValueError(f"{path}: tensor {t.name} produced {data.size} bytes, expected {t.n_bytes}")
-                fh.write(data.data)
-                fh.write(bytes(-t.n_bytes % alignment))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_open(path) as fh:
+        fh.write(head)
+        for t in tensors:
+            data = np.ascontiguousarray(t.produce()).view(np.uint8).reshape(-1)
+            if data.size != t.n_bytes:
+                raise ValueError(f"{path}: tensor {t.name} produced {data.size} bytes, expected {t.n_bytes}")
+            fh.write(data.data)
+            fh.write(bytes(-t.n_bytes % alignment))
     return path

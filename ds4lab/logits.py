@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .atomic import atomic_open
 from .compare import logsumexp, topk
 
 
@@ -49,12 +50,8 @@ def run(model, tokens: list[int], k: int = 64, n_gen: int = 0) -> dict[str, np.n
 def save(path: str | os.PathLike[str], arrays: dict[str, np.ndarray]) -> Path:
     """Write the arrays atomically (temp file, then rename)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}.npz")
-    try:
-        np.savez_compressed(tmp, **arrays)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_open(path) as fh:
+        np.savez_compressed(fh, **arrays)
     return path
 
 

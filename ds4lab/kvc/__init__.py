@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..atomic import atomic_open
 from ..config import FLASH, PRO
 from ..errors import KVCFileError
 
@@ -257,21 +258,8 @@ def encode(kvc: KVCFile) -> bytes:
 
 
 def write(path, kvc: KVCFile) -> Path:
-    """Write a .kv file atomically (temp file, then rename), 0600 in a 0700 directory: cache
-    files hold prompts verbatim."""
-    import os
-
+    """Write a .kv file atomically, 0600 in a 0700 directory: cache files hold prompts verbatim."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    data = encode(kvc)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_open(path, private=True) as fh:
+        fh.write(encode(kvc))
     return path
