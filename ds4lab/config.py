@@ -127,14 +127,6 @@ class ModelConfig:
                 return shape_name
         return "custom"
 
-    def compress_ratio(self, layer: int) -> int:
-        return self.compress_ratios[layer]
-
-    def compressor_width(self, layer: int) -> int:
-        """Width of a layer's attention compressor projection (2x overlapping at ratio 4)."""
-        ratio = self.compress_ratios[layer]
-        return (2 if ratio == 4 else 1) * self.head_dim if ratio else 0
-
     def rope_base(self, layer: int) -> float:
         return self.compress_rope_freq_base if self.compress_ratios[layer] else self.rope_freq_base
 

@@ -34,7 +34,7 @@ from .tokenizer import vocab
 
 # f16 super-scale d that gives routed-expert weights of std ~0.1 at fan-in 256 (the oracle
 # model's values for IQ2_XXS and Q2_K); scaled by sqrt(256 / fan_in) for other widths.
-_EXPERT_D_AT_256 = {"IQ2_XXS": 0.0012, "Q2_K": 0.0074, "Q4_K": 0.0004}
+EXPERT_D_AT_256 = {"IQ2_XXS": 0.0012, "Q2_K": 0.0074, "Q4_K": 0.0004}
 # dmin / d that makes a K-quant block zero-mean for uniformly random scales and codes.
 _EXPERT_DMIN_RATIO = {"Q2_K": 1.5, "Q4_K": 7.5}
 _LOGIT_STD = 2.4
@@ -126,9 +126,9 @@ class _WeightDrawer:
 
     def draw(self, spec: TensorSpec, type_name: str) -> np.ndarray:
         role, shape = spec.role, tuple(reversed(spec.dims))
-        if type_name in _EXPERT_D_AT_256:
+        if type_name in EXPERT_D_AT_256:
             fan_in = spec.dims[0]
-            d = _EXPERT_D_AT_256[type_name] * float(np.sqrt(256.0 / fan_in))
+            d = EXPERT_D_AT_256[type_name] * float(np.sqrt(256.0 / fan_in))
             ratio = _EXPERT_DMIN_RATIO.get(type_name)
             n_blocks = int(np.prod(spec.dims)) // 256
             return random_blocks(type_name, n_blocks, self.rng, d, None if ratio is None else ratio * d)

@@ -15,18 +15,18 @@ import numpy as np
 from ..config import ModelConfig
 from ..layout import VARIANT_TYPES, main_tensors, with_types
 from ..quants import FORMATS
+from ..synth import EXPERT_D_AT_256
 from .weights import ExpertBlocks, LayerWeights, ModelWeights, Q8Matrix
 
-# Byte offsets of the f16 super-scales inside one block, and the d giving std ~1/sqrt(256).
+# Byte offsets of the f16 super-scales inside one block (d, and dmin for the K-quants).
 _SCALE_FIELDS = {"IQ2_XXS": (0,), "Q2_K": (80, 82), "Q4_K": (0, 2)}
-_D_AT_256 = {"IQ2_XXS": 0.0012, "Q2_K": 0.0074, "Q4_K": 0.0004}
 
 
 def _expert_blocks(type_name: str, n_expert: int, rows: int, cols: int) -> ExpertBlocks:
     fmt = FORMATS[type_name]
     n_blocks = n_expert * rows * cols // fmt.block_elems
     raw = mx.random.randint(0, 256, (n_blocks, fmt.block_bytes), dtype=mx.uint8)
-    d = np.float16(_D_AT_256[type_name] * math.sqrt(256 / cols))
+    d = np.float16(EXPERT_D_AT_256[type_name] * math.sqrt(256 / cols))
     scale = mx.array(np.frombuffer(d.tobytes(), np.uint8))
     parts, at = [], 0
     for offset in _SCALE_FIELDS[type_name]:

@@ -78,8 +78,9 @@ class Q8Matrix:
 
     def rows_slice(self, start: int, stop: int) -> Q8Matrix:
         """Rows [start, stop) as their own matrix (the grouped output projection's groups)."""
+        kept = None if self.float32 is None else self.float32[start:stop]
         return Q8Matrix(self.codes[start:stop], self.scales[start:stop], self.biases[start:stop],
-                        stop - start, self.cols)
+                        stop - start, self.cols, kept)
 
     @property
     def nbytes(self) -> int:
@@ -112,8 +113,6 @@ class LayerWeights:
     experts: dict[str, ExpertBlocks] = field(default_factory=dict)
     tid2eid: mx.array | None = None
 
-    def has(self, role: str) -> bool:
-        return role in self.dense or role in self.q8
 
 
 @dataclass
