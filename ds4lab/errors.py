@@ -27,5 +27,5 @@ class ModelFileError(FileFormatError):
     """A GGUF file that is not a valid ds4 model (a key, a tensor, the container)."""
 
 
-class KVCFileError(FileFormatError):
+class KVCFormatError(FileFormatError):
     """A ds4 disk-cache (.kv) file that cannot be read: header, text, payload or trailer."""

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from ds4lab.config import preset
-from ds4lab.errors import KVCFileError
+from ds4lab.errors import KVCFormatError
 from ds4lab.kvc import read
 
 ORACLE = Path(__file__).resolve().parents[2] / "shared" / "oracle" / "tiny-a"
@@ -31,7 +31,7 @@ def test_oracle_files_match_their_manifest(folder):
         for key, value in entry["kvc_header"].items():
             if key == "magic":
                 continue
-            got = f.header.reason_name if key == "reason_name" else getattr(f.header, key)
+            got = getattr(f.header, {"ctx": "ctx_size", "created": "created_at"}.get(key, key))
             assert got == value, (entry["file"], key)
         assert f.payload == {k: entry["payload_header"][k] for k in f.payload}
         assert f.n_comp == entry["n_comp"] and f.n_index_comp == entry["n_index_comp"]
@@ -57,19 +57,19 @@ def test_bad_files_are_clear_errors(tmp_path):
     good = (ORACLE / "kv" / "aaa0f5572975136c8071ff8b0e541d53a155c086.kv").read_bytes()
     path = tmp_path / "x.kv"
     cases = {
-        "truncated or corrupt": good[:100000],
+        "bytes of payload but the file has": good[:100000],
         "magic": b"KVX" + good[3:],
         "payload_bytes": good[:40] + struct.pack("<Q", 2161940 - 4) + good[48:],
-        "needs": good[:48] + struct.pack("<I", 1 << 31) + good[52:],
+        "text_bytes": good[:48] + struct.pack("<I", 1 << 31) + good[52:],
         "exceeds": good[:1773 + 32] + struct.pack("<I", 1 << 30) + good[1773 + 36:],
     }
     for needle, content in cases.items():
         path.write_bytes(content)
-        with pytest.raises(KVCFileError) as err:
+        with pytest.raises(KVCFormatError) as err:
             read(path, RATIOS)
         assert str(path) in str(err.value) and needle in str(err.value), needle
     path.write_bytes(good)
-    with pytest.raises(KVCFileError, match="neither Flash nor Pro"):
+    with pytest.raises(KVCFormatError, match="neither Flash nor Pro"):
         read(path)
 
 

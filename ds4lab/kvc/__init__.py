@@ -29,35 +29,15 @@ import numpy as np
 
 from ..atomic import atomic_open
 from ..config import FLASH, PRO
-from ..errors import KVCFileError
+from ..errors import KVCFormatError
+from .header import PREFIX_BYTES, KVCHeader, parse_header, read_header
 
-KVC_MAGIC = b"KVC"
 DSV4_MAGIC = 0x34565344
-HEADER_BYTES = 48
-REASONS = {1: "cold", 2: "continued", 3: "evict", 4: "shutdown", 5: "agent-system"}
 _PAYLOAD_FIELDS = ("magic", "version", "ctx", "prefill_cap", "raw_cap", "raw_window", "comp_cap", "n_tokens",
                    "n_layer", "head_dim", "indexer_head_dim", "n_vocab", "raw_live")
 _MAX_DIM = 1 << 20
-
-
-@dataclass(frozen=True)
-class KVCHeader:
-    version: int
-    quant_bits: int
-    reason: int
-    ext_flags: int
-    model_id: int
-    tokens: int
-    hits: int
-    ctx: int
-    payload_abi: int
-    created: int
-    last_used: int
-    payload_bytes: int
-
-    @property
-    def reason_name(self) -> str:
-        return REASONS.get(self.reason, f"unknown({self.reason})")
+__all__ = ["KVCFile", "KVCHeader", "LayerState", "encode", "parse_header", "read", "read_header", "to_state",
+           "write"]
 
 
 @dataclass
@@ -107,7 +87,7 @@ class _Reader:
 
     def need(self, n: int, what: str) -> None:
         if n < 0 or self.pos + n > len(self.buf):
-            raise KVCFileError(self.path, f"{what}: needs {n} bytes but only {len(self.buf) - self.pos} remain "
+            raise KVCFormatError(self.path, f"{what}: needs {n} bytes but only {len(self.buf) - self.pos} remain "
                                           f"(file truncated or corrupt)", offset=self.pos)
 
     def unpack(self, fmt: str, what: str) -> tuple:
@@ -145,41 +125,30 @@ def read(path, compress_ratios=None) -> KVCFile:
         with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
             return _parse(_Reader(buf, path), compress_ratios)
     except ValueError as exc:
-        if isinstance(exc, KVCFileError):
+        if isinstance(exc, KVCFormatError):
             raise
-        raise KVCFileError(path, str(exc)) from None
+        raise KVCFormatError(path, str(exc)) from None
     except OSError as exc:
-        raise KVCFileError(path, f"cannot read file: {exc.strerror or exc}") from None
+        raise KVCFormatError(path, f"cannot read file: {exc.strerror or exc}") from None
 
 
 def _parse(r: _Reader, compress_ratios) -> KVCFile:
     path = r.path
-    r.need(HEADER_BYTES, "KVC header")
-    if bytes(r.buf[:3]) != KVC_MAGIC:
-        raise KVCFileError(path, f"magic: expected b'KVC', found {bytes(r.buf[:3])!r}", offset=0)
-    version, quant_bits, reason, ext_flags, model_id = r.buf[3], r.buf[4], r.buf[5], r.buf[6], r.buf[7]
-    tokens, hits, ctx = struct.unpack_from("<3I", r.buf, 8)
-    payload_abi = r.buf[20]
-    created, last_used, payload_bytes = struct.unpack_from("<3Q", r.buf, 24)
-    header = KVCHeader(version, quant_bits, reason, ext_flags, model_id, tokens, hits, ctx, payload_abi, created,
-                       last_used, payload_bytes)
-    if version != 1:
-        raise KVCFileError(path, f"version: expected 1, found {version}", offset=3)
-    r.pos = HEADER_BYTES
-    (text_bytes,) = r.unpack("<I", "text_bytes")
-    r.need(text_bytes, "cache text")
+    header = parse_header(bytes(r.buf[:PREFIX_BYTES]), path, len(r.buf))
+    model_id, payload_bytes, text_bytes = header.model_id, header.payload_bytes, header.text_bytes
+    r.pos = PREFIX_BYTES
     text = bytes(r.buf[r.pos:r.pos + text_bytes])
     r.pos += text_bytes
     payload_start = r.pos
     r.need(payload_bytes, "DSV4 payload")
     fields = dict(zip(_PAYLOAD_FIELDS, r.unpack("<13I", "DSV4 payload header"), strict=True))
     if fields["magic"] != DSV4_MAGIC:
-        raise KVCFileError(path, f"payload magic: expected 'DSV4', found {fields['magic']:#x}", offset=payload_start)
+        raise KVCFormatError(path, f"payload magic: expected 'DSV4', found {fields['magic']:#x}", offset=payload_start)
     for key in ("n_layer", "head_dim", "indexer_head_dim", "n_vocab", "raw_live", "n_tokens", "comp_cap", "raw_cap"):
         if fields[key] > _MAX_DIM:
-            raise KVCFileError(path, f"payload {key}: {fields[key]} exceeds {_MAX_DIM}", offset=payload_start)
+            raise KVCFormatError(path, f"payload {key}: {fields[key]} exceeds {_MAX_DIM}", offset=payload_start)
     if fields["raw_live"] > fields["raw_cap"] or fields["n_tokens"] > fields["ctx"]:
-        raise KVCFileError(path, f"payload: raw_live {fields['raw_live']} > raw_cap {fields['raw_cap']} or "
+        raise KVCFormatError(path, f"payload: raw_live {fields['raw_live']} > raw_cap {fields['raw_cap']} or "
                                  f"n_tokens {fields['n_tokens']} > ctx {fields['ctx']}", offset=payload_start)
     n_layer, hd, ihd = fields["n_layer"], fields["head_dim"], fields["indexer_head_dim"]
     ratios = _ratios_for(n_layer, model_id, compress_ratios)
@@ -193,12 +162,12 @@ def _parse(r: _Reader, compress_ratios) -> KVCFile:
         expected += 4 * fields["raw_live"] * hd
         if ratio:
             if n_comp[il] > fields["comp_cap"]:
-                raise KVCFileError(path, f"layer {il}: n_comp {n_comp[il]} > comp_cap {fields['comp_cap']}")
+                raise KVCFormatError(path, f"layer {il}: n_comp {n_comp[il]} > comp_cap {fields['comp_cap']}")
             expected += 4 * (n_comp[il] * hd + 2 * coff * ratio * coff * hd)
         if ratio == 4:
             expected += 4 * (n_index[il] * ihd + 2 * 8 * 2 * ihd)
     if expected != payload_bytes:
-        raise KVCFileError(path, f"payload_bytes: header says {payload_bytes}, the layout of {n_layer} layers "
+        raise KVCFormatError(path, f"payload_bytes: header says {payload_bytes}, the layout of {n_layer} layers "
                                  f"needs {expected}", offset=40)
     layers = []
     for il, ratio in enumerate(ratios):
@@ -242,19 +211,14 @@ def to_state(kvc: KVCFile):
 def encode(kvc: KVCFile) -> bytes:
     """The bytes of a .kv file, laid out exactly as ds4 writes them (header, text, payload, trailer)."""
     h = kvc.header
-    head = bytearray(HEADER_BYTES)
-    head[0:3] = KVC_MAGIC
-    head[3:8] = bytes([h.version, h.quant_bits, h.reason, h.ext_flags, h.model_id])
-    struct.pack_into("<3I", head, 8, h.tokens, h.hits, h.ctx)
-    head[20] = h.payload_abi
     body = [struct.pack("<13I", *(kvc.payload[k] for k in _PAYLOAD_FIELDS)),
             np.asarray(kvc.tokens, "<u4").tobytes(), np.asarray(kvc.logits, "<f4").tobytes(),
             np.asarray(kvc.n_comp, "<u4").tobytes(), np.asarray(kvc.n_index_comp, "<u4").tobytes()]
     for layer in kvc.layers:
         body += [np.ascontiguousarray(a, "<f4").tobytes() for a in layer.blocks().values()]
     payload = b"".join(body)
-    struct.pack_into("<3Q", head, 24, h.created, h.last_used, len(payload))
-    return bytes(head) + struct.pack("<I", len(kvc.text)) + kvc.text + payload + kvc.trailer
+    head = h.with_(payload_bytes=len(payload), text_bytes=len(kvc.text)).pack()
+    return head + kvc.text + payload + kvc.trailer
 
 
 def write(path, kvc: KVCFile) -> Path:
