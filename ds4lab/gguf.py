@@ -72,7 +72,7 @@ class GGUFHeader:
     version: int
     alignment: int
     metadata: dict[str, Any]
-    value_types: dict[str, str]
+    value_types: dict[str, str]         # GGUF type names, arrays as 'ARRAY[INT32]' (write_gguf's spelling)
     tensors: dict[str, TensorInfo]
     data_offset: int
     file_size: int
@@ -175,8 +175,12 @@ def _walk_header(cur: _Cursor) -> GGUFHeader:
         vtype = cur.scalar("<I", f"metadata {key} (value type)")
         if key in metadata:
             raise ModelFileError(path, f"metadata {key}: duplicate key", key_at)
+        value_at = cur.pos
         metadata[key] = cur.value(vtype, f"metadata {key}")
-        value_types[key] = _VALUE_TYPES.get(vtype, ("?", None))[0]
+        type_name = _VALUE_TYPES[vtype][0]
+        if type_name == "ARRAY":    # named with its element type, as write_gguf takes it back
+            type_name = f"ARRAY[{_VALUE_TYPES[struct.unpack_from('<I', cur.buf, value_at)[0]][0]}]"
+        value_types[key] = type_name
 
     alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
     if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):

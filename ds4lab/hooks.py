@@ -5,7 +5,9 @@ Names are dotted, TransformerLens style: `hook_embed`, `blocks.3.attn.hook_q`,
 point's name, `hook.layer` its block, `hook.positions` the absolute token positions of the
 chunk being run (so caches taken during chunked prefill or decode line up). A hook that
 returns an array replaces the activation; one that returns None only reads it. A point
-with no hook costs one dictionary lookup.
+with no hook costs one dictionary lookup. A few points only report (their hooks' return
+values are ignored): the attention pattern and key spans, and `ffn.hook_routed_mid`, the
+route-weighted SwiGLU activations [T, n_expert_used, n_ff] that the down projections take.
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ def hook_names(cfg: ModelConfig) -> list[str]:
         names += [b + "attn.hook_pattern", b + "attn.hook_key_span"]
         names += [b + "attn.hook_z", b + "attn.hook_out", b + "hook_resid_mid"]
         names += [b + f"ffn.hook_hc_{k}" for k in ("pre", "post", "comb")] + [b + "ffn.hook_in"]
-        names += [b + f"ffn.hook_{k}" for k in ("router_probs", "experts", "expert_weights", "routed_out",
-                                                 "shared_out", "out")]
+        names += [b + f"ffn.hook_{k}" for k in ("router_probs", "experts", "expert_weights", "routed_mid",
+                                                 "routed_out", "shared_out", "out")]
         names.append(b + "hook_resid_post")
     return [*names, "hook_final_weights", "hook_final_norm", "hook_logits"]
 
@@ -114,6 +116,7 @@ def floats_per_token(name: str, cfg: ModelConfig, n_tokens: int) -> int:
         "hook_hc_pre": cfg.n_hc, "hook_hc_post": cfg.n_hc, "hook_hc_comb": cfg.n_hc * cfg.n_hc,
         "hook_q": cfg.q_dim, "hook_z": cfg.q_dim, "hook_kv": cfg.head_dim,
         "hook_router_probs": cfg.n_expert, "hook_experts": cfg.n_expert_used, "hook_expert_weights": cfg.n_expert_used,
+        "hook_routed_mid": cfg.n_expert_used * cfg.n_ff_exp,
         "hook_final_weights": cfg.n_hc, "hook_logits": cfg.n_vocab,
         "hook_pattern": cfg.n_head * (1 + keys), "hook_key_span": 2 * keys,
         "hook_scores": keys, "hook_selected": keys,

@@ -290,7 +290,9 @@ class Model:
             routing = moe.route(layer, xf, token_ids, cfg.n_expert_used, cfg.expert_weight_scale, experts)
         routing.weights = hook(b + "hook_expert_weights", routing.weights)
         clamp = cfg.swiglu_clamp[layer.index]
-        routed = hook(b + "hook_routed_out", moe.routed_experts(layer, xf, routing, clamp, nm.experts_in))
+        mid_point = b + "hook_routed_mid"     # read only; built only when a hook asks for it
+        on_mid = (lambda mid: hook(mid_point, mid)) if self._hooks.wants(mid_point) else None
+        routed = hook(b + "hook_routed_out", moe.routed_experts(layer, xf, routing, clamp, nm.experts_in, on_mid))
         shared = hook(b + "hook_shared_out", moe.shared_expert(layer, xf, clamp, nm.q8))
         return hc_expand(hook(b + "hook_out", routed + shared), streams, control), routing
 

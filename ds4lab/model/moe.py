@@ -12,6 +12,7 @@ are decoded, a few at a time, and each is applied to the tokens that chose it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -67,8 +68,13 @@ def swiglu(gate: mx.array, up: mx.array, clamp: float) -> mx.array:
     return gate * mx.sigmoid(gate) * up
 
 
-def routed_experts(layer: LayerWeights, xf: mx.array, routing: Routing, clamp: float, act_round) -> mx.array:
+def routed_experts(layer: LayerWeights, xf: mx.array, routing: Routing, clamp: float, act_round,
+                   on_mid: Callable[[mx.array], object] | None = None) -> mx.array:
     """Σ over each token's chosen experts of W_down·(w·swiglu(W_gate·x, W_up·x)), [T, d].
+
+    `on_mid`, when given, is shown the route-weighted SwiGLU activations of every (token,
+    slot), [T, U, n_ff]: the down projections' input (what ds4's imatrix collects); it only
+    reads them, so both schedules stay as they are.
 
     Two schedules, the same sums. Few (token, expert) pairs on a GPU: decode each pair's
     expert and multiply, all lazily (no host round trip, so a decode step stays one graph).
@@ -77,11 +83,12 @@ def routed_experts(layer: LayerWeights, xf: mx.array, routing: Routing, clamp: f
     """
     gate_t, up_t, down_t = (layer.experts[f"ffn_{r}_exps.weight"] for r in ("gate", "up", "down"))
     if not on_cpu() and routing.experts.size <= _GATHERED_MAX_PAIRS:
-        return _routed_gathered(gate_t, up_t, down_t, act_round(xf), routing, clamp, act_round)
+        return _routed_gathered(gate_t, up_t, down_t, act_round(xf), routing, clamp, act_round, on_mid)
     experts = np.array(routing.experts)
     x_in = act_round(xf)
     out = mx.zeros(xf.shape, mx.float32)
     used = np.unique(experts)
+    pairs, mids = [], []
     for start in range(0, len(used), _EXPERTS_PER_BATCH):
         batch = used[start:start + _EXPERTS_PER_BATCH]
         ids = mx.array(batch)
@@ -93,18 +100,30 @@ def routed_experts(layer: LayerWeights, xf: mx.array, routing: Routing, clamp: f
             w = routing.weights[tok_ids, mx.array(slot)][:, None]
             mid = act_round(swiglu(linear(x, gate_w[i]), linear(x, up_w[i]), clamp) * w)
             out = out.at[tok_ids].add(linear(mid, down_w[i]))
+            if on_mid is not None:
+                pairs.append(np.stack([tok, slot]))
+                mids.append(mid)
         mx.eval(out)
+    if on_mid is not None:
+        # Every (token, slot) pair belongs to exactly one expert, so the scatter fills every row.
+        tok, slot = np.concatenate(pairs, axis=1)
+        full = mx.zeros((*experts.shape, down_t.cols), mx.float32)
+        full[mx.array(tok), mx.array(slot)] = mx.concatenate(mids)
+        on_mid(full)
     return out
 
 
 def _routed_gathered(gate_t: ExpertBlocks, up_t: ExpertBlocks, down_t: ExpertBlocks, x_in: mx.array,
-                     routing: Routing, clamp: float, act_round) -> mx.array:
+                     routing: Routing, clamp: float, act_round,
+                     on_mid: Callable[[mx.array], object] | None) -> mx.array:
     t, u = routing.experts.shape
     ids = routing.experts.reshape(-1)
     x = mx.repeat(x_in, u, axis=0)                                      # [T*U, d]
     gate = _matvec(gate_t, ids, x)
     up = _matvec(up_t, ids, x)
     mid = act_round(swiglu(gate, up, clamp) * routing.weights.reshape(-1, 1))
+    if on_mid is not None:
+        on_mid(mid.reshape(t, u, -1))
     return _matvec(down_t, ids, mid).reshape(t, u, -1).sum(axis=1)
 
 
