@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import mlx.core as mx
 import numpy as np
 
+from ..kvc import KVCFile, from_state, read, to_state
 from .compressor import clear_unused_slots
 from .state import SessionState
 
@@ -63,3 +66,15 @@ class Session:
 
     def restore(self, snapshot: SessionState) -> None:
         self.state = snapshot.copy()
+
+    def save_kv(self, path, reason: str | int = "cold", **options) -> Path:
+        """Write this state as the .kv file ds4 would write (see `ds4lab.kvc.from_state` for the
+        options: ctx_size, version, now, title, tool_map, compress). `path` may be a cache
+        directory: the file is then named by the SHA-1 of its rendered text, as ds4 names it."""
+        return from_state(self.state, self.model, path, reason=reason, **options)
+
+    def load_kv(self, path) -> KVCFile:
+        """Continue from a .kv file (ds4-written ones included); returns the file read."""
+        kvc = read(path, self.model)
+        self.state = to_state(kvc, self.model)
+        return kvc
