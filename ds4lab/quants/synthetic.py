@@ -1,23 +1,22 @@
-"""Synthetic block data: random but valid tensor bytes, and a Q8_0 quantizer.
+"""Synthetic block data: random but valid tensor bytes.
 
-Lets tests and benchmarks build routed experts of realistic magnitude without a real model;
-`quantize_q8_0` is bit-exact with gguf-py's Q8_0 quantizer (ggml's reference rounding).
+Lets tests and benchmarks build routed experts of realistic magnitude without a real model.
+`quantize_q8_0` (re-exported here for existing callers) lives in `quantize`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from .formats import QuantError, block_format, row_bytes
+from .formats import QuantError, block_format
+from .quantize import quantize_q8_0, set_f16_field
+
+__all__ = ["quantize_q8_0", "random_blocks"]
 
 # Byte offsets of the f16 super-block scale d and, where there is one, the min scale dmin.
 _D_OFFSET = {"Q8_0": 0, "Q2_K": 80, "Q4_K": 0, "IQ2_XXS": 0}
 _DMIN_OFFSET = {"Q2_K": 82, "Q4_K": 2}
 _FLOAT_DTYPES = {"F32": np.float32, "F16": np.float16, "BF16": np.float32}  # BF16: f32's upper half
-
-
-def _set_f16(blocks: np.ndarray, offset: int, values: np.ndarray) -> None:
-    blocks[:, offset : offset + 2] = values.astype(np.float16).view(np.uint8).reshape(-1, 2)
 
 
 def random_blocks(
@@ -45,30 +44,8 @@ def random_blocks(
         return values.view(np.uint8).reshape(n_blocks, fmt.block_bytes)
     blocks = rng.integers(0, 256, size=(n_blocks, fmt.block_bytes), dtype=np.uint8)
     if type_name in _D_OFFSET:
-        _set_f16(blocks, _D_OFFSET[type_name], d * rng.uniform(*jitter, n_blocks))
+        set_f16_field(blocks, _D_OFFSET[type_name], d * rng.uniform(*jitter, n_blocks))
     if type_name in _DMIN_OFFSET:
         dmin = 1.5 * d if dmin is None else dmin
-        _set_f16(blocks, _DMIN_OFFSET[type_name], dmin * rng.uniform(*jitter, n_blocks))
+        set_f16_field(blocks, _DMIN_OFFSET[type_name], dmin * rng.uniform(*jitter, n_blocks))
     return blocks
-
-
-def _round_half_away(x: np.ndarray) -> np.ndarray:
-    """Round to nearest, ties away from zero (C's roundf), exactly: x - trunc(x) is exact."""
-    t = np.trunc(x)
-    return np.where(np.abs(x - t) >= 0.5, t + np.sign(x), t)
-
-
-def quantize_q8_0(x: np.ndarray) -> np.ndarray:
-    """Quantize float32 rows (length a multiple of 32) to Q8_0 bytes, shape ``x.shape[:-1] + (row_bytes,)``."""
-    x = np.asarray(x, dtype=np.float32)
-    if x.ndim == 0:
-        raise QuantError("Q8_0: cannot quantize a 0-d array; rows need a last dimension")
-    n_row_bytes = row_bytes("Q8_0", x.shape[-1])
-    blocks = x.reshape(-1, 32)
-    d = np.abs(blocks).max(axis=1, keepdims=True) / np.float32(127)
-    with np.errstate(divide="ignore"):
-        inv_d = np.where(d == 0, np.float32(0), np.float32(1) / d)
-    out = np.empty((len(blocks), 34), dtype=np.uint8)
-    _set_f16(out, 0, d)
-    out[:, 2:] = _round_half_away(blocks * inv_d).astype(np.int8).view(np.uint8)
-    return out.reshape(*x.shape[:-1], n_row_bytes)
