@@ -175,6 +175,52 @@ def _cmd_tour(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_steer_build(args: argparse.Namespace) -> int:
+    from . import load
+    from .steering import build, read_prompts
+
+    model = load(args.model, numerics=args.numerics)
+    vector = build(model, read_prompts(args.target), read_prompts(args.control), component=args.component,
+                   position=args.position, method=args.method, orthogonalize=not args.no_orthogonalize,
+                   system=args.system, think=args.think, progress=True)
+    vector.metadata.update(good_file=str(args.target), bad_file=str(args.control))    # ds4's JSON keys
+    print(vector.save(args.out, format=args.format))
+    return 0
+
+
+def _cmd_steer_sweep(args: argparse.Namespace) -> int:
+    from . import load
+    from .steering import SteeringVector, read_prompts, sweep
+
+    model = load(args.model, numerics=args.numerics)
+    layer_sets = [_layer_list(text) for text in args.layers] or [None]
+    frame = sweep(model, SteeringVector.load(args.vector), read_prompts(args.prompts), args.scales, layer_sets,
+                  component=args.component, mode=args.mode, max_tokens=args.max_tokens, sampling=_sampling(args),
+                  system=args.system, think=args.think, progress=True)
+    if args.out:
+        frame.to_csv(args.out, index=False)
+        print(args.out)
+    else:
+        for row in frame.itertuples():
+            print(f"--- {row.prompt!r} layers {row.layers} scale {row.scale:g}: {row.n_words} words\n{row.text}")
+    return 0
+
+
+def _layer_list(text: str) -> list[int]:
+    """'0-3,7' -> [0, 1, 2, 3, 7]."""
+    layers = []
+    for part in text.split(","):
+        first, _, last = part.partition("-")
+        layers += range(int(first), int(last or first) + 1)
+    return layers
+
+
+def _add_steer_prompt_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--system", default=None, help="system prompt (default: ds4's builder's; '' for none)")
+    p.add_argument("--think", action="store_true", help="render prompts in thinking mode")
+    p.add_argument("--numerics", default="float", choices=["float", "ds4-cpu"])
+
+
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
     p.add_argument("--top-k", type=int, default=0)
@@ -262,6 +308,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--notebook", default="01_tour")
     p.add_argument("--out", default="reports")
     p.set_defaults(func=_cmd_tour)
+
+    steer = sub.add_parser("steer", help="ds4 directional steering: build direction files, sweep scales")
+    steer_sub = steer.add_subparsers(dest="steer_command", required=True)
+    p = steer_sub.add_parser("build", help="a direction per layer from target vs control prompts (one per line)")
+    p.add_argument("model")
+    p.add_argument("--target", required=True, help="prompts showing the trait (ds4's good file)")
+    p.add_argument("--control", required=True, help="contrasting prompts (ds4's bad file)")
+    p.add_argument("--out", required=True, help="V.f32 (ds4, with V.json beside it) or V.gguf with --format gguf")
+    p.add_argument("--format", default="ds4", choices=["ds4", "gguf"])
+    p.add_argument("--component", default="ffn", choices=["ffn", "attn", "attn+ffn"])
+    p.add_argument("--position", default="last", choices=["last", "mean"], help="last prompt token, or the mean")
+    p.add_argument("--method", default="mean", choices=["mean", "pair_mean", "pca"])
+    p.add_argument("--no-orthogonalize", action="store_true", help="keep the component along the control mean")
+    _add_steer_prompt_args(p)
+    p.set_defaults(func=_cmd_steer_build)
+
+    p = steer_sub.add_parser("sweep", help="generate from prompts x scales x layer sets; a table of measures")
+    p.add_argument("model")
+    p.add_argument("--vector", required=True, help="ds4 .f32 or control-vector .gguf")
+    p.add_argument("--prompts", required=True, help="one prompt per line")
+    p.add_argument("--scales", type=float, nargs="+", default=[-1.0, 0.0, 1.0, 2.0])
+    p.add_argument("--layers", action="append", default=[], help="layers to steer, e.g. 10-20,30 (repeatable)")
+    p.add_argument("--component", default="ffn", choices=["ffn", "attn"])
+    p.add_argument("--mode", default="project", choices=["project", "add"])
+    p.add_argument("--max-tokens", type=int, default=64)
+    _add_sampling_args(p)
+    _add_steer_prompt_args(p)
+    p.add_argument("--out", help="write the table as CSV (else print the generations)")
+    p.set_defaults(func=_cmd_steer_sweep)
     return parser
 
 

@@ -98,6 +98,13 @@ class Model:
         with self.hooks(fwd_hooks):
             return self(tokens)
 
+    def steering(self, vector, attn: float = 0.0, ffn: float = 1.0, mode: str = "project", layers=None):
+        """`with model.steering(vector, attn=0.0, ffn=1.0, mode="project", layers=None):` ds4's
+        directional steering on the attention / FFN outputs of everything run inside (see ds4lab.steering)."""
+        from ..steering import steer
+
+        return steer(self, vector, attn=attn, ffn=ffn, mode=mode, layers=layers)
+
     def cache_estimate(self, names: NameFilter | list[str] | None, n_tokens: int) -> int:
         """Bytes `run_with_cache` would hold for `n_tokens` tokens (before running anything)."""
         wanted = names if isinstance(names, list) else [names or (lambda _: True)]
