@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import os
 import json
 import struct
 from pathlib import Path
@@ -104,3 +105,58 @@ def test_write_reproduces_ds4s_bytes(tmp_path, folder):
         out = write(read(ORACLE / folder / name, RATIOS), tmp_path / "cache" / name)
         assert out.read_bytes() == original
         assert os.stat(out).st_mode & 0o777 == 0o600 and os.stat(out.parent).st_mode & 0o777 == 0o700
+
+
+def _float_regions(f) -> list[tuple[int, int]]:
+    """File byte ranges holding floats (logits and every layer block) of a parsed file."""
+    start = f.header.payload_offset
+    logits_at = start + 4 * (13 + len(f.tokens))
+    regions = [(logits_at, logits_at + 4 * len(f.logits))]
+    return regions + [(start + b.offset, start + b.offset + b.nbytes) for b in f.payload.blocks]
+
+
+@pytest.fixture(scope="module")
+def prefilled_300(tiny_a_gguf):
+    """A session that prefilled the 300 tokens ds4's harness saved."""
+    from ds4lab import load
+
+    session = load(tiny_a_gguf).session()
+    session.prefill(read(ORACLE / "kv" / "aaa0f5572975136c8071ff8b0e541d53a155c086.kv", RATIOS).tokens)
+    return session
+
+
+@pytest.mark.parametrize(("folder", "version"), [("kv", "8d57664"), ("kv-ba00a8a", "ba00a8a")])
+def test_saved_session_has_ds4s_layout(tmp_path, prefilled_300, folder, version):
+    """Save the prompt ds4's harness saved: same name, same size, and every byte outside the
+    float values equal to ds4's file (header, text, payload words, tokens, counts)."""
+    theirs = read(ORACLE / folder / "aaa0f5572975136c8071ff8b0e541d53a155c086.kv", RATIOS)
+    path = prefilled_300.save_kv(tmp_path / "cache", reason="cold", ctx_size=4096, version=version,
+                           now=theirs.header.created_at)
+    assert path.name == theirs.path.name
+    ours, want = bytearray(path.read_bytes()), bytearray(theirs.path.read_bytes())
+    assert len(ours) == len(want)
+    for lo, hi in _float_regions(theirs):
+        ours[lo:hi] = want[lo:hi] = bytes(hi - lo)
+    assert ours == want
+    assert os.stat(path).st_mode & 0o777 == 0o600 and os.stat(path.parent).st_mode & 0o777 == 0o700
+
+
+def test_save_and_load_continue_exactly(tmp_path, small_q4_mtp):
+    """A saved and reloaded session (another shape, Q4_K experts) decodes exactly like the one
+    that never stopped."""
+    from ds4lab import load
+
+    model = load(small_q4_mtp[0])
+    tokens = list(range(100, 250))
+    session = model.session()
+    session.prefill(tokens)
+    path = session.save_kv(tmp_path, reason="continued", ctx_size=1024, title=b"first prompt",
+                           tool_map=[(b"call_1", b"<tool_calls>x</tool_calls>")])
+    expected = np.array(session.decode(7))
+    resumed = model.session()
+    kvc = resumed.load_kv(path)
+    assert kvc.header.quant_bits == 4 and kvc.payload_header["n_layer"] == model.config.n_layer
+    assert kvc.header.reason_name == "continued" and kvc.title == b"first prompt"
+    assert kvc.tool_map == [(b"call_1", b"<tool_calls>x</tool_calls>")] and kvc.header.ext_names == [
+        "tool-map", "session-title"]
+    assert np.array_equal(np.array(resumed.decode(7)), expected)
