@@ -37,10 +37,10 @@ try:
 except ImportError:  # pragma: no cover - depends on the environment
     _lz4block = None
 
-__all__ = ["DEFAULT_CHUNK_LOG2", "MAX_CHUNK_LOG2", "MIN_CHUNK_LOG2", "LZ4BlockError", "compress_bound", "compression_worthwhile",
-           "decode_region", "encode_region", "lz4_block_compress", "lz4_block_compress_pure",
-           "lz4_block_decompress", "lz4_block_decompress_pure", "transpose4", "untranspose4", "xxh32",
-           "xxh32_pure"]
+__all__ = ["DEFAULT_CHUNK_LOG2", "MAX_CHUNK_LOG2", "MIN_CHUNK_LOG2", "LZ4BlockError", "compress_bound",
+           "compression_worthwhile", "decode_region", "encode_region", "lz4_block_compress",
+           "lz4_block_compress_pure", "lz4_block_decompress", "lz4_block_decompress_pure", "transpose4",
+           "untranspose4", "xxh32", "xxh32_pure"]
 
 DEFAULT_CHUNK_LOG2 = 24  # 16 MiB, ds4's DS4_KVSTORE_DEFAULT_CHUNK_BYTES
 MIN_CHUNK_LOG2 = 1  # ds4_kvstore_read_header maps byte 22 = 0 to "no chunk size"
@@ -209,7 +209,9 @@ def lz4_block_decompress_pure(src: bytes, raw_size: int) -> bytes:
 def lz4_block_decompress(src: bytes, raw_size: int) -> bytes:
     """Decode one LZ4 block to exactly `raw_size` bytes (through `lz4` when installed).
 
-    Any malformed block, or one that decodes to a different size, raises LZ4BlockError.
+    Any malformed block, or one that decodes to a different size, raises LZ4BlockError. One
+    difference from the pure decoder: liblz4 tolerates a match offset of 0 (invalid by the block
+    format) and decodes garbage; inside a region the chunk's XXH32 still catches that.
     """
     if _lz4block is None or raw_size <= 0:
         return lz4_block_decompress_pure(src, raw_size)
