@@ -70,9 +70,59 @@ def _cmd_logits(args: argparse.Namespace) -> int:
         tokens = load_tokenizer().encode(Path(args.prompt_file).read_text(encoding="utf-8"),
                                          add_special_tokens=False).ids
     model = load(args.model, numerics=args.numerics)
-    out = save(args.out, run(model, tokens, k=args.top_k, n_gen=args.gen))
+    out = save(args.out, run(model, tokens, k=args.top_k, n_gen=args.gen, resume=args.resume_kv))
     print(out)
     return 0
+
+
+def _cmd_kv_ls(args: argparse.Namespace) -> int:
+    from .kvc import scan
+
+    frame = scan(args.directory, with_text=args.text)
+    if args.json:
+        print(frame.to_json(orient="records", date_format="iso", indent=1))
+    elif args.csv:
+        print(frame.to_csv(index=False), end="")
+    else:
+        columns = ["file", "valid", "ds4_version", "reason_name", "tokens", "hits", "ctx_size", "file_bytes",
+                   "last_used", "error"]
+        print(frame[columns].to_string(index=False) if len(frame) else f"no .kv files in {args.directory}")
+    return 0
+
+
+def _cmd_kv_show(args: argparse.Namespace) -> int:
+    from .kvc import read
+
+    kvc = read(args.file, _schedule(args.model))
+    summary = kvc.summary()
+    if args.json:
+        print(json.dumps(summary, indent=1))
+        return 0
+    for key, value in summary["header"].items():
+        print(f"{key:>14}: {value}")
+    print("payload: " + ", ".join(f"{k}={v}" for k, v in summary["payload"].items() if k != "magic"))
+    print(f"text: {len(kvc.text)} bytes, name is its SHA-1: {summary['name_is_text_sha1']}")
+    print(kvc.layers.to_string(index=False))
+    return 0
+
+
+def _cmd_kv_diff(args: argparse.Namespace) -> int:
+    from .kvc import read
+    from .kvc.diff import diff
+
+    schedule = _schedule(args.model)
+    frame = diff(read(args.a, schedule), read(args.b, schedule))
+    print(frame.to_string(index=False) if len(frame) else "identical")
+    return 0 if frame.empty else 1
+
+
+def _schedule(model: str | None):
+    """The compression schedule for reading a payload: from a GGUF's metadata, else Flash/Pro."""
+    if model is None:
+        return None
+    from .gguf import open as open_gguf
+
+    return open_gguf(model).config
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -266,8 +316,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=64)
     p.add_argument("--numerics", default="float", choices=["float", "ds4-cpu"])
     p.add_argument("--gen", type=int, default=0, help="greedy steps after the prompt")
+    p.add_argument("--resume-kv", metavar="FILE.kv", help="start from a .kv file's state; run only the rest")
     p.add_argument("--out", required=True)
     p.set_defaults(func=_cmd_logits)
+
+    kv = sub.add_parser("kv", help="ds4's disk KV cache files: list a directory, show a file, compare two")
+    kv_sub = kv.add_subparsers(dest="kv_command", required=True)
+    p = kv_sub.add_parser("ls", help="one row per .kv file of a cache directory")
+    p.add_argument("directory")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true")
+    fmt.add_argument("--csv", action="store_true")
+    p.add_argument("--text", action="store_true", help="include the cached prompt text (verbatim user data)")
+    p.set_defaults(func=_cmd_kv_ls)
+    for name, func, help_text in (("show", _cmd_kv_show, "header, payload words and per-layer rows of a file"),
+                                  ("diff", _cmd_kv_diff, "what differs between two files (exit 1 if anything)")):
+        p = kv_sub.add_parser(name, help=help_text)
+        if name == "show":
+            p.add_argument("file")
+            p.add_argument("--json", action="store_true")
+        else:
+            p.add_argument("a")
+            p.add_argument("b")
+        p.add_argument("--model", help="GGUF whose compression schedule the payload follows (default: Flash/Pro "
+                                       "by layer count)")
+        p.set_defaults(func=func)
 
     p = sub.add_parser("generate", help="generate from a prompt (text as is; special tokens by their text)")
     p.add_argument("model")

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import json
+import os
 import struct
 from pathlib import Path
 
@@ -160,3 +160,84 @@ def test_save_and_load_continue_exactly(tmp_path, small_q4_mtp):
     assert kvc.tool_map == [(b"call_1", b"<tool_calls>x</tool_calls>")] and kvc.header.ext_names == [
         "tool-map", "session-title"]
     assert np.array_equal(np.array(resumed.decode(7)), expected)
+
+
+def test_scan_reads_a_directory_of_every_kind(tmp_path):
+    """Valid files of both ds4 versions, a renamed file and a broken one: one row each."""
+    import shutil
+
+    from ds4lab.kvc import scan
+
+    for folder in ("kv", "kv-ba00a8a"):
+        name = "aaa0f5572975136c8071ff8b0e541d53a155c086.kv" if folder == "kv" else (
+            "893f68aa7053e5b3bcd7742fe10b1dec38ab5851.kv")
+        shutil.copy(ORACLE / folder / name, tmp_path / name)
+    shutil.copy(ORACLE / "kv" / "32efa32002047952225f813c5e30380f5f367a27.kv", tmp_path / "renamed.kv")
+    (tmp_path / "broken.kv").write_bytes(b"KVC\x01" + bytes(20))
+    (tmp_path / "notes.txt").write_text("not a cache file")
+    frame = scan(tmp_path).set_index("file")
+    assert sorted(frame.index) == ["893f68aa7053e5b3bcd7742fe10b1dec38ab5851.kv", "aaa0f5572975136c8071ff8b0e541d53a155c086.kv",
+                                   "broken.kv", "renamed.kv"]
+    assert not frame.loc["broken.kv", "valid"] and "KVC header" in frame.loc["broken.kv", "error"]
+    assert frame.loc["aaa0f5572975136c8071ff8b0e541d53a155c086.kv", "ds4_version"] == "8d57664"
+    row = frame.loc["893f68aa7053e5b3bcd7742fe10b1dec38ab5851.kv"]
+    assert (row["ds4_version"], row["payload_abi"], row["payload_version"], row["tokens"]) == ("ba00a8a", 2, 2, 392)
+    assert row["reason_name"] == "cold" and row["file_bytes"] == 2_237_265
+    assert str(row["created_at"].tz) == "UTC" and row["created_at"].year == 2026
+    assert frame.loc["renamed.kv", "name_is_text_sha1"] == False  # noqa: E712 (a pandas boolean)
+    assert "text" not in frame and scan(tmp_path, with_text=True).loc[0, "text"].startswith("<｜begin")
+
+
+def test_diff_of_two_checkpoints_of_one_conversation():
+    """The 392-token server checkpoint extends the 300-token one: the shared compressed rows
+    and the overlapping raw window are identical; only counts, frontiers and logits differ."""
+    from ds4lab.kvc.diff import diff
+
+    a = read(ORACLE / "kv" / "aaa0f5572975136c8071ff8b0e541d53a155c086.kv", RATIOS)
+    b = read(ORACLE / "kv" / "893f68aa7053e5b3bcd7742fe10b1dec38ab5851.kv", RATIOS)
+    frame = diff(a, b)
+    rows = frame[frame["part"] == "layer"].set_index(["layer", "field"])
+    assert rows.loc[(2, "comp_kv rows"), ["a", "b"]].tolist() == ["75", "98"]
+    assert rows.loc[(2, "comp_kv rows"), "max_abs_diff"] == 0.0
+    assert not any(f.startswith("raw_kv") for f in frame["field"])
+    assert frame[frame["field"] == "common_prefix_tokens"]["a"].item() == "300"
+    assert diff(a, a).empty
+
+
+def test_kv_cli(tmp_path, capsys):
+    from ds4lab.cli import main
+
+    folder = ORACLE / "kv-ba00a8a"
+    assert main(["kv", "ls", str(folder), "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert {r["file"] for r in listed} == {e["file"] for e in json.loads((folder / "manifest.json").read_text())["files"]}
+    assert main(["kv", "ls", str(folder), "--csv"]) == 0
+    assert capsys.readouterr().out.startswith("file,valid,error")
+    name = "32efa32002047952225f813c5e30380f5f367a27.kv"
+    assert main(["kv", "show", str(folder / name), "--json", "--model", "tiny"]) == 2  # not a GGUF: a clear error
+    capsys.readouterr()
+    path = tmp_path / name
+    path.write_bytes((folder / name).read_bytes())
+    from ds4lab.kvc import write
+
+    write(read(path, RATIOS).with_header(reason=3, hits=5), path)
+    shown = {}
+    for target in (folder / name, path):
+        assert main(["kv", "show", str(target), "--json", "--model", str(_tiny_schedule_gguf(tmp_path))]) == 0
+        shown[target] = json.loads(capsys.readouterr().out)
+    want = json.loads((folder / "manifest.json").read_text())["files"][2]
+    assert shown[folder / name]["header"]["reason_name"] == "shutdown" and shown[path]["header"]["reason_name"] == "evict"
+    assert shown[folder / name]["payload"] == want["payload_header"]
+    assert [x["compressed_rows"] for x in shown[path]["layers"]] == want["n_comp"]
+    assert main(["kv", "diff", str(folder / name), str(path), "--model", str(_tiny_schedule_gguf(tmp_path))]) == 1
+    out = capsys.readouterr().out
+    assert "reason" in out and "hits" in out and "logits" not in out
+
+
+def _tiny_schedule_gguf(tmp_path) -> Path:
+    from ds4lab.synth import make_model
+
+    path = tmp_path / "tiny.gguf"
+    if not path.exists():
+        make_model(path, "tiny", "q2", seed=0, vocab_rows=256)
+    return path
