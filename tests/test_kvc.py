@@ -176,8 +176,8 @@ def test_scan_reads_a_directory_of_every_kind(tmp_path):
     (tmp_path / "broken.kv").write_bytes(b"KVC\x01" + bytes(20))
     (tmp_path / "notes.txt").write_text("not a cache file")
     frame = scan(tmp_path).set_index("file")
-    assert sorted(frame.index) == ["893f68aa7053e5b3bcd7742fe10b1dec38ab5851.kv", "aaa0f5572975136c8071ff8b0e541d53a155c086.kv",
-                                   "broken.kv", "renamed.kv"]
+    assert sorted(frame.index) == ["893f68aa7053e5b3bcd7742fe10b1dec38ab5851.kv",
+                                   "aaa0f5572975136c8071ff8b0e541d53a155c086.kv", "broken.kv", "renamed.kv"]
     assert not frame.loc["broken.kv", "valid"] and "KVC header" in frame.loc["broken.kv", "error"]
     assert frame.loc["aaa0f5572975136c8071ff8b0e541d53a155c086.kv", "ds4_version"] == "8d57664"
     row = frame.loc["893f68aa7053e5b3bcd7742fe10b1dec38ab5851.kv"]
@@ -210,7 +210,8 @@ def test_kv_cli(tmp_path, capsys):
     folder = ORACLE / "kv-ba00a8a"
     assert main(["kv", "ls", str(folder), "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)
-    assert {r["file"] for r in listed} == {e["file"] for e in json.loads((folder / "manifest.json").read_text())["files"]}
+    manifest = json.loads((folder / "manifest.json").read_text())["files"]
+    assert {r["file"] for r in listed} == {e["file"] for e in manifest}
     assert main(["kv", "ls", str(folder), "--csv"]) == 0
     assert capsys.readouterr().out.startswith("file,valid,error")
     name = "32efa32002047952225f813c5e30380f5f367a27.kv"
@@ -225,8 +226,9 @@ def test_kv_cli(tmp_path, capsys):
     for target in (folder / name, path):
         assert main(["kv", "show", str(target), "--json", "--model", str(_tiny_schedule_gguf(tmp_path))]) == 0
         shown[target] = json.loads(capsys.readouterr().out)
-    want = json.loads((folder / "manifest.json").read_text())["files"][2]
-    assert shown[folder / name]["header"]["reason_name"] == "shutdown" and shown[path]["header"]["reason_name"] == "evict"
+    want = manifest[2]
+    assert shown[folder / name]["header"]["reason_name"] == "shutdown"
+    assert shown[path]["header"]["reason_name"] == "evict"
     assert shown[folder / name]["payload"] == want["payload_header"]
     assert [x["compressed_rows"] for x in shown[path]["layers"]] == want["n_comp"]
     assert main(["kv", "diff", str(folder / name), str(path), "--model", str(_tiny_schedule_gguf(tmp_path))]) == 1

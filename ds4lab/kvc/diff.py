@@ -39,7 +39,8 @@ def diff(a: KVCFile, b: KVCFile) -> pd.DataFrame:
         shared = _common_prefix(np.frombuffer(a.text, np.uint8), np.frombuffer(b.text, np.uint8))
         add("text", "common_prefix_bytes", shared, f"of {len(a.text)} / {len(b.text)}")
     if not np.array_equal(a.tokens, b.tokens):
-        add("tokens", "common_prefix_tokens", _common_prefix(a.tokens, b.tokens), f"of {len(a.tokens)} / {len(b.tokens)}")
+        add("tokens", "common_prefix_tokens", _common_prefix(a.tokens, b.tokens),
+            f"of {len(a.tokens)} / {len(b.tokens)}")
     if a.logits.shape == b.logits.shape and not np.array_equal(a.logits, b.logits):
         add("logits", "logits", int(a.logits.argmax()), int(b.logits.argmax()),
             max_abs=np.abs(a.logits - b.logits).max())
