@@ -243,3 +243,40 @@ def _tiny_schedule_gguf(tmp_path) -> Path:
     if not path.exists():
         make_model(path, "tiny", "q2", seed=0, vocab_rows=256)
     return path
+
+
+def test_lz4_envelope_round_trip(tmp_path):
+    """ds4's file written in the LZ4 envelope (version 2, codec 2) reads back to the same
+    arrays, and written raw again it is ds4's file byte for byte."""
+    from ds4lab.kvc import write
+
+    name = "aaa0f5572975136c8071ff8b0e541d53a155c086.kv"
+    original = read(ORACLE / "kv-ba00a8a" / name, RATIOS)
+    packed = read(write(original, tmp_path / "lz4" / name, compress=True, chunk_log2=19), RATIOS)
+    assert (packed.header.version, packed.header.codec, packed.header.chunk_log2) == (2, 2, 19)
+    assert packed.header.payload_bytes < original.header.payload_bytes
+    raw = (ORACLE / "kv-ba00a8a" / name).read_bytes()
+    assert raw[52 + 1721:52 + 1721 + 24] != (tmp_path / "lz4" / name).read_bytes()[52 + 1721:52 + 1721 + 24]
+    for il in range(len(RATIOS)):
+        for key, value in original.arrays(il).items():
+            assert np.array_equal(packed.arrays(il)[key], value)
+    assert np.array_equal(packed.logits, original.logits) and packed.text == original.text
+    assert write(packed, tmp_path / "raw" / name, compress=False).read_bytes() == raw
+
+
+def test_logits_resume_kv(tmp_path, tiny_a_gguf):
+    """`ds4lab logits --resume-kv`: ds4's 300-token file, then the rest of the prompt."""
+    from ds4lab.cli import main
+
+    oracle = np.load(ORACLE / "oracle.npz")
+    tokens = tmp_path / "tokens.json"
+    tokens.write_text(json.dumps(oracle["tokens"][:310].tolist()))
+    out = tmp_path / "rest.npz"
+    assert main(["logits", str(tiny_a_gguf), "--tokens", str(tokens), "--resume-kv",
+                 str(ORACLE / "kv" / "aaa0f5572975136c8071ff8b0e541d53a155c086.kv"), "--out", str(out)]) == 0
+    got = np.load(out)
+    assert int(got["resumed_from"]) == 300 and got["topk_ids"].shape[0] == 10
+    assert np.mean(got["topk_ids"][:, 0] == oracle["restore_topk_ids"][:10, 0]) >= 0.8
+    tokens.write_text(json.dumps(oracle["tokens"][:250].tolist()))
+    assert main(["logits", str(tiny_a_gguf), "--tokens", str(tokens), "--resume-kv",
+                 str(ORACLE / "kv" / "aaa0f5572975136c8071ff8b0e541d53a155c086.kv"), "--out", str(out)]) == 2
