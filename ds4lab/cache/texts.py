@@ -76,11 +76,15 @@ class TextTree:
             if found is None:
                 break
             shared, candidates = start + _BLOCK, found
+        if not shared:
+            candidates = list(self._data)  # no whole block in common with any text: compare the first bytes
         best, lcp = -1, 0
         for cand in candidates:
             common = shared + _common_len(data[shared:shared + _BLOCK], self._data[cand][shared:shared + _BLOCK])
             if best < 0 or common > lcp:
                 best, lcp = cand, common
+        if best >= 0 and lcp == 0:
+            best = -1
         if best >= 0 and lcp == len(data):
             return best
         branch = self.new_branch(best, lcp)
