@@ -225,6 +225,60 @@ def _cmd_tour(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_cache_simulate(args: argparse.Namespace) -> int:
+    from .cache.simulate import simulate, summary
+
+    try:
+        events = simulate(args.trace, args.policy, args.budget_mb << 20,
+                          {"ctx_size": args.ctx, "model": args.model, "shutdown": not args.no_shutdown})
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"ds4lab: {args.trace}: {exc}", file=sys.stderr)
+        return 2
+    result = {"policy": args.policy, "budget_bytes": args.budget_mb << 20, **summary(events)}
+    if args.events:
+        events.to_csv(args.events, index=False)
+    if args.json:
+        json.dump(result, sys.stdout, indent=1)
+        print()
+        return 0
+    for key, value in result.items():
+        print(f"{key:20s} {value:.4f}" if isinstance(value, float) else f"{key:20s} {value}")
+    return 0
+
+
+def _cmd_cache_plan(args: argparse.Namespace) -> int:
+    import time
+
+    import pandas as pd
+
+    from .cache.rules import explain_eviction
+
+    now = int(args.now if args.now is not None else time.time())
+    try:
+        table = explain_eviction(args.dir, args.budget_mb << 20, now, extra_bytes=args.extra_bytes,
+                                 policy=args.policy)
+    except (OSError, ValueError) as exc:
+        print(f"ds4lab: {args.dir}: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(table.to_json(orient="records", indent=1))
+        return 0
+    victims = table[table["order"] > 0]
+    total = int(table["file_bytes"].sum())
+    print(f"{args.dir}: {len(table)} indexed files, {total / 2**20:.1f} MiB; budget {args.budget_mb} MiB "
+          f"(extra {args.extra_bytes} B); policy {args.policy}")
+    if victims.empty:
+        print("nothing to evict")
+    else:
+        first = victims.iloc[0]
+        print(f"next victim: {first['file']} ({first['reason']}, {first['tokens']} tokens, score {first['score']:.6g} "
+              f"= ({first['effective_hits']:.3g} decayed hits + 1) x {first['density']:.3g} tokens/B x anchor "
+              f"{first['anchor_factor']:g} x supersede {first['supersede_factor']:g}); {len(victims)} files in all")
+    with pd.option_context("display.width", 200, "display.max_rows", None):
+        print(table.to_string(index=False))
+    return 0
+
+
 def _cmd_steer_build(args: argparse.Namespace) -> int:
     from . import load
     from .steering import build, read_prompts
@@ -381,6 +435,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--notebook", default="01_tour")
     p.add_argument("--out", default="reports")
     p.set_defaults(func=_cmd_tour)
+
+    cache = sub.add_parser("cache", help="ds4's disk KV cache policy: replay a trace, dry-run a cache directory")
+    cache_sub = cache.add_subparsers(dest="cache_command", required=True)
+    p = cache_sub.add_parser("simulate", help="replay a JSONL trace or ds4-server --trace log; hit rates, stores")
+    p.add_argument("trace")
+    p.add_argument("--policy", default="ds4@ba00a8a", help="ds4@ba00a8a, ds4@8d57664, ds4@24fa85ea, lru or size")
+    p.add_argument("--budget-mb", type=int, default=4096, help="--kv-disk-space-mb")
+    p.add_argument("--ctx", type=int, default=131072, help="the server's --ctx")
+    p.add_argument("--model", default="flash", choices=["flash", "pro"], help="sizes payloads")
+    p.add_argument("--no-shutdown", action="store_true", help="no shutdown save after the last request")
+    p.add_argument("--events", help="write every event as CSV")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_cache_simulate)
+
+    p = cache_sub.add_parser("plan", help="which files ds4 would evict next from a --kv-disk-dir, and why")
+    p.add_argument("dir")
+    p.add_argument("--budget-mb", type=int, default=4096)
+    p.add_argument("--extra-bytes", type=int, default=0, help="size of the file about to be stored (ba00a8a)")
+    p.add_argument("--policy", default="ds4@ba00a8a")
+    p.add_argument("--now", type=int, default=None, help="Unix time of the decision (default: now)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=_cmd_cache_plan)
 
     steer = sub.add_parser("steer", help="ds4 directional steering: build direction files, sweep scales")
     steer_sub = steer.add_subparsers(dest="steer_command", required=True)

@@ -346,3 +346,17 @@ def test_ds4_trace_reader(tmp_path):
     assert recs[1]["gen_text"] == "ok" and recs[1]["gen_tokens"] == 1
     ev = simulate(path, "ds4@ba00a8a", BIG)
     assert list(ev[ev["event"] == "request"]["source"]) == ["none", "memory"]
+
+
+def test_cli_simulate_and_plan(tmp_path, capsys):
+    from ds4lab.cache.workloads import coding_agent_trace, write_jsonl
+    from ds4lab.cli import main
+
+    trace = write_jsonl(coding_agent_trace(50, n_users=3, seed=1), tmp_path / "t.jsonl")
+    assert main(["cache", "simulate", str(trace), "--policy", "ds4@8d57664", "--budget-mb", "2048", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["requests"] == 50 and out["policy"] == "ds4@8d57664"
+    cold = stub(tmp_path, sha(1), 1536, 4 << 20, reason=1)
+    stub(tmp_path, sha(2), 2048, 4 << 20, reason=2)
+    assert main(["cache", "plan", str(tmp_path), "--budget-mb", "5", "--policy", "ds4@8d57664", "--now", "1"]) == 0
+    assert f"next victim: {cold}" in capsys.readouterr().out

@@ -22,7 +22,7 @@ from typing import Any
 from ..config import FLASH, PRO, ModelConfig
 from ..errors import KVCFormatError
 from ..kvc.header import PREFIX_BYTES, read_header
-from .policies import DEFAULT_POLICY, Entry, Incoming, Policy, get_policy
+from .policies import DEFAULT_POLICY, REASON_NAMES, Entry, Incoming, Policy, get_policy
 
 U64_MAX = (1 << 64) - 1
 _SHA_NAME = re.compile(r"[0-9a-fA-F]{40}\.kv")
@@ -302,3 +302,30 @@ def find_prefix(directory: str | Path | Iterable[Mapping[str, Any] | Entry], pro
 def _i32(value: int) -> int:
     value &= 0xFFFFFFFF
     return value - (1 << 32) if value >= 1 << 31 else value
+
+
+def explain_eviction(directory: str | Path | Iterable[Mapping[str, Any] | Entry], budget_bytes: int, now: int,
+                     protected_sha: str | None = None, extra_bytes: int = 0,
+                     incoming: Mapping[str, Any] | Incoming | None = None,
+                     policy: str | Policy = DEFAULT_POLICY):
+    """`plan_eviction` with its reasons: one row per indexed file, in eviction order first
+    (`order` 1, 2, ...; 0 for files kept), with the score and its factors."""
+    import pandas as pd
+
+    pol = get_policy(policy)
+    entries = _entries(directory, pol)
+    inc = Incoming.of(incoming)
+    order = {e.sha: i for i, (e, _) in enumerate(
+        evict_order(entries, budget_bytes, now, protected_sha, extra_bytes, inc, pol), 1)}
+    rows = []
+    for e in entries:
+        parts = pol.parts(e, int(now), inc)
+        rows.append({"order": order.get(e.sha, 0), "file": f"{e.sha}.kv", "reason": REASON_NAMES.get(e.reason, ""),
+                     "tokens": e.tokens, "hits": e.hits, "effective_hits": parts.effective_hits,
+                     "file_bytes": e.file_size, "density": parts.density, "anchor_factor": parts.anchor,
+                     "supersede_factor": parts.supersede,
+                     "score": pol.score(e, int(now), protected_sha, inc), "last_used": e.last_used or e.created_at})
+    df = pd.DataFrame(rows, columns=["order", "file", "reason", "tokens", "hits", "effective_hits", "file_bytes",
+                                     "density", "anchor_factor", "supersede_factor", "score", "last_used"])
+    df["kept"] = df["order"] == 0
+    return df.sort_values(["kept", "order", "score"]).drop(columns="kept").reset_index(drop=True)
