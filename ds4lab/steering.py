@@ -289,6 +289,8 @@ def collect_activations(model, prompts: Sequence[str], component: Component = "f
     (ds4's choice: the `</think>` marker) or averaged over its tokens. "attn+ffn" sums the two
     sublayers' outputs. Read through hooks, so hooks already active (steering too) apply."""
     points = _points(component)
+    if position not in ("last", "mean"):
+        raise ValueError(f"position must be 'last' or 'mean', not {position!r}")
     cfg = model.config
     out = np.zeros((len(prompts), cfg.n_layer, cfg.n_embd), np.float32)
     if progress:
@@ -386,7 +388,9 @@ def sweep(model, vector: SteeringVector, prompts: Sequence[str], scales: Sequenc
     the mean over all tokens run (prompt and generated) of v . y at that layer's `component`
     output before the edit (so steering's effect on later layers shows; after a projection
     edit the component is (1 - s) times it)."""
-    (point,) = _points(component)
+    if component not in HOOKS:
+        raise ValueError(f"a sweep steers one component, 'attn' or 'ffn', not {component!r}")
+    point = HOOKS[component]
     runs = [(prompt, chosen, scale) for prompt in prompts for chosen in layers for scale in scales]
     if progress:
         from tqdm.auto import tqdm

@@ -113,7 +113,12 @@ def test_steering_reaches_sessions_and_run_with_cache(model, tokens):
         session.prefill(tokens[:-1])
         decoded = np.array(session.decode(tokens[-1]))
         _, cache = model.run_with_cache(tokens, "blocks.3.ffn.hook_out")
+        first = generate(model, tokens, 1).steps[0]
     np.testing.assert_allclose(decoded, full[-1], rtol=1e-4, atol=1e-4)
+    steered_logprobs = full[-1] - np.logaddexp.reduce(full[-1].astype(np.float64))
+    assert first.token == int(np.argmax(full[-1]))
+    assert abs(first.logprob - steered_logprobs[first.token]) < 1e-3
+    assert not np.allclose(full[-1], np.array(model(tokens))[-1], atol=1e-3)     # steering did change them
     assert np.abs(cache["blocks.3.ffn.hook_out"] @ v.directions[3]).max() < 1e-4
 
 

@@ -13,8 +13,10 @@ comparisons with ds4.c's logits tight.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
@@ -27,6 +29,9 @@ from .numerics import fp8_kv_round, indexer_qat, q8_0_act_codes, q8_k_act_round,
 from .rope import Rotation, rope_tail, yarn_for
 from .state import LayerCache, SessionState
 from .weights import LayerWeights, ModelWeights, Q8Matrix
+
+if TYPE_CHECKING:
+    from ..steering import SteeringVector
 
 NUMERICS = ("float", "ds4-cpu")
 
@@ -98,7 +103,8 @@ class Model:
         with self.hooks(fwd_hooks):
             return self(tokens)
 
-    def steering(self, vector, attn: float = 0.0, ffn: float = 1.0, mode: str = "project", layers=None):
+    def steering(self, vector: SteeringVector, attn: float = 0.0, ffn: float = 1.0, mode: str = "project",
+                 layers: Iterable[int] | None = None):
         """`with model.steering(vector, attn=0.0, ffn=1.0, mode="project", layers=None):` ds4's
         directional steering on the attention / FFN outputs of everything run inside (see ds4lab.steering)."""
         from ..steering import steer
