@@ -122,7 +122,11 @@ class KVCFile:
 
 
 def _iso(seconds: int) -> str:
-    return datetime.fromtimestamp(seconds, UTC).isoformat() if seconds else ""
+    """ISO time of a header timestamp; one no calendar holds (a corrupt field) stays a number."""
+    try:
+        return datetime.fromtimestamp(seconds, UTC).isoformat() if seconds else ""
+    except (OverflowError, OSError, ValueError):
+        return str(seconds)
 
 
 def _map(path: Path):

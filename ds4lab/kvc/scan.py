@@ -54,7 +54,8 @@ def scan(directory, with_text: bool = False, now: float | None = None, policies=
                                   "created_at", "last_used", "name_is_text_sha1", *(["text"] if with_text else [])])
     frame = frame.astype(dict.fromkeys(_INT_COLUMNS, "Int64") | {"valid": bool, "name_is_text_sha1": "boolean"})
     for column in ("created_at", "last_used"):
-        frame[column] = pd.to_datetime(frame[column].astype("Int64"), unit="s", utc=True)
+        # A timestamp beyond pandas' calendar (a corrupt header) becomes NaT, not an error.
+        frame[column] = pd.to_datetime(frame[column].astype("Int64"), unit="s", utc=True, errors="coerce")
     return _with_scores(frame, directory, now, policies)
 
 
