@@ -136,15 +136,13 @@ class Policy:
     # ---- the score -------------------------------------------------------------------
     def effective_hits(self, e: Entry, now: int) -> float:
         """Hits halved every `half_life_s` since last use; below 0.01 they count as none."""
-        eff = float(e.hits)
-        used_at = e.last_used if e.last_used else e.created_at
+        used_at = e.last_used or e.created_at
         if used_at == 0:
             return 0.0
-        if now > used_at:
-            eff *= math.exp2(-float(now - used_at) / float(self.half_life_s))
-            if eff < MIN_EFFECTIVE_HITS:
-                eff = 0.0
-        return eff
+        if now > used_at and e.hits:  # 0 hits stay 0.0 whatever the decay
+            eff = e.hits * math.exp2(-float(now - used_at) / self.half_life_s)
+            return eff if eff >= MIN_EFFECTIVE_HITS else 0.0
+        return float(e.hits)
 
     def supersedes(self, e: Entry, incoming: Incoming | None) -> bool:
         """A continued checkpoint that is a strict rendered-byte prefix of the incoming store,
@@ -165,13 +163,13 @@ class Policy:
         """ds4_kvstore_entry_eviction_score, operation for operation (doubles, C order)."""
         if e.file_size == 0:
             return 0.0
-        if self.protect_new and protected_sha is not None and e.sha == protected_sha:
+        if protected_sha is not None and self.protect_new and e.sha == protected_sha:
             return DBL_MAX
         eff = self.effective_hits(e, now)
         score = (eff + 1.0) * e.tokens / float(e.file_size)
         if e.reason in _ANCHORS:
             score *= self.anchor_factor
-        if self.supersedes(e, incoming):
+        if incoming is not None and self.supersedes(e, incoming):
             h = eff / (eff + 1.0) if eff > 0.0 else 0.0
             score *= SUPERSEDE_MIN + SUPERSEDE_HIT * h
         return score

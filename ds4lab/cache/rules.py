@@ -151,15 +151,14 @@ def payload_bytes(config: ModelConfig | str, n_tokens: int, ctx_size: int | None
     t = int(n_tokens)
     hd, ihd = config.head_dim, config.indexer_head_dim
     window = config.n_swa if ctx_size is None else min(config.n_swa, ctx_size)
-    raw = min(t, window)
-    total = 13 * 4 + 4 * t + 4 * config.n_vocab + 2 * 4 * config.n_layer
-    for ratio in config.compress_ratios[: config.n_layer]:
-        total += raw * hd * 4
-        if ratio:
-            coff = 2 if ratio == 4 else 1
-            total += (t // ratio) * hd * 4 + 2 * (coff * ratio) * (coff * hd) * 4
-        if ratio == 4:
-            total += (t // 4) * ihd * 4 + 2 * 8 * (2 * ihd) * 4
+    ratios = config.compress_ratios[: config.n_layer]
+    total = 13 * 4 + 4 * t + 4 * config.n_vocab + 2 * 4 * config.n_layer + config.n_layer * min(t, window) * hd * 4
+    for ratio in set(ratios) - {0}:
+        coff = 2 if ratio == 4 else 1
+        per_layer = (t // ratio) * hd * 4 + 2 * (coff * ratio) * (coff * hd) * 4
+        if ratio == 4:  # the indexer's rows and frontier
+            per_layer += (t // 4) * ihd * 4 + 2 * 8 * (2 * ihd) * 4
+        total += ratios.count(ratio) * per_layer
     return total
 
 
@@ -234,14 +233,18 @@ def evict_order(entries: Sequence[Entry], budget_bytes: int, now: int, protected
     left = list(entries)
     total = sum(e.file_size for e in left) & U64_MAX
     now = int(now)
+    # ds4 rescores every entry for each victim; within one pass nothing a score reads changes
+    # (same now, incoming and protection), so scoring once gives the same victims.
+    scores = [pol.score(e, now, protected_sha, incoming) for e in left]
     victims = []
     while total > target and left:
-        victim, best = 0, pol.score(left[0], now, protected_sha, incoming)
+        victim, best = 0, scores[0]
         for i in range(1, len(left)):
-            s = pol.score(left[i], now, protected_sha, incoming)
+            s = scores[i]
             if s < best or (s == best and left[i].last_used < left[victim].last_used):
                 victim, best = i, s
         e = left.pop(victim)
+        del scores[victim]
         victims.append((e, best))
         total = total - e.file_size if total >= e.file_size else 0
     return victims
