@@ -183,6 +183,10 @@ def test_scan_reads_a_directory_of_every_kind(tmp_path):
     row = frame.loc["893f68aa7053e5b3bcd7742fe10b1dec38ab5851.kv"]
     assert (row["ds4_version"], row["payload_abi"], row["payload_version"], row["tokens"]) == ("ba00a8a", 2, 2, 392)
     assert row["reason_name"] == "cold" and row["file_bytes"] == 2_237_265
+    # (hits + 1) * tokens / file bytes; ba00a8a doubles anchors (cold) and ignores pre-ABI files.
+    assert row["score_ds4@8d57664"] == pytest.approx(392 / 2_237_265, rel=1e-12)
+    assert row["score_ds4@ba00a8a"] == pytest.approx(2 * 392 / 2_237_265, rel=1e-12)
+    assert np.isnan(frame.loc["aaa0f5572975136c8071ff8b0e541d53a155c086.kv", "score_ds4@ba00a8a"])
     assert str(row["created_at"].tz) == "UTC" and row["created_at"].year == 2026
     assert frame.loc["renamed.kv", "name_is_text_sha1"] == False  # noqa: E712 (a pandas boolean)
     assert "text" not in frame and scan(tmp_path, with_text=True).loc[0, "text"].startswith("<｜begin")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import time
 from pathlib import Path
 
 import pandas as pd
@@ -60,4 +61,12 @@ def scan(directory, with_text: bool = False, now: float | None = None, policies=
 
 
 def _with_scores(frame: pd.DataFrame, directory: Path, now: float | None, policies) -> pd.DataFrame:
+    """A `score_<policy>` column per policy: the eviction score each file has now (lowest goes
+    first), NaN for files the policy's ds4 would not index."""
+    from ..cache import eviction_score, index_directory
+
+    now = int(time.time() if now is None else now)
+    for name in policies or ("ds4@8d57664", "ds4@ba00a8a"):
+        scores = {f"{e.sha}.kv": eviction_score(e, now, policy=name) for e in index_directory(directory, name)}
+        frame[f"score_{name}"] = frame["file"].str.lower().map(scores).astype("float64")
     return frame
