@@ -310,6 +310,39 @@ def _cmd_steer_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_imatrix_collect(args: argparse.Namespace) -> int:
+    from . import load
+    from .quants import imatrix
+    from .tokenizer import load as load_tokenizer
+
+    model = load(args.model, numerics=args.numerics)
+    prompts = imatrix.dataset_tokens(imatrix.read_prompts(args.prompts), load_tokenizer(mode="ds4"), ctx=args.ctx,
+                                     max_tokens=args.max_tokens, max_prompts=args.max_prompts)
+    collected = imatrix.collect(model, prompts, chunk=args.chunk, dataset=str(args.prompts))
+    routes = sum(int(e.counts.sum()) for name, e in collected.entries.items() if "ffn_down" in name)
+    print(f"{collected.save(args.out)}: {len(prompts)} prompts, {sum(map(len, prompts))} tokens, "
+          f"{routes} routed expert observations", file=sys.stderr)
+    return 0
+
+
+def _cmd_quantize(args: argparse.Namespace) -> int:
+    from . import gguf
+    from .quants import requantize
+
+    overrides = dict(rule.split("=", 1) for rule in args.tensor_type)
+    recipe = requantize.combine(overrides, *([args.recipe] if args.recipe else []))
+    if args.dry_run:
+        table = requantize.plan(gguf.open(args.input), recipe)
+        for row in table[table["type"] != table["target"]].itertuples():
+            print(f"type_change: {row.name} {row.type} -> {row.target}")
+        print(f"{len(table)} tensors, {table['bytes'].sum()} -> {table['target_bytes'].sum()} tensor bytes")
+        return 0
+    out = requantize.requantize(args.input, args.output, recipe, args.imatrix, threads=args.threads,
+                                progress=lambda name, old, new: print(f"{name}: {old} -> {new}", file=sys.stderr))
+    print(out)
+    return 0
+
+
 def _layer_list(text: str) -> list[int]:
     """'0-3,7' -> [0, 1, 2, 3, 7]."""
     layers = []
@@ -486,6 +519,30 @@ def build_parser() -> argparse.ArgumentParser:
     _add_steer_prompt_args(p)
     p.add_argument("--out", help="write the table as CSV (else print the generations)")
     p.set_defaults(func=_cmd_steer_sweep)
+
+    imx = sub.add_parser("imatrix", help="routed-expert importance matrices, as ds4 collects them")
+    imx_sub = imx.add_subparsers(dest="imatrix_command", required=True)
+    p = imx_sub.add_parser("collect", help="collect over a dataset (ds4's ===== DS4_IMATRIX_PROMPT blocks)")
+    p.add_argument("model")
+    p.add_argument("--prompts", required=True, help="rendered prompts; a file without markers is one prompt")
+    p.add_argument("--out", required=True, help="X.dat (ds4's legacy layout) or X.gguf (llama.cpp's GGUF layout)")
+    p.add_argument("--ctx", type=int, default=32768, help="cut each prompt to this many tokens")
+    p.add_argument("--max-tokens", type=int, default=0, help="token budget over all prompts (0: none)")
+    p.add_argument("--max-prompts", type=int, default=0)
+    p.add_argument("--chunk", type=int, default=2048, help="prefill batch size")
+    p.add_argument("--numerics", default="float", choices=["float", "ds4-cpu"])
+    p.set_defaults(func=_cmd_imatrix_collect)
+
+    p = sub.add_parser("quantize", help="requantize a GGUF with a recipe (q2, q4, mixed:LAYERS) and an imatrix")
+    p.add_argument("input")
+    p.add_argument("output")
+    p.add_argument("--recipe", help="q2, q4 or mixed:37-42 (q2 with those layers' routed experts Q4_K)")
+    p.add_argument("--tensor-type", action="append", default=[], metavar="NAME=TYPE",
+                   help="name, prefix or glob -> type, before the recipe (repeatable)")
+    p.add_argument("--imatrix", help="imatrix .dat or .gguf")
+    p.add_argument("--threads", type=int, default=None, help="experts quantized at once (default: CPU count)")
+    p.add_argument("--dry-run", action="store_true", help="print the type changes and sizes only")
+    p.set_defaults(func=_cmd_quantize)
     return parser
 
 

@@ -144,3 +144,14 @@ def test_dataset_prompts(tmp_path):
 
     assert imatrix.dataset_tokens(["abcdef", "gh", "ij"], Chars(), ctx=4, max_tokens=5) == [[97, 98, 99, 100], [103]]
     assert imatrix.dataset_tokens(["ab", "cd", "ef"], Chars(), max_prompts=2) == [[97, 98], [99, 100]]
+
+
+def test_cli_collect(tiny_q2, tmp_path, capsys):
+    from ds4lab.cli import main
+
+    (tmp_path / "d.txt").write_text("===== DS4_IMATRIX_PROMPT a\nHello there.\n===== DS4_IMATRIX_PROMPT b\nx = 1\n")
+    assert main(["imatrix", "collect", str(tiny_q2), "--prompts", str(tmp_path / "d.txt"),
+                 "--out", str(tmp_path / "c.dat")]) == 0
+    assert "2 prompts" in capsys.readouterr().err
+    collected = imatrix.load(tmp_path / "c.dat", n_expert=16)
+    assert collected.datasets == [str(tmp_path / "d.txt")] and len(collected.entries) == 18

@@ -106,3 +106,14 @@ def test_q4_k_repacks_into_mlx_exactly(q4_file):
     dense = requantize.expert_matrix(model_file, name, 5)
     y = mx.quantized_matmul(x, codes, scales, biases, transpose=True, group_size=32, bits=4)
     np.testing.assert_allclose(np.array(y), np.array(x) @ dense.T, rtol=1e-4, atol=1e-4)
+
+
+def test_cli_dry_run(tiny_q2, capsys):
+    from ds4lab.cli import main
+
+    assert main(["quantize", str(tiny_q2), "unused.gguf", "--recipe", "mixed:5",
+                 "--tensor-type", "blk.0.ffn_down_exps=Q4_K", "--dry-run"]) == 0
+    changes = [line for line in capsys.readouterr().out.splitlines() if line.startswith("type_change")]
+    assert changes == ["type_change: blk.0.ffn_down_exps.weight Q2_K -> Q4_K",
+                       *(f"type_change: blk.5.ffn_{r}_exps.weight {t} -> Q4_K"
+                         for r, t in (("gate", "IQ2_XXS"), ("up", "IQ2_XXS"), ("down", "Q2_K")))]

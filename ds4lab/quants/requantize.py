@@ -92,6 +92,13 @@ def resolve(recipe: Recipe) -> RecipeFn:
     return by_name
 
 
+def combine(*recipes: Recipe) -> RecipeFn:
+    """One recipe from several: each tensor takes the first type any of them names."""
+    chosen = [resolve(r) for r in recipes]
+    return lambda name, layer, current: next(
+        (t for t in (fn(name, layer, current) for fn in chosen) if t is not None), None)
+
+
 def _layer(name: str) -> int | None:
     parts = name.split(".")
     return int(parts[1]) if parts[0] == "blk" and parts[1].isdigit() else None
