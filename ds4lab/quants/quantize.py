@@ -227,9 +227,7 @@ def quantize_q8_0(x: np.ndarray) -> np.ndarray:
 # --- K-quants: shared tail ------------------------------------------------------------------
 
 
-def _final_levels(
-    x: np.ndarray, levels: np.ndarray, d: np.ndarray, dmin: np.ndarray, nmax: int
-) -> np.ndarray:
+def _final_levels(x: np.ndarray, levels: np.ndarray, d: np.ndarray, dmin: np.ndarray, nmax: int) -> np.ndarray:
     """Re-round every value against its decoded sub-block scale ``d`` and offset ``dmin``.
 
     Sub-blocks whose decoded scale is 0 keep their search levels, as in ggml. x, levels:
