@@ -284,3 +284,52 @@ def test_logits_resume_kv(tmp_path, tiny_a_gguf):
     tokens.write_text(json.dumps(oracle["tokens"][:250].tolist()))
     assert main(["logits", str(tiny_a_gguf), "--tokens", str(tokens), "--resume-kv",
                  str(ORACLE / "kv" / "aaa0f5572975136c8071ff8b0e541d53a155c086.kv"), "--out", str(out)]) == 2
+
+
+@pytest.mark.parametrize(("shape", "n_tokens", "size"), [
+    ("flash", 1, 12_811_664), ("flash", 600, 32_226_028), ("flash", 2048, 52_184_460), ("flash", 32768, 475_014_540),
+    ("pro", 600, 46_995_324), ("pro", 2048, 75_564_572)])
+def test_payload_sizes_of_flash_and_pro(shape, n_tokens, size):
+    """ds4's payload sizes (measured on ds4's own CPU save path) from the layout rules."""
+    from ds4lab.config import FLASH, PRO
+    from ds4lab.kvc.payload import payload_size
+    from ds4lab.kvc.session_io import payload_words
+
+    config = {"flash": FLASH, "pro": PRO}[shape]
+    n_comp = [n_tokens // r if r else 0 for r in config.compress_ratios]
+    n_index = [n_tokens // 4 if r == 4 else 0 for r in config.compress_ratios]
+    assert payload_size(payload_words(config, n_tokens, 65536, "ba00a8a"), config.compress_ratios, n_comp,
+                        n_index) == size
+
+
+def test_pro_shaped_file_reads_without_a_model(tmp_path):
+    """61 layers with Pro's schedule (layers 0-1 at ratio 128) are recognised by the layer count."""
+    from ds4lab.config import PRO
+    from ds4lab.kvc.header import KVCHeader
+    from ds4lab.kvc.payload import encode, frontier_shape
+    from ds4lab.kvc.session_io import payload_words
+
+    n_tokens = 260
+    words = payload_words(PRO, n_tokens, 4096, "ba00a8a")
+    layers = []
+    for il, ratio in enumerate(PRO.compress_ratios):
+        arrays = {"raw_kv": np.full((128, PRO.head_dim), il, np.float32),
+                  "comp_kv": np.full((n_tokens // ratio, PRO.head_dim), -il, np.float32),
+                  "attn_state_kv": np.zeros(frontier_shape(ratio, PRO.head_dim), np.float32),
+                  "attn_state_score": np.zeros(frontier_shape(ratio, PRO.head_dim), np.float32)}
+        if ratio == 4:
+            arrays |= {"index_comp_kv": np.ones((n_tokens // 4, PRO.indexer_head_dim), np.float32),
+                       "index_state_kv": np.zeros(frontier_shape(4, PRO.indexer_head_dim), np.float32),
+                       "index_state_score": np.zeros(frontier_shape(4, PRO.indexer_head_dim), np.float32)}
+        layers.append(arrays)
+    n_comp = [n_tokens // r for r in PRO.compress_ratios]
+    n_index = [n_tokens // 4 if r == 4 else 0 for r in PRO.compress_ratios]
+    body = b"".join(encode(words, np.arange(n_tokens), np.zeros(PRO.n_vocab), n_comp, n_index, layers))
+    path = tmp_path / "pro.kv"
+    path.write_bytes(KVCHeader(model_id=1, tokens=n_tokens, ctx_size=4096, payload_bytes=len(body)).pack() + body)
+    f = read(path)
+    assert f.header.model_id == 1 and f.summary()["header"]["model_id"] == 1
+    frame = f.layers
+    assert len(frame) == 61 and frame["ratio"].tolist()[:4] == [128, 128, 4, 128]
+    assert frame.loc[0, "compressed_rows"] == 2 and frame.loc[2, "indexer_rows"] == 65
+    assert np.all(f.arrays(60)["raw_kv"] == 60) and np.all(f.arrays(60)["comp_kv"] == -60)
