@@ -63,12 +63,18 @@ def test_bad_files_are_clear_errors(tmp_path):
         "payload_bytes": good[:40] + struct.pack("<Q", 2161940 - 4) + good[48:],
         "text_bytes": good[:48] + struct.pack("<I", 1 << 31) + good[52:],
         "exceeds": good[:1773 + 32] + struct.pack("<I", 1 << 30) + good[1773 + 36:],
+        "envelope version 3 is unknown": good[:3] + b"\x03" + good[4:],
+        "retired unchecksummed": good[:3] + b"\x02" + good[4:21] + b"\x01\x18" + good[23:],
+        "payload version: 3 is unknown": good[:1773 + 4] + struct.pack("<I", 3) + good[1773 + 8:],
+        "n_comp: 2000 exceeds comp_cap 1026": good[:1773 + 52 + 1200 + 517120 + 8] + struct.pack("<I", 2000)
+        + good[1773 + 52 + 1200 + 517120 + 12:],
     }
     for needle, content in cases.items():
         path.write_bytes(content)
         with pytest.raises(KVCFormatError) as err:
             read(path, RATIOS)
         assert str(path) in str(err.value) and needle in str(err.value), needle
+        assert err.value.offset is not None and f"offset {err.value.offset}" in str(err.value), needle
     path.write_bytes(good)
     with pytest.raises(KVCFormatError, match="neither Flash nor Pro"):
         read(path)
