@@ -22,6 +22,7 @@ from typing import Any
 from ..config import FLASH, PRO, ModelConfig
 from ..errors import KVCFormatError
 from ..kvc.header import PREFIX_BYTES, read_header
+from ..kvc.payload import checkpoint_bytes
 from .policies import DEFAULT_POLICY, REASON_NAMES, Entry, Incoming, Policy, get_policy
 
 U64_MAX = (1 << 64) - 1
@@ -148,18 +149,7 @@ def payload_bytes(config: ModelConfig | str, n_tokens: int, ctx_size: int | None
     """
     if isinstance(config, str):
         config = {"flash": FLASH, "pro": PRO}[config.lower()]
-    t = int(n_tokens)
-    hd, ihd = config.head_dim, config.indexer_head_dim
-    window = config.n_swa if ctx_size is None else min(config.n_swa, ctx_size)
-    ratios = config.compress_ratios[: config.n_layer]
-    total = 13 * 4 + 4 * t + 4 * config.n_vocab + 2 * 4 * config.n_layer + config.n_layer * min(t, window) * hd * 4
-    for ratio in set(ratios) - {0}:
-        coff = 2 if ratio == 4 else 1
-        per_layer = (t // ratio) * hd * 4 + 2 * (coff * ratio) * (coff * hd) * 4
-        if ratio == 4:  # the indexer's rows and frontier
-            per_layer += (t // 4) * ihd * 4 + 2 * 8 * (2 * ihd) * 4
-        total += ratios.count(ratio) * per_layer
-    return total
+    return checkpoint_bytes(config, int(n_tokens), ctx_size)
 
 
 # ---- directories ---------------------------------------------------------------------

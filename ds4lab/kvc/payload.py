@@ -77,33 +77,54 @@ def frontier_shape(ratio: int, width: int) -> tuple[int, int]:
     return coff * ratio, coff * width
 
 
+def layer_shapes(ratio: int, fields: dict[str, int], n_comp: int, n_index: int) -> list[tuple[str, tuple[int, int]]]:
+    """The float blocks of one layer in file order, by name and shape."""
+    hd, ihd = fields["head_dim"], fields["indexer_head_dim"]
+    out = [("raw_kv", (fields["raw_live"], hd))]
+    if ratio:
+        out += [("comp_kv", (int(n_comp), hd)), ("attn_state_kv", frontier_shape(ratio, hd)),
+                ("attn_state_score", frontier_shape(ratio, hd))]
+    if ratio == 4:
+        out += [("index_comp_kv", (int(n_index), ihd)), ("index_state_kv", frontier_shape(ratio, ihd)),
+                ("index_state_score", frontier_shape(ratio, ihd))]
+    return out
+
+
 def blocks(fields: dict[str, int], ratios: tuple[int, ...], n_comp, n_index, start: int) -> list[Block]:
     """The per-layer float blocks in file order, starting `start` bytes into the payload."""
     out, pos = [], start
-    hd, ihd = fields["head_dim"], fields["indexer_head_dim"]
-
-    def add(layer: int, name: str, shape: tuple[int, int]) -> None:
-        nonlocal pos
-        out.append(Block(layer, name, pos, shape))
-        pos += out[-1].nbytes
-
     for il, ratio in enumerate(ratios):
-        add(il, "raw_kv", (fields["raw_live"], hd))
-        if ratio:
-            add(il, "comp_kv", (int(n_comp[il]), hd))
-            add(il, "attn_state_kv", frontier_shape(ratio, hd))
-            add(il, "attn_state_score", frontier_shape(ratio, hd))
-        if ratio == 4:
-            add(il, "index_comp_kv", (int(n_index[il]), ihd))
-            add(il, "index_state_kv", frontier_shape(ratio, ihd))
-            add(il, "index_state_score", frontier_shape(ratio, ihd))
+        for name, shape in layer_shapes(ratio, fields, n_comp[il], n_index[il]):
+            out.append(Block(il, name, pos, shape))
+            pos += out[-1].nbytes
     return out
+
+
+def _fixed_bytes(fields: dict[str, int], n_layer: int) -> int:
+    """Header words, token ids, logits and the two per-layer count arrays."""
+    return 4 * (HEADER_WORDS + fields["n_tokens"] + fields["n_vocab"] + 2 * n_layer)
 
 
 def payload_size(fields: dict[str, int], ratios: tuple[int, ...], n_comp, n_index) -> int:
     """Bytes of a payload with these header words, schedule and per-layer counts."""
-    fixed = 4 * (HEADER_WORDS + fields["n_tokens"] + fields["n_vocab"] + 2 * len(ratios))
-    return fixed + sum(b.nbytes for b in blocks(fields, ratios, n_comp, n_index, 0))
+    return _fixed_bytes(fields, len(ratios)) + sum(b.nbytes for b in blocks(fields, ratios, n_comp, n_index, 0))
+
+
+def checkpoint_bytes(config, n_tokens: int, ctx_size: int | None = None) -> int:
+    """Payload bytes of an `n_tokens` checkpoint of a model with this config, as ds4 saves it
+    (ds4_session_payload_bytes): floor(T/ratio) compressed rows per compressed layer, floor(T/4)
+    indexer rows on ratio-4 layers, min(T, window) raw rows (the window capped by `ctx_size`).
+    Layers of one ratio are alike, so each ratio is sized once (the cache simulator calls this
+    for every store)."""
+    window = config.n_swa if ctx_size is None else min(config.n_swa, ctx_size)
+    fields = {"n_tokens": n_tokens, "n_vocab": config.n_vocab, "head_dim": config.head_dim,
+              "indexer_head_dim": config.indexer_head_dim, "raw_live": min(n_tokens, window)}
+    ratios = list(config.compress_ratios[:config.n_layer])
+    total = _fixed_bytes(fields, len(ratios))
+    for ratio in set(ratios):
+        shapes = layer_shapes(ratio, fields, n_tokens // ratio if ratio else 0, n_tokens // 4)
+        total += ratios.count(ratio) * sum(4 * rows * cols for _, (rows, cols) in shapes)
+    return total
 
 
 @dataclass
@@ -155,7 +176,7 @@ def parse(buf, base: int, length: int, model_or_ratios, path: Path, file_offset:
         raise fail(f"payload n_tokens: {fields['n_tokens']} exceeds the saved ctx {fields['ctx']}", 28)
     # Everything before the per-layer blocks, checked against the bytes there are before reading.
     n_layer = fields["n_layer"]
-    head = 4 * (HEADER_WORDS + fields["n_tokens"] + fields["n_vocab"] + 2 * n_layer)
+    head = _fixed_bytes(fields, n_layer)
     if head > length:
         raise fail(f"payload tokens/logits/counts: need {head} bytes, payload_bytes is {length}", 4 * HEADER_WORDS)
     try:
