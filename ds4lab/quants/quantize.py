@@ -355,6 +355,7 @@ def _quantize_q2_k(x: np.ndarray, imp: np.ndarray | None) -> np.ndarray:
 # --- IQ2_XXS ---------------------------------------------------------------------------------
 
 _IQ2_SHELLS = 2  # neighbour lists hold the grid points of the two nearest distances
+_DOT_ROWS = 32  # rows per BLAS call in `_Iq2Search.dot_tables`: 32 x 512 x 16 = 2^18
 
 
 class _Iq2Search:
@@ -403,8 +404,15 @@ class _Iq2Search:
         the pair into one complex number lets `snap` fetch both with a single gather.
         """
         # One BLAS product [w | w x] @ [[q^2, 0], [0, q]] with the output columns interleaved
-        # (the zero blocks add exact zeros): contiguous, so no strided writes.
-        table = np.concatenate([w8, w8 * x8], axis=1) @ self.dot_rhs
+        # (the zero blocks add exact zeros): contiguous, so no strided writes. It runs as a
+        # stack of 32-row products because OpenBLAS keeps those (m n k <= 2^18) on the calling
+        # thread; big ones start its own threads, which then spin against our chunk threads.
+        lhs = np.concatenate([w8, w8 * x8], axis=1)
+        rows = len(lhs)
+        pad = -rows % _DOT_ROWS
+        if pad:
+            lhs = np.concatenate([lhs, np.zeros((pad, 16), dtype=_F32)])
+        table = np.matmul(lhs.reshape(-1, _DOT_ROWS, 16), self.dot_rhs).reshape(-1, 512)[:rows]
         return table.view(np.complex64)
 
     def snap(self, codes: np.ndarray, scale: np.ndarray, dots: np.ndarray) -> np.ndarray:
@@ -552,6 +560,13 @@ def column_energy(x: np.ndarray) -> np.ndarray:
     return energy
 
 
+def _usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask, e.g. under taskset or a CI cpuset)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
+
+
 def _check_importance(importance, n_cols: int, type_name: str) -> np.ndarray | None:
     if importance is None:
         return None
@@ -614,6 +629,6 @@ def quantize(array2d: np.ndarray, type_name: str, importance: np.ndarray | None 
     if type_name == "IQ2_XXS":
         _iq2_search()  # build the shared tables once, before the threads race to
     # numpy releases the GIL inside its kernels, so chunks in threads use several cores.
-    with ThreadPoolExecutor(max_workers=min(len(starts), os.cpu_count() or 1)) as pool:
+    with ThreadPoolExecutor(max_workers=min(len(starts), _usable_cpus())) as pool:
         list(pool.map(run, starts))
     return out.tobytes()
