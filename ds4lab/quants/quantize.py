@@ -34,6 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from .formats import QuantError, block_format, row_bytes
+from .numpy_decode import _q4_k_scale_min
 from .tables import IQ2XXS_GRID
 
 QUANTIZABLE = ("Q8_0", "Q2_K", "Q4_K", "IQ2_XXS")
@@ -255,16 +256,8 @@ def _pack_q4_k_scales(ls: np.ndarray, lm: np.ndarray) -> np.ndarray:
     return out
 
 
-def _unpack_q4_k_scales(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """The 6-bit (scale, min) pairs as the decoder reads them back, two uint8 [nb, 8]."""
-    lo, hi, mixed = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
-    scale = np.concatenate([lo & 0x3F, (mixed & 0xF) | ((lo >> 6) << 4)], axis=1)
-    min_ = np.concatenate([hi & 0x3F, (mixed >> 4) | ((hi >> 6) << 4)], axis=1)
-    return scale, min_
-
-
 def _sub_blocks(x: np.ndarray, n: int) -> np.ndarray:
-    """[nb, 256] blocks as position-major sub-blocks [n, nb * 256 // n] (sub-block-major order)."""
+    """[nb, 256] blocks as position-major sub-blocks: [n, G], G = nb * 256 // n in memory order."""
     return np.ascontiguousarray(x.reshape(-1, n).T)
 
 
@@ -303,7 +296,7 @@ def _quantize_q4_k(x: np.ndarray, imp: np.ndarray | None) -> np.ndarray:
     set_f16_field(out, 0, d)
     set_f16_field(out, 2, dmin)
     out[:, 4:16] = _pack_q4_k_scales(ls, lm)
-    sc, m = _unpack_q4_k_scales(out[:, 4:16])
+    sc, m = _q4_k_scale_min(out[:, 4:16])  # the 6-bit values as the decoder will read them
     dd = (_f16_round(d)[:, None] * sc.astype(_F32)).reshape(-1)
     dm = (_f16_round(dmin)[:, None] * m.astype(_F32)).reshape(-1)
     levels = _from_sub_blocks(_final_levels(xs, levels, dd, dm, 15), nb).astype(np.uint8)
@@ -337,7 +330,7 @@ def _quantize_q2_k(x: np.ndarray, imp: np.ndarray | None) -> np.ndarray:
         d, ls = _make_qp_quants(np.ascontiguousarray(scales.reshape(nb, 16).T), sw, 15)
         dmin, lm = _make_qp_quants(np.ascontiguousarray(mins.reshape(nb, 16).T), sw, 15)
         ls, lm = ls.T, lm.T
-    packed = (ls.astype(np.uint8) | (lm.astype(np.uint8) << 4)).astype(np.uint8)
+    packed = ls.astype(np.uint8) | (lm.astype(np.uint8) << 4)
     out[:, :16] = packed
     set_f16_field(out, 80, d)
     set_f16_field(out, 82, dmin)
