@@ -20,6 +20,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..kvc.header import REASON_CODES
+
 # ds4_kvstore.c: DS4_KVSTORE_HIT_HALF_LIFE_SECONDS, KV_CACHE_MIN_EFFECTIVE_HITS and (ba00a8a)
 # the anchor and continued-prefix factors.
 HALF_LIFE_S = 21600
@@ -30,9 +32,6 @@ SUPERSEDE_HIT = 0.45
 DBL_MAX = sys.float_info.max
 
 REASON_COLD, REASON_CONTINUED, REASON_EVICT, REASON_SHUTDOWN = 1, 2, 3, 4
-REASON_NAMES = {0: "unknown", 1: "cold", 2: "continued", 3: "evict", 4: "shutdown", 5: "agent-system",
-                6: "agent-session"}
-REASON_CODES = {name: code for code, name in REASON_NAMES.items()}
 _ANCHORS = frozenset((REASON_COLD, REASON_EVICT, REASON_SHUTDOWN))
 
 

@@ -21,9 +21,9 @@ from typing import Any
 
 from ..config import FLASH, PRO, ModelConfig
 from ..errors import KVCFormatError
-from ..kvc.header import PREFIX_BYTES, read_header
+from ..kvc.header import PREFIX_BYTES, REASONS, read_header
 from ..kvc.payload import checkpoint_bytes
-from .policies import DEFAULT_POLICY, REASON_NAMES, Entry, Incoming, Policy, get_policy
+from .policies import DEFAULT_POLICY, Entry, Incoming, Policy, get_policy
 
 U64_MAX = (1 << 64) - 1
 _SHA_NAME = re.compile(r"[0-9a-fA-F]{40}\.kv")
@@ -313,7 +313,7 @@ def explain_eviction(directory: str | Path | Iterable[Mapping[str, Any] | Entry]
     rows = []
     for e in entries:
         parts = pol.parts(e, int(now), inc)
-        rows.append({"order": order.get(e.sha, 0), "file": f"{e.sha}.kv", "reason": REASON_NAMES.get(e.reason, ""),
+        rows.append({"order": order.get(e.sha, 0), "file": f"{e.sha}.kv", "reason": REASONS.get(e.reason, ""),
                      "tokens": e.tokens, "hits": e.hits, "effective_hits": parts.effective_hits,
                      "file_bytes": e.file_size, "density": parts.density, "anchor_factor": parts.anchor,
                      "supersede_factor": parts.supersede,

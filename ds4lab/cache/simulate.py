@@ -26,12 +26,12 @@ from typing import Any
 import pandas as pd
 
 from ..config import FLASH, PRO, ModelConfig
+from ..kvc.header import REASONS
 from .policies import (
     DEFAULT_POLICY,
     REASON_COLD,
     REASON_CONTINUED,
     REASON_EVICT,
-    REASON_NAMES,
     REASON_SHUTDOWN,
     Entry,
     Incoming,
@@ -333,7 +333,7 @@ class CacheSimulator:
              score: float = float("nan"), effective_hits: float = float("nan"), density: float = float("nan"),
              anchor_factor: float = float("nan"), supersede_factor: float = float("nan"), hits: int = 0,
              file: Entry | None = None) -> None:
-        self.rows.append((self.now, self._req, self._session, event, source, REASON_NAMES.get(reason, ""), tokens,
+        self.rows.append((self.now, self._req, self._session, event, source, REASONS.get(reason, ""), tokens,
                           text_bytes, file_bytes or 0, matched_tokens, prefill_tokens, score, effective_hits,
                           density, anchor_factor, supersede_factor, hits, self.total, len(self.entries),
                           "" if file is None else f"{file.sha[0]}:{file.sha[1]}"))
