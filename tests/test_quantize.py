@@ -163,6 +163,12 @@ def test_iq2_xxs_defaults_to_column_energy(matrices):
     np.testing.assert_allclose(column_energy(x), (x.astype(np.float64) ** 2).sum(axis=0), rtol=1e-5)
 
 
+@pytest.mark.parametrize("shape", [(0, 256), (3, 0)])
+def test_empty_matrix_gives_no_bytes(shape):
+    for type_name in QUANTIZABLE:
+        assert quantize(np.zeros(shape, np.float32), type_name) == b""
+
+
 def test_zero_matrix_gives_zeros_quietly():
     x = np.zeros((2, 256), dtype=np.float32)
     with np.errstate(all="raise"):

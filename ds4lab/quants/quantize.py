@@ -599,6 +599,8 @@ def quantize(array2d: np.ndarray, type_name: str, importance: np.ndarray | None 
     if not np.isfinite(x).all():
         raise QuantError(f"{type_name}: the matrix holds NaN or infinite values")
     imp = _check_importance(importance, n_cols, type_name)
+    if x.size == 0:
+        return b""
     if type_name == "Q8_0":
         return quantize_q8_0(x).tobytes()
     if type_name == "IQ2_XXS" and imp is None:
