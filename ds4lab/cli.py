@@ -294,10 +294,11 @@ def _cmd_steer_build(args: argparse.Namespace) -> int:
 
 def _cmd_steer_sweep(args: argparse.Namespace) -> int:
     from . import load
+    from .quants.requantize import parse_layers
     from .steering import SteeringVector, read_prompts, sweep
 
     model = load(args.model, numerics=args.numerics)
-    layer_sets = [_layer_list(text) for text in args.layers] or [None]
+    layer_sets = [sorted(parse_layers(text)) for text in args.layers] or [None]
     frame = sweep(model, SteeringVector.load(args.vector), read_prompts(args.prompts), args.scales, layer_sets,
                   component=args.component, mode=args.mode, max_tokens=args.max_tokens, sampling=_sampling(args),
                   system=args.system, think=args.think, progress=True)
@@ -341,15 +342,6 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
                                 progress=lambda name, old, new: print(f"{name}: {old} -> {new}", file=sys.stderr))
     print(out)
     return 0
-
-
-def _layer_list(text: str) -> list[int]:
-    """'0-3,7' -> [0, 1, 2, 3, 7]."""
-    layers = []
-    for part in text.split(","):
-        first, _, last = part.partition("-")
-        layers += range(int(first), int(last or first) + 1)
-    return layers
 
 
 def _add_steer_prompt_args(p: argparse.ArgumentParser) -> None:

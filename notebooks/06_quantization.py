@@ -32,6 +32,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import pandas as pd
+from IPython.display import display
 
 from ds4lab import gguf
 from ds4lab.paths import synthetic_model
@@ -119,7 +120,7 @@ for label, weights in (("q2 plain", None), ("q2 imatrix", collected)):
 # %%
 weights_err = studies.weight_error(reference_file, variants, collected, layers=[2, 3, 4, 5])
 display(weights_err.groupby(["variant", "role"])[["rel_rmse", "weighted_err"]].mean().mul(100).round(2))
-studies.plot_weight_error(weights_err);
+studies.plot_weight_error(weights_err)
 
 # %% [markdown]
 # ## Each expert's output on the activations that reached it
@@ -168,4 +169,4 @@ print(f"{len(repack)} Q4_K experts repacked, all bit-exact: {repack['exact'].all
 q2_file = variants["q2 imatrix"]
 mlx_err = studies.mlx_requant_error(q2_file, layers=[4], experts=range(4))
 display(pd.pivot_table(mlx_err, index="format", columns="source", values="rel_rmse").mul(100).round(1))
-studies.plot_mlx_requant(mlx_err);
+studies.plot_mlx_requant(mlx_err)
