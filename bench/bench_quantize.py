@@ -10,12 +10,12 @@ Usage: python bench/bench_quantize.py [--rows 2048] [--cols 4096] [--repeat 1]
 from __future__ import annotations
 
 import argparse
-import os
 import time
 
 import numpy as np
 
 from ds4lab.quants import QUANTIZABLE, quantize
+from ds4lab.quants.quantize import usable_cpus
 
 IQ2_XXS_BUDGET_S = 10.0
 
@@ -41,7 +41,7 @@ def main() -> None:
     x = (rng.standard_normal((args.rows, args.cols)) * 0.02).astype(np.float32)
     importance = rng.lognormal(0.0, 1.5, args.cols).astype(np.float32)
     quantize(x[:1], "IQ2_XXS")  # build the IQ2_XXS grid tables outside the timing
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    cpus = usable_cpus()
     print(f"{args.rows}x{args.cols} float32, {cpus} usable CPUs")
     print(f"{'type':8} {'importance':>10} {'wall s':>7} {'cpu s':>7} {'wall / 10 s':>11}")
     for type_name in ("IQ2_XXS", *(t for t in QUANTIZABLE if t != "IQ2_XXS")):

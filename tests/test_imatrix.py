@@ -133,6 +133,23 @@ def test_truncated_dat_is_a_clear_error(collected, tmp_path):
         imatrix.load(tmp_path / "cut.dat")
 
 
+def test_hostile_gguf_imatrix_is_a_clear_error(tmp_path):
+    def write(name, counts, meta=()):
+        tensors = [gguf.TensorOut("w.in_sum2", "F32", (4, 2), lambda: np.ones(8, np.float32)),
+                   gguf.TensorOut("w.counts", "F32", (1, len(counts)), lambda: np.asarray(counts, np.float32))]
+        return gguf.write_gguf(tmp_path / name, [("general.type", "STRING", "imatrix"), *meta], tensors)
+
+    assert imatrix.load(write("ok.gguf", [1, 2])).entries["w"].counts.tolist() == [1, 2]
+    with pytest.raises(imatrix.ImatrixFileError, match="non-finite or negative"):
+        imatrix.load(write("neg.gguf", [1, -2]))
+    with pytest.raises(imatrix.ImatrixFileError, match="non-finite or negative"):
+        imatrix.load(write("nan.gguf", [1, np.nan]))
+    with pytest.raises(imatrix.ImatrixFileError, match="do not divide"):
+        imatrix.load(write("three.gguf", [1, 2, 3]))
+    with pytest.raises(imatrix.ImatrixFileError, match="an array of strings"):
+        imatrix.load(write("meta.gguf", [1, 2], [("imatrix.datasets", "STRING", "not a list")]))
+
+
 def test_dataset_prompts(tmp_path):
     text = "ignored\n===== DS4_IMATRIX_PROMPT a x =====\n  first  \n\n===== DS4_IMATRIX_PROMPT b =====\nsecond\n"
     (tmp_path / "d.txt").write_text(text)

@@ -67,6 +67,13 @@ class ImatrixEntry:
         mean = self.sum2 / np.maximum(counts, 1)
         return np.where(counts > 0, mean, UNROUTED_VALUE).astype(np.float32)
 
+    def flat_means(self, start: int, stop: int) -> np.ndarray:
+        """``means().reshape(-1)[start:stop]``, computing only the matrices that range touches."""
+        width = self.sum2.shape[1]
+        first, last = start // width, -(-stop // width)
+        part = ImatrixEntry(self.sum2[first:last], self.counts[first:last]).means().reshape(-1)
+        return part[start - first * width:stop - first * width]
+
 
 @dataclass
 class Imatrix:
@@ -88,12 +95,12 @@ class Imatrix:
             entry = self.entries.get(candidate)
             if entry is None:
                 continue
-            values = entry.means().reshape(-1)
-            if values.size == n_cols:
-                return values
-            if expert is not None and n_expert is not None and values.size == n_cols * n_expert:
-                return values[expert * n_cols:(expert + 1) * n_cols]
-            raise ImatrixFileError(candidate, f"imatrix entry has {values.size} values; expected {n_cols}"
+            size = entry.sum2.size
+            if size == n_cols:
+                return entry.means().reshape(-1)
+            if expert is not None and n_expert is not None and size == n_cols * n_expert:
+                return entry.flat_means(expert * n_cols, (expert + 1) * n_cols)
+            raise ImatrixFileError(candidate, f"imatrix entry has {size} values; expected {n_cols}"
                                               + (f" or {n_cols * n_expert}" if n_expert else ""))
         return None
 
@@ -328,14 +335,22 @@ def read_gguf_imatrix(path: str | os.PathLike[str]) -> Imatrix:
         if f"{name}.counts" not in header.tensors:
             raise ImatrixFileError(str(path), f"tensor {tensor}: no matching {name}.counts")
         sums, counts = values(tensor), values(f"{name}.counts").reshape(-1)
-        if sums.size % len(counts):
+        if not len(counts) or sums.size % len(counts):
             raise ImatrixFileError(str(path), f"tensor {tensor}: {sums.size} values do not divide into "
-                                              f"{len(counts)} counts")
+                                              f"{len(counts)} counts", header.tensors[tensor].offset)
+        if not (np.isfinite(sums).all() and np.isfinite(counts).all() and (counts >= 0).all()):
+            raise ImatrixFileError(str(path), f"tensor {tensor} or {name}.counts: non-finite or negative values",
+                                   header.tensors[tensor].offset)
         entries[name] = ImatrixEntry(sums.reshape(len(counts), -1).astype(np.float64),
                                      np.rint(counts).astype(np.int64))
     meta = header.metadata
-    return Imatrix(entries, int(meta.get("imatrix.chunk_count", 0)), int(meta.get("imatrix.chunk_size", 0)),
-                   list(meta.get("imatrix.datasets", [])))
+    fields = {key: meta.get(f"imatrix.{key}", default)
+              for key, default in (("chunk_count", 0), ("chunk_size", 0), ("datasets", []))}
+    if not all(isinstance(fields[k], int) for k in ("chunk_count", "chunk_size")) \
+            or not (isinstance(fields["datasets"], list) and all(isinstance(d, str) for d in fields["datasets"])):
+        raise ImatrixFileError(str(path), "metadata imatrix.chunk_count/chunk_size must be integers and "
+                                          "imatrix.datasets an array of strings")
+    return Imatrix(entries, fields["chunk_count"], fields["chunk_size"], list(fields["datasets"]))
 
 
 def load(path: str | os.PathLike[str], n_expert: int | None = None) -> Imatrix:

@@ -3,6 +3,9 @@
 Every float operation happens in the same order as gguf-py (f16 scales widened to f32 first),
 so results match the reference exactly. Blocks are decoded in fixed-size chunks to keep the
 temporaries in cache and memory use bounded. Assumes a little-endian host, like GGUF itself.
+
+The block-field readers `f16_field`, `split_fields` and `q4_k_scale_min` are shared with the
+quantizers (which check their packing against them) and the MLX repacking in `studies`.
 """
 
 from __future__ import annotations
@@ -20,12 +23,12 @@ _SHIFT_SIGNS = np.array([0, 7, 14, 21], dtype=np.uint32)
 _SIGNED_GRID_FLAT = IQ2XXS_SIGNED_GRID.reshape(-1, 8)
 
 
-def _f16(blocks: np.ndarray, offset: int) -> np.ndarray:
+def f16_field(blocks: np.ndarray, offset: int) -> np.ndarray:
     """The f16 field at byte `offset` of each block, widened to float32 [n, 1]."""
     return blocks[:, offset : offset + 2].view(np.float16).astype(np.float32)
 
 
-def _split_fields(packed: np.ndarray, bits: int) -> np.ndarray:
+def split_fields(packed: np.ndarray, bits: int) -> np.ndarray:
     """Unpack [n, g*32] bytes into uint8 [n, g, 8 // bits, 32] bit fields, lowest field first.
 
     Works on u64 words (8 bytes at once): after the shift, the mask drops the bits that
@@ -56,22 +59,22 @@ def _i32(blocks: np.ndarray) -> np.ndarray:
 
 def _q8_0(blocks: np.ndarray, out: np.ndarray) -> None:
     # d, then 32 int8
-    np.multiply(blocks[:, 2:].view(np.int8), _f16(blocks, 0), out=out)
+    np.multiply(blocks[:, 2:].view(np.int8), f16_field(blocks, 0), out=out)
 
 
 def _q2_k(blocks: np.ndarray, out: np.ndarray) -> None:
     # scales[16] (low nibble scale, high nibble min), qs[64] 2-bit, d, dmin
     n = len(blocks)
     scales = blocks[:, :16]
-    dl = (_f16(blocks, 80) * (scales & 0xF).astype(np.float32))[:, :, None]
-    ml = (_f16(blocks, 82) * (scales >> 4).astype(np.float32))[:, :, None]
-    q = _split_fields(blocks[:, 16:80], 2)
+    dl = (f16_field(blocks, 80) * (scales & 0xF).astype(np.float32))[:, :, None]
+    ml = (f16_field(blocks, 82) * (scales >> 4).astype(np.float32))[:, :, None]
+    q = split_fields(blocks[:, 16:80], 2)
     out = out.reshape(n, 16, 16)
     np.multiply(dl, q.reshape(n, 16, 16), out=out)
     np.subtract(out, ml, out=out)
 
 
-def _q4_k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def q4_k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Unpack the 12 bytes of 6-bit (scale, min) pairs of Q4_K into two uint8 [n, 8]."""
     lo, hi, mixed = packed[:, 0:4], packed[:, 4:8], packed[:, 8:12]
     scale = np.concatenate([lo & 0x3F, (mixed & 0xF) | ((lo >> 2) & 0x30)], axis=1)
@@ -82,10 +85,10 @@ def _q4_k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def _q4_k(blocks: np.ndarray, out: np.ndarray) -> None:
     # d, dmin, scales[12] packed 6-bit, qs[128] nibbles (low nibbles first, per 32 values)
     n = len(blocks)
-    scale, min_ = _q4_k_scale_min(blocks[:, 4:16])
-    dl = (_f16(blocks, 0) * scale.astype(np.float32))[:, :, None]
-    ml = (_f16(blocks, 2) * min_.astype(np.float32))[:, :, None]
-    q = _split_fields(blocks[:, 16:], 4)
+    scale, min_ = q4_k_scale_min(blocks[:, 4:16])
+    dl = (f16_field(blocks, 0) * scale.astype(np.float32))[:, :, None]
+    ml = (f16_field(blocks, 2) * min_.astype(np.float32))[:, :, None]
+    q = split_fields(blocks[:, 16:], 4)
     out = out.reshape(n, 8, 32)
     np.multiply(dl, q.reshape(n, 8, 32), out=out)
     np.subtract(out, ml, out=out)
@@ -97,7 +100,7 @@ def _iq2_xxs(blocks: np.ndarray, out: np.ndarray) -> None:
     n = len(blocks)
     words = np.ascontiguousarray(blocks[:, 2:]).view(np.uint32).reshape(n, 8, 2)
     grid_idx, aux = words[:, :, :1].view(np.uint8), words[:, :, 1:]  # [n, 8, 4], [n, 8, 1]
-    db = _f16(blocks, 0)[:, :, None] * (np.float32(0.5) + (aux >> 28).astype(np.float32)) * np.float32(0.25)
+    db = f16_field(blocks, 0)[:, :, None] * (np.float32(0.5) + (aux >> 28).astype(np.float32)) * np.float32(0.25)
     idx = (grid_idx.astype(np.intp) << 7) | ((aux >> _SHIFT_SIGNS) & 0x7F)
     out = out.reshape(n, 8, 4, 8)
     np.take(_SIGNED_GRID_FLAT, idx, axis=0, out=out)

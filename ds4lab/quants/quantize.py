@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from .formats import QuantError, block_format, row_bytes
-from .numpy_decode import _q4_k_scale_min
+from .numpy_decode import q4_k_scale_min
 from .tables import IQ2XXS_GRID
 
 QUANTIZABLE = ("Q8_0", "Q2_K", "Q4_K", "IQ2_XXS")
@@ -296,7 +296,7 @@ def _quantize_q4_k(x: np.ndarray, imp: np.ndarray | None) -> np.ndarray:
     set_f16_field(out, 0, d)
     set_f16_field(out, 2, dmin)
     out[:, 4:16] = _pack_q4_k_scales(ls, lm)
-    sc, m = _q4_k_scale_min(out[:, 4:16])  # the 6-bit values as the decoder will read them
+    sc, m = q4_k_scale_min(out[:, 4:16])  # the 6-bit values as the decoder will read them
     dd = (_f16_round(d)[:, None] * sc.astype(_F32)).reshape(-1)
     dm = (_f16_round(dmin)[:, None] * m.astype(_F32)).reshape(-1)
     levels = _from_sub_blocks(_final_levels(xs, levels, dd, dm, 15), nb).astype(np.uint8)
@@ -553,7 +553,7 @@ def column_energy(x: np.ndarray) -> np.ndarray:
     return energy
 
 
-def _usable_cpus() -> int:
+def usable_cpus() -> int:
     """CPUs this process may run on (its affinity mask, e.g. under taskset or a CI cpuset)."""
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
@@ -624,6 +624,6 @@ def quantize(array2d: np.ndarray, type_name: str, importance: np.ndarray | None 
     if type_name == "IQ2_XXS":
         _iq2_search()  # build the shared tables once, before the threads race to
     # numpy releases the GIL inside its kernels, so chunks in threads use several cores.
-    with ThreadPoolExecutor(max_workers=min(len(starts), _usable_cpus())) as pool:
+    with ThreadPoolExecutor(max_workers=min(len(starts), usable_cpus())) as pool:
         list(pool.map(run, starts))
     return out.tobytes()

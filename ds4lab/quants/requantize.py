@@ -39,7 +39,7 @@ from .formats import FORMATS, row_bytes, tensor_bytes
 from .imatrix import Imatrix
 from .imatrix import load as load_imatrix
 from .numpy_decode import dequantize
-from .quantize import QUANTIZABLE, quantize
+from .quantize import QUANTIZABLE, quantize, usable_cpus
 
 RecipeFn = Callable[[str, "int | None", str], "str | None"]
 Recipe = str | Mapping[str, str] | RecipeFn
@@ -49,11 +49,14 @@ _PLAIN_TARGETS = ("F32", "F16")
 
 
 def parse_layers(text: str) -> set[int]:
-    """`"37-42"` or `"0-2,40-42"` -> the set of layer indices."""
+    """`"37-42"` or `"0-2,40-42"` -> the set of layer indices; ValueError naming the bad part."""
     layers: set[int] = set()
     for part in filter(None, (p.strip() for p in text.split(","))):
         first, _, last = part.partition("-")
-        layers.update(range(int(first), int(last or first) + 1))
+        last = last or first
+        if not (first.strip().isdigit() and last.strip().isdigit()) or int(last) < int(first):
+            raise ValueError(f"layer list {text!r}: {part!r} is not N or N-M with N <= M")
+        layers.update(range(int(first), int(last) + 1))
     return layers
 
 
@@ -140,12 +143,18 @@ def _encode(values: np.ndarray, type_name: str, importance: np.ndarray | None) -
     return np.frombuffer(quantize(values, type_name, importance), np.uint8)
 
 
-def expert_matrix(model_file: gguf.ModelFile, name: str, expert: int) -> np.ndarray:
-    """One expert's matrix of a routed-expert tensor, float32 [rows, cols], decoding only its bytes."""
+def expert_bytes(model_file: gguf.ModelFile, name: str, expert: int) -> np.ndarray:
+    """The raw bytes of one expert's matrix in a routed-expert tensor (a view of the file)."""
     info = model_file.tensor(name)
     _, rows, cols = info.shape
     size = rows * row_bytes(info.type_name, cols)
-    return dequantize(model_file.raw(name)[expert * size:(expert + 1) * size], info.type_name, (rows, cols))
+    return model_file.raw(name)[expert * size:(expert + 1) * size]
+
+
+def expert_matrix(model_file: gguf.ModelFile, name: str, expert: int) -> np.ndarray:
+    """One expert's matrix of a routed-expert tensor, float32 [rows, cols], decoding only its bytes."""
+    info = model_file.tensor(name)
+    return dequantize(expert_bytes(model_file, name, expert), info.type_name, info.shape[1:])
 
 
 def convert_tensor(model_file: gguf.ModelFile, name: str, target: str, imatrix: Imatrix | None = None,
@@ -170,7 +179,7 @@ def convert_tensor(model_file: gguf.ModelFile, name: str, target: str, imatrix: 
         return _encode(expert_matrix(model_file, name, expert), target, importance)
 
     # The quantizers spend their time in numpy kernels, which release the GIL.
-    with ThreadPoolExecutor(max_workers=threads or os.cpu_count() or 1) as pool:
+    with ThreadPoolExecutor(max_workers=threads or usable_cpus()) as pool:
         return np.concatenate(list(pool.map(one, range(n_expert))))
 
 

@@ -25,12 +25,14 @@ import pandas as pd
 
 from ..compare import logsumexp
 from ..gguf import ModelFile
+from .formats import FORMATS
 from .imatrix import ROLES, Imatrix
-from .numpy_decode import _q4_k_scale_min, _split_fields
-from .requantize import expert_matrix
+from .numpy_decode import f16_field, q4_k_scale_min, split_fields
+from .requantize import expert_bytes, expert_matrix
 
 # Storage per weight of the GGUF block formats (bytes per block * 8 / values per block).
-GGUF_BITS = {"IQ2_XXS": 2.0625, "Q2_K": 2.625, "Q4_K": 4.5, "Q8_0": 8.5}
+GGUF_BITS = {name: FORMATS[name].block_bytes * 8 / FORMATS[name].block_elems
+             for name in ("IQ2_XXS", "Q2_K", "Q4_K", "Q8_0")}
 # MLX formats compared by `mlx_requant_error`: (mode, bits, group size).
 MLX_FORMATS = (("affine", 2, 32), ("affine", 2, 64), ("affine", 3, 32), ("affine", 3, 64),
                ("affine", 4, 32), ("affine", 4, 64), ("mxfp4", 4, 32))
@@ -170,12 +172,11 @@ def q4_k_to_mlx(raw: np.ndarray, rows: int, cols: int) -> tuple[mx.array, mx.arr
     code), so each decoded weight is one rounding of the same exact sum on either side."""
     blocks = np.asarray(raw, np.uint8).reshape(-1, 144)
     n = len(blocks)
-    sc, m = _q4_k_scale_min(blocks[:, 4:16])
-    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
-    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    sc, m = q4_k_scale_min(blocks[:, 4:16])
+    d, dmin = f16_field(blocks, 0), f16_field(blocks, 2)
     scales = (d * sc.astype(np.float32)).reshape(rows, cols // 32)
     biases = -(dmin * m.astype(np.float32)).reshape(rows, cols // 32)
-    codes = _split_fields(blocks[:, 16:], 4).reshape(n, 256).reshape(rows, cols // 8, 8).astype(np.uint32)
+    codes = split_fields(blocks[:, 16:], 4).reshape(n, 256).reshape(rows, cols // 8, 8).astype(np.uint32)
     words = (codes << (4 * np.arange(8, dtype=np.uint32))).sum(axis=-1, dtype=np.uint32)   # nibble i at bits 4i
     return mx.array(words), mx.array(scales), mx.array(biases)
 
@@ -189,9 +190,8 @@ def repack_check(model_file: ModelFile, layers: Iterable[int] | None = None) -> 
         if info.type_name != "Q4_K":
             continue
         n_expert, n_rows, n_cols = info.shape
-        size = info.n_bytes // n_expert
         for expert in range(n_expert):
-            packed = q4_k_to_mlx(model_file.raw(name)[expert * size:(expert + 1) * size], n_rows, n_cols)
+            packed = q4_k_to_mlx(expert_bytes(model_file, name, expert), n_rows, n_cols)
             mine = np.array(mx.dequantize(*packed, group_size=32, bits=4))
             ref = expert_matrix(model_file, name, expert)
             rows.append({"layer": layer, "role": role, "expert": expert,

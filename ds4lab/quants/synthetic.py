@@ -1,7 +1,6 @@
 """Synthetic block data: random but valid tensor bytes.
 
 Lets tests and benchmarks build routed experts of realistic magnitude without a real model.
-`quantize_q8_0` (re-exported here for existing callers) lives in `quantize`.
 """
 
 from __future__ import annotations
@@ -9,9 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from .formats import QuantError, block_format
-from .quantize import quantize_q8_0, set_f16_field
-
-__all__ = ["quantize_q8_0", "random_blocks"]
+from .quantize import set_f16_field
 
 # Byte offsets of the f16 super-block scale d and, where there is one, the min scale dmin.
 _D_OFFSET = {"Q8_0": 0, "Q2_K": 80, "Q4_K": 0, "IQ2_XXS": 0}
