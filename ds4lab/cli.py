@@ -228,13 +228,14 @@ def _cmd_tour(args: argparse.Namespace) -> int:
 def _cmd_cache_simulate(args: argparse.Namespace) -> int:
     from .cache.simulate import simulate, summary
 
+    budget = (args.budget_mb or 4096) << 20  # as ds4-server reads --kv-disk-space-mb: 0 means 4096
     try:
-        events = simulate(args.trace, args.policy, args.budget_mb << 20,
+        events = simulate(args.trace, args.policy, budget,
                           {"ctx_size": args.ctx, "model": args.model, "shutdown": not args.no_shutdown})
     except (OSError, ValueError, KeyError) as exc:
         print(f"ds4lab: {args.trace}: {exc}", file=sys.stderr)
         return 2
-    result = {"policy": args.policy, "budget_bytes": args.budget_mb << 20, **summary(events)}
+    result = {"policy": args.policy, "budget_bytes": budget, **summary(events)}
     if args.events:
         events.to_csv(args.events, index=False)
     if args.json:
@@ -254,8 +255,9 @@ def _cmd_cache_plan(args: argparse.Namespace) -> int:
     from .cache.rules import explain_eviction
 
     now = int(args.now if args.now is not None else time.time())
+    budget_mb = args.budget_mb or 4096  # as ds4-server reads --kv-disk-space-mb: 0 means 4096
     try:
-        table = explain_eviction(args.dir, args.budget_mb << 20, now, extra_bytes=args.extra_bytes,
+        table = explain_eviction(args.dir, budget_mb << 20, now, extra_bytes=args.extra_bytes,
                                  policy=args.policy)
     except (OSError, ValueError) as exc:
         print(f"ds4lab: {args.dir}: {exc}", file=sys.stderr)
@@ -265,7 +267,7 @@ def _cmd_cache_plan(args: argparse.Namespace) -> int:
         return 0
     victims = table[table["order"] > 0]
     total = int(table["file_bytes"].sum())
-    print(f"{args.dir}: {len(table)} indexed files, {total / 2**20:.1f} MiB; budget {args.budget_mb} MiB "
+    print(f"{args.dir}: {len(table)} indexed files, {total / 2**20:.1f} MiB; budget {budget_mb} MiB "
           f"(extra {args.extra_bytes} B); policy {args.policy}")
     if victims.empty:
         print("nothing to evict")
@@ -466,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = cache_sub.add_parser("simulate", help="replay a JSONL trace or ds4-server --trace log; hit rates, stores")
     p.add_argument("trace")
     p.add_argument("--policy", default="ds4@ba00a8a", help="ds4@ba00a8a, ds4@8d57664, ds4@24fa85ea, lru or size")
-    p.add_argument("--budget-mb", type=int, default=4096, help="--kv-disk-space-mb")
+    p.add_argument("--budget-mb", type=int, default=4096, help="--kv-disk-space-mb (0 means 4096, as in ds4)")
     p.add_argument("--ctx", type=int, default=131072, help="the server's --ctx")
     p.add_argument("--model", default="flash", choices=["flash", "pro"], help="sizes payloads")
     p.add_argument("--no-shutdown", action="store_true", help="no shutdown save after the last request")
@@ -476,7 +478,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = cache_sub.add_parser("plan", help="which files ds4 would evict next from a --kv-disk-dir, and why")
     p.add_argument("dir")
-    p.add_argument("--budget-mb", type=int, default=4096)
+    p.add_argument("--budget-mb", type=int, default=4096, help="--kv-disk-space-mb (0 means 4096, as in ds4)")
     p.add_argument("--extra-bytes", type=int, default=0, help="size of the file about to be stored (ba00a8a)")
     p.add_argument("--policy", default="ds4@ba00a8a")
     p.add_argument("--now", type=int, default=None, help="Unix time of the decision (default: now)")

@@ -360,3 +360,12 @@ def test_cli_simulate_and_plan(tmp_path, capsys):
     stub(tmp_path, sha(2), 2048, 4 << 20, reason=2)
     assert main(["cache", "plan", str(tmp_path), "--budget-mb", "5", "--policy", "ds4@8d57664", "--now", "1"]) == 0
     assert f"next victim: {cold}" in capsys.readouterr().out
+
+
+def test_cli_budget_zero_means_ds4s_default(tmp_path, capsys):
+    from ds4lab.cli import main
+
+    stub(tmp_path, sha(1), 2048, 4 << 20)
+    assert main(["cache", "plan", str(tmp_path), "--budget-mb", "0", "--now", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "budget 4096 MiB" in out and "nothing to evict" in out

@@ -109,6 +109,12 @@ class ScoreParts:
     score: float
 
 
+def _demotion(effective_hits: float) -> float:
+    """ba00a8a's factor on a superseded continued checkpoint: 0.05 + 0.45 h, h = hits/(hits+1)."""
+    h = effective_hits / (effective_hits + 1.0) if effective_hits > 0.0 else 0.0
+    return SUPERSEDE_MIN + SUPERSEDE_HIT * h
+
+
 @dataclass(frozen=True)
 class Policy:
     """ds4's eviction score and the version-specific rules around it.
@@ -169,17 +175,14 @@ class Policy:
         if e.reason in _ANCHORS:
             score *= self.anchor_factor
         if incoming is not None and self.supersedes(e, incoming):
-            h = eff / (eff + 1.0) if eff > 0.0 else 0.0
-            score *= SUPERSEDE_MIN + SUPERSEDE_HIT * h
+            score *= _demotion(eff)
         return score
 
     def parts(self, e: Entry, now: int, incoming: Incoming | None = None) -> ScoreParts:
         """The factors of `score` for plots and the dry-run explanation."""
         eff = self.effective_hits(e, now)
         anchor = self.anchor_factor if e.reason in _ANCHORS else 1.0
-        sup = 1.0
-        if self.supersedes(e, incoming):
-            sup = SUPERSEDE_MIN + SUPERSEDE_HIT * (eff / (eff + 1.0) if eff > 0.0 else 0.0)
+        sup = _demotion(eff) if self.supersedes(e, incoming) else 1.0
         density = e.tokens / e.file_size if e.file_size else 0.0
         return ScoreParts(density, eff, anchor, sup, self.score(e, now, None, incoming))
 

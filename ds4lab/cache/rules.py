@@ -21,7 +21,7 @@ from typing import Any
 
 from ..config import FLASH, PRO, ModelConfig
 from ..errors import KVCFormatError
-from ..kvc.header import PREFIX_BYTES, REASONS, read_header
+from ..kvc.header import PREFIX_BYTES, REASONS, parse_header
 from ..kvc.payload import checkpoint_bytes
 from .policies import DEFAULT_POLICY, Entry, Incoming, Policy, get_policy
 
@@ -147,9 +147,12 @@ def payload_bytes(config: ModelConfig | str, n_tokens: int, ctx_size: int | None
     ratio-4 layers the indexer rows and frontier, all f32. `ctx_size` only matters below the
     sliding window (raw rows are min(T, window, ctx)).
     """
-    if isinstance(config, str):
-        config = {"flash": FLASH, "pro": PRO}[config.lower()]
-    return checkpoint_bytes(config, int(n_tokens), ctx_size)
+    return checkpoint_bytes(model_config(config), int(n_tokens), ctx_size)
+
+
+def model_config(config: ModelConfig | str) -> ModelConfig:
+    """A ModelConfig as given, or ds4's shape by name ("flash" or "pro")."""
+    return {"flash": FLASH, "pro": PRO}[config.lower()] if isinstance(config, str) else config
 
 
 # ---- directories ---------------------------------------------------------------------
@@ -167,11 +170,12 @@ def index_directory(directory: str | Path, policy: str | Policy = DEFAULT_POLICY
             if not _SHA_NAME.fullmatch(de.name):
                 continue
             try:
-                size = os.stat(de.path).st_size
-                h = read_header(de.path)
+                with open(de.path, "rb") as fh:  # one open: ds4's stat() size and its header read
+                    size = os.fstat(fh.fileno()).st_size
+                    h = parse_header(fh.read(PREFIX_BYTES), de.path, size)
             except (OSError, KVCFormatError):
                 continue
-            # read_header already refused short files and a text or payload running past the end.
+            # parse_header already refused short files and a text or payload running past the end.
             if h.version != 1 or h.tokens == 0 or h.quant_bits not in (2, 4):
                 continue
             if pol.payload_abi is not None and h.payload_abi != pol.payload_abi:

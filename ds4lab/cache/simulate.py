@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import pandas as pd
 
-from ..config import FLASH, PRO, ModelConfig
+from ..config import ModelConfig
 from ..kvc.header import REASONS
 from .policies import (
     DEFAULT_POLICY,
@@ -38,7 +38,15 @@ from .policies import (
     Policy,
     get_policy,
 )
-from .rules import CacheOptions, continued_step, evict_order, file_size_fits, payload_bytes, store_len
+from .rules import (
+    CacheOptions,
+    continued_step,
+    evict_order,
+    file_size_fits,
+    model_config,
+    payload_bytes,
+    store_len,
+)
 from .texts import Text, TextTree
 from .workloads import Request, iter_records, prepare
 
@@ -72,7 +80,7 @@ class SimOptions:
 
     @property
     def config(self) -> ModelConfig:
-        return {"flash": FLASH, "pro": PRO}[self.model]
+        return model_config(self.model)
 
 
 EVENT_COLUMNS = ["time", "request", "session", "event", "source", "reason", "tokens", "text_bytes", "file_bytes",
@@ -107,8 +115,7 @@ class CacheSimulator:
         self.policy = get_policy(policy)
         self.budget = int(budget_bytes)
         self.opt = SimOptions.of(options)
-        c = self.opt.cache
-        self.cache_opts = {f.name: getattr(c, f.name) for f in fields(c)}
+        self.cache_opts = asdict(self.opt.cache)
         self.step = continued_step(**self.cache_opts)
         self.chunk = self.opt.prefill_chunk or self.policy.prefill_chunk
         self.model_id = self.opt.config.model_id
