@@ -49,7 +49,7 @@ import numpy as np
 import pandas as pd
 
 from .atomic import atomic_open
-from .config import ARCH
+from .config import ARCH, FLASH
 from .generation import Sampling, generate
 from .gguf import GGUF_MAGIC, TensorOut, write_gguf
 from .hooks import HookFn, HookPoint
@@ -69,8 +69,6 @@ __all__ = [
 ]
 
 DS4_FORMAT = "ds4-directional-steering-v1"
-# Flash's n_embd: the row width assumed for a ds4 .f32 that comes without its JSON.
-DS4_WIDTH = 4096
 # build_direction.py's default system prompt.
 DEFAULT_SYSTEM = "You are a helpful assistant."
 # The hook point of each sublayer output, below `blocks.<layer>.`, and ds4's name for it.
@@ -137,7 +135,7 @@ class SteeringVector:
             if size != 4 * n_layer * width:          # ds4 checks the exact size too
                 raise ValueError(f"{path}: {size} bytes, but its JSON says {n_layer} x {width} float32")
         else:
-            width = n_embd or DS4_WIDTH
+            width = n_embd or FLASH.n_embd
             if size == 0 or size % (4 * width):
                 raise ValueError(f"{path}: {size} bytes is not a whole number of {width}-wide float32 rows")
             n_layer = size // (4 * width)
@@ -407,9 +405,9 @@ def sweep(model, vector: SteeringVector, prompts: Sequence[str], scales: Sequenc
                 total[hook.layer] += float((act @ directions[hook.layer]).sum())
                 count[hook.layer] += act.shape[0]
 
+        scales = {"attn": scale if component == "attn" else 0.0, "ffn": scale if component == "ffn" else 0.0}
         # The measuring hook is registered first, so it sees each output before the edit.
-        with model.hooks([(_at((point,)), measure)]), \
-                steer(model, vector, mode=mode, layers=chosen, **{"attn": 0.0, "ffn": 0.0, component: scale}):
+        with model.hooks([(_at((point,)), measure)]), steer(model, vector, mode=mode, layers=chosen, **scales):
             result = generate(model, _encode(prompt, system, think), max_tokens, sampling or Sampling())
         logprobs = [step.logprob for step in result.steps]
         records.append({

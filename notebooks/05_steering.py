@@ -38,7 +38,7 @@ import pandas as pd
 
 from ds4lab.notebooks import NOTEBOOK_DIR
 from ds4lab.paths import synthetic_model
-from ds4lab.steering import SteeringVector, build, collect_activations, plot_sweep, sweep
+from ds4lab.steering import SteeringVector, build, collect_activations, plot_sweep, render_prompt, sweep
 
 path = os.environ.get("DS4LAB_MODEL") or synthetic_model("tiny", "q2", seed=0)
 model = ds4lab.load(path)
@@ -101,7 +101,7 @@ separation
 
 # %%
 steered = vector if verbosity.directions.shape != (cfg.n_layer, cfg.n_embd) else verbosity
-prompt_ids = model.tokenizer.encode("<｜begin▁of▁sentence｜><｜User｜>What does DNS do?<｜Assistant｜></think>").ids
+prompt_ids = model.tokenizer.encode(render_prompt("What does DNS do?", system="")).ids
 layer = cfg.n_layer // 2
 name = f"blocks.{layer}.ffn.hook_out"
 _, plain = model.run_with_cache(prompt_ids, name)
