@@ -328,12 +328,25 @@ def _cmd_imatrix_collect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _tensor_type_rule(text: str) -> tuple[str, str]:
+    """`--tensor-type NAME=TYPE` as (name pattern, type), the type one ds4lab knows."""
+    from .quants import FORMATS
+
+    pattern, eq, type_name = text.partition("=")
+    if not (pattern and eq and type_name in FORMATS):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected NAME=TYPE with TYPE one of {', '.join(FORMATS)}")
+    return pattern, type_name
+
+
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from . import gguf
     from .quants import requantize
 
-    overrides = dict(rule.split("=", 1) for rule in args.tensor_type)
-    recipe = requantize.combine(overrides, *([args.recipe] if args.recipe else []))
+    try:
+        recipe = requantize.combine(dict(args.tensor_type), *([args.recipe] if args.recipe else []))
+    except ValueError as exc:
+        print(f"ds4lab: --recipe {args.recipe}: {exc}", file=sys.stderr)
+        return 2
     if args.dry_run:
         table = requantize.plan(gguf.open(args.input), recipe)
         for row in table[table["type"] != table["target"]].itertuples():
@@ -531,10 +544,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("input")
     p.add_argument("output")
     p.add_argument("--recipe", help="q2, q4 or mixed:37-42 (q2 with those layers' routed experts Q4_K)")
-    p.add_argument("--tensor-type", action="append", default=[], metavar="NAME=TYPE",
+    p.add_argument("--tensor-type", action="append", default=[], metavar="NAME=TYPE", type=_tensor_type_rule,
                    help="name, prefix or glob -> type, before the recipe (repeatable)")
     p.add_argument("--imatrix", help="imatrix .dat or .gguf")
-    p.add_argument("--threads", type=int, default=None, help="experts quantized at once (default: CPU count)")
+    p.add_argument("--threads", type=int, default=None, help="experts quantized at once (default: the usable CPUs)")
     p.add_argument("--dry-run", action="store_true", help="print the type changes and sizes only")
     p.set_defaults(func=_cmd_quantize)
     return parser

@@ -64,6 +64,9 @@ def test_plan_and_recipe_forms(tiny_q2):
     assert list(changed["name"]) == ["blk.2.ffn_down_exps.weight"]           # first match wins
     assert changed["target_bytes"].iloc[0] == 16 * 256 * 144
     assert requantize.parse_layers("0-2,5") == {0, 1, 2, 5}
+    for bad in ("5-2", "x", "-3", "1-2-3"):
+        with pytest.raises(ValueError, match="is not N or N-M"):
+            requantize.parse_layers(bad)
     keep = requantize.plan(model_file, lambda name, layer, current: None)
     assert (keep["type"] == keep["target"]).all()
 
@@ -117,3 +120,15 @@ def test_cli_dry_run(tiny_q2, capsys):
     assert changes == ["type_change: blk.0.ffn_down_exps.weight Q2_K -> Q4_K",
                        *(f"type_change: blk.5.ffn_{r}_exps.weight {t} -> Q4_K"
                          for r, t in (("gate", "IQ2_XXS"), ("up", "IQ2_XXS"), ("down", "Q2_K")))]
+
+
+def test_cli_refuses_bad_recipes(tiny_q2, capsys):
+    from ds4lab.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["quantize", str(tiny_q2), "unused.gguf", "--tensor-type", "blk.0.ffn_down_exps", "--dry-run"])
+    with pytest.raises(SystemExit):
+        main(["quantize", str(tiny_q2), "unused.gguf", "--tensor-type", "blk.0.ffn_down_exps=Q5_K", "--dry-run"])
+    assert "expected NAME=TYPE" in capsys.readouterr().err
+    assert main(["quantize", str(tiny_q2), "unused.gguf", "--recipe", "mixed:x", "--dry-run"]) == 2
+    assert "is not N or N-M" in capsys.readouterr().err

@@ -21,7 +21,8 @@ Two file layouts:
 - llama.cpp's GGUF imatrix (`general.type = imatrix`): per tensor `<name>.in_sum2`, the raw
   sums [n_expert, n_cols], and `<name>.counts` [n_expert, 1], so nothing is lost.
 
-Sums are kept in float64 here; ds4 accumulates in float32, a difference far below what the
+Each forward chunk's sums are taken in float32 (one matrix product per layer) and added into
+float64 totals; ds4 accumulates in float32 throughout, a difference far below what the
 quantizers can resolve.
 """
 
