@@ -29,7 +29,7 @@ import numpy as np
 from ds4lab.config import FLASH
 from ds4lab.kvc import read, scan
 from ds4lab.kvc.header import KVCHeader
-from ds4lab.kvc.payload import encode
+from ds4lab.kvc.payload import checkpoint_bytes, encode, frontier_shape
 from ds4lab.kvc.session_io import payload_words
 
 
@@ -39,15 +39,14 @@ def write_checkpoint(path: Path, n_tokens: int, seed: int = 0) -> int:
     words = payload_words(FLASH, n_tokens, max(2 * n_tokens, 4096), "ba00a8a")
     layers = []
     for ratio in FLASH.compress_ratios:
-        coff = 2 if ratio == 4 else 1
         arrays = {"raw_kv": rng.standard_normal((words["raw_live"], FLASH.head_dim), np.float32)}
         if ratio:
-            state = (coff * ratio, coff * FLASH.head_dim)
+            state = frontier_shape(ratio, FLASH.head_dim)
             arrays |= {"comp_kv": rng.standard_normal((n_tokens // ratio, FLASH.head_dim), np.float32),
                        "attn_state_kv": rng.standard_normal(state, np.float32),
                        "attn_state_score": rng.standard_normal(state, np.float32)}
         if ratio == 4:
-            state = (8, 2 * FLASH.indexer_head_dim)
+            state = frontier_shape(ratio, FLASH.indexer_head_dim)
             arrays |= {"index_comp_kv": rng.standard_normal((n_tokens // 4, FLASH.indexer_head_dim), np.float32),
                        "index_state_kv": rng.standard_normal(state, np.float32),
                        "index_state_score": rng.standard_normal(state, np.float32)}
@@ -122,7 +121,7 @@ def bench_scan(folder: Path, n_files: int) -> None:
         words = payload_words(FLASH, n_tokens, 65536, "ba00a8a")
         body = encode(words, [], [], [], [], [])[0]
         header = KVCHeader(quant_bits=2, reason=int(rng.integers(1, 5)), tokens=n_tokens, hits=int(rng.integers(0, 9)),
-                           ctx_size=65536, payload_bytes=13_764 * n_tokens, text_bytes=len(text),
+                           ctx_size=65536, payload_bytes=checkpoint_bytes(FLASH, n_tokens, 65536), text_bytes=len(text),
                            created_at=1_790_000_000 + i, last_used=1_790_000_000 + 2 * i)
         path = cache / f"{hashlib.sha1(text).hexdigest()}.kv"
         with open(path, "wb") as fh:

@@ -168,8 +168,8 @@ plt.show()
 
 # %% [markdown]
 # ## Restoring a checkpoint
-# A new session loads the continued file and decodes on: the logits match those of the
-# session that never stopped.
+# A new session loads the continued file and decodes on: the logits match those of a
+# session that prefilled the same tokens itself.
 
 # %%
 resumed = model.session()

@@ -107,8 +107,6 @@ def test_restore_from_ds4s_file_continues_like_ds4(tiny_a_gguf, folder, referenc
 
 @pytest.mark.parametrize("folder", ["kv", "kv-ba00a8a"])
 def test_write_reproduces_ds4s_bytes(tmp_path, folder):
-    import os
-
     from ds4lab.kvc import write
 
     for name in ("aaa0f5572975136c8071ff8b0e541d53a155c086.kv", "32efa32002047952225f813c5e30380f5f367a27.kv"):
@@ -277,6 +275,50 @@ def test_lz4_envelope_round_trip(tmp_path):
             assert np.array_equal(packed.arrays(il)[key], value)
     assert np.array_equal(packed.logits, original.logits) and packed.text == original.text
     assert write(packed, tmp_path / "raw" / name, compress=False).read_bytes() == raw
+    # Rewritten as it is, the LZ4 file keeps its envelope and chunk size: the same bytes.
+    lz4_bytes = (tmp_path / "lz4" / name).read_bytes()
+    assert write(packed, tmp_path / "again" / name).read_bytes() == lz4_bytes
+
+
+def test_rewrite_keeps_reserved_bytes(tmp_path):
+    """ds4 never checks byte 23 (nor 21-22 in envelope 1): a rewrite leaves them as found."""
+    from ds4lab.kvc import write
+
+    name = "aaa0f5572975136c8071ff8b0e541d53a155c086.kv"
+    data = bytearray((ORACLE / "kv-ba00a8a" / name).read_bytes())
+    data[21:24] = b"\x07\x08\x09"
+    (tmp_path / name).write_bytes(data)
+    f = read(tmp_path / name, RATIOS)
+    assert (f.header.codec, f.header.chunk_log2, f.header.reserved) == (7, 8, 9)
+    assert write(f, tmp_path / "out" / name).read_bytes() == data
+
+
+def test_errors_inside_an_lz4_payload_name_the_decompressed_byte(tmp_path):
+    """A payload that decompresses cleanly but breaks the DSV4 layout: the error names the
+    region's file offset and the byte of the decompressed payload."""
+    from ds4lab.kvc import lz4
+    from ds4lab.kvc.kvfile import payload_bytes_of
+
+    name = "aaa0f5572975136c8071ff8b0e541d53a155c086.kv"
+    original = read(ORACLE / "kv-ba00a8a" / name, RATIOS)
+    body = bytearray(payload_bytes_of(original))
+    struct.pack_into("<I", body, 4, 3)  # payload version 3
+    region = lz4.encode_region(bytes(body), 19)
+    header = original.header.with_(version=2, codec=2, chunk_log2=19, payload_bytes=len(region))
+    path = tmp_path / name
+    path.write_bytes(header.pack() + original.text + region)
+    with pytest.raises(KVCFormatError, match=r"payload version: 3 .*\(byte 4 of the decompressed payload\)") as err:
+        read(path, RATIOS)
+    assert err.value.offset == header.payload_offset
+
+
+def test_schedule_from_a_config_with_more_ratios_than_layers():
+    """A GGUF's compress_ratios may list more entries than main layers; the payload uses the first n_layer."""
+    from ds4lab.config import FLASH
+    from ds4lab.kvc.payload import schedule_of
+
+    config = FLASH.replace(compress_ratios=(*FLASH.compress_ratios, 4))
+    assert schedule_of(config, 43) == FLASH.compress_ratios
 
 
 def test_logits_resume_kv(tmp_path, tiny_a_gguf):

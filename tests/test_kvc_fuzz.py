@@ -26,33 +26,29 @@ HEAD, INDEX, VOCAB, T = 8, 4, 16, 13
 
 def _valid_file() -> bytes:
     """A small, complete file: every block kind, a title and a tool map."""
-    rng = np.random.default_rng(0)
-    gen = rng
+    gen = np.random.default_rng(0)
 
-    class _Bf16Rows:  # KV-like values (bf16-representable) so the LZ4 envelope is worth writing
-        @staticmethod
-        def standard_normal(shape):
-            x = gen.standard_normal(shape).astype(np.float32)
-            return (x.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+    def rows(shape) -> np.ndarray:  # KV-like values (bf16-representable) so the LZ4 envelope is worth writing
+        x = gen.standard_normal(shape).astype(np.float32)
+        return (x.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
 
-    rng = _Bf16Rows()
     words = dict(zip(FIELDS, [DSV4_MAGIC, 2, 64, 64, 8, 8, 18, T, len(RATIOS), HEAD, INDEX, VOCAB, 8], strict=True))
     layers, n_comp, n_index = [], [], []
     for ratio in RATIOS:
-        arrays = {"raw_kv": rng.standard_normal((8, HEAD))}
+        arrays = {"raw_kv": rows((8, HEAD))}
         if ratio:
-            arrays |= {"comp_kv": rng.standard_normal((T // ratio, HEAD)),
-                       "attn_state_kv": rng.standard_normal(frontier_shape(ratio, HEAD)),
-                       "attn_state_score": rng.standard_normal(frontier_shape(ratio, HEAD))}
+            arrays |= {"comp_kv": rows((T // ratio, HEAD)),
+                       "attn_state_kv": rows(frontier_shape(ratio, HEAD)),
+                       "attn_state_score": rows(frontier_shape(ratio, HEAD))}
         if ratio == 4:
-            arrays |= {"index_comp_kv": rng.standard_normal((T // 4, INDEX)),
-                       "index_state_kv": rng.standard_normal(frontier_shape(4, INDEX)),
-                       "index_state_score": rng.standard_normal(frontier_shape(4, INDEX))}
+            arrays |= {"index_comp_kv": rows((T // 4, INDEX)),
+                       "index_state_kv": rows(frontier_shape(4, INDEX)),
+                       "index_state_score": rows(frontier_shape(4, INDEX))}
         assert set(arrays) <= set(BLOCKS)
         layers.append(arrays)
         n_comp.append(T // ratio if ratio else 0)
         n_index.append(T // 4 if ratio == 4 else 0)
-    body = b"".join(encode(words, np.arange(T), rng.standard_normal(VOCAB), n_comp, n_index, layers))
+    body = b"".join(encode(words, np.arange(T), rows(VOCAB), n_comp, n_index, layers))
     text = b"<|begin|>hello world"
     trailer = Trailer(title=b"a title", tool_map=[(b"call_1", b"<tool_calls>x</tool_calls>")])
     header = KVCHeader(quant_bits=2, reason=2, ext_flags=trailer.ext_flags(), tokens=T, ctx_size=64,

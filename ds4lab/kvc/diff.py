@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import numpy as np
 import pandas as pd
 
+from .header import KVCHeader
 from .kvfile import KVCFile
-
-_HEADER = ("version", "quant_bits", "reason", "ext_flags", "model_id", "tokens", "hits", "ctx_size", "payload_abi",
-           "codec", "created_at", "last_used", "payload_bytes", "text_bytes")
 
 
 def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
@@ -29,7 +29,7 @@ def diff(a: KVCFile, b: KVCFile) -> pd.DataFrame:
         rows.append({"part": part, "layer": layer, "field": field, "a": str(va), "b": str(vb),
                      "max_abs_diff": float(max_abs)})
 
-    for name in _HEADER:
+    for name in (f.name for f in fields(KVCHeader)):
         if getattr(a.header, name) != getattr(b.header, name):
             add("header", name, getattr(a.header, name), getattr(b.header, name))
     for name, value in a.payload.fields.items():

@@ -5,7 +5,7 @@ Offsets (little-endian):
     5  save reason    6  extension flags       7  model id (ba00a8a; 0 Flash, 1 Pro; 0 before)
     8  u32 tokens    12  u32 hits             16  u32 ctx the snapshot was written for
    20  payload ABI (ba00a8a: 2; 0 before)     21  codec (LZ4 envelope only)
-   22  log2 chunk bytes (LZ4 envelope only)   23  reserved
+   22  log2 chunk bytes (LZ4 envelope only)   23  reserved (kept as found)
    24  u64 created_at    32  u64 last_used     40  u64 payload bytes as stored on disk
    48  u32 text_bytes, then the rendered text the file is named after (SHA-1).
 
@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ..errors import KVCFormatError
+from .lz4 import MAX_CHUNK_LOG2, MIN_CHUNK_LOG2
 
 KVC_MAGIC = b"KVC"
 HEADER_BYTES = 48
@@ -57,6 +58,7 @@ class KVCHeader:
     payload_abi: int = PAYLOAD_ABI
     codec: int = CODEC_NONE
     chunk_log2: int = 0
+    reserved: int = 0
     created_at: int = 0
     last_used: int = 0
     payload_bytes: int = 0
@@ -91,12 +93,13 @@ class KVCHeader:
         return PREFIX_BYTES + self.text_bytes + self.payload_bytes
 
     def pack(self) -> bytes:
-        """The 52 bytes ds4 writes: header then text length (reserved bytes zero)."""
+        """The 52 bytes: header, then text length. Reserved bytes go back as they were read (ds4
+        writes them 0), so an unchanged header packs to the bytes it came from."""
         out = bytearray(PREFIX_BYTES)
         out[0:3] = KVC_MAGIC
         out[3:8] = bytes([self.version, self.quant_bits, self.reason, self.ext_flags, self.model_id])
         struct.pack_into("<3I", out, 8, self.tokens, self.hits, self.ctx_size)
-        out[20:23] = bytes([self.payload_abi, self.codec, self.chunk_log2])
+        out[20:24] = bytes([self.payload_abi, self.codec, self.chunk_log2, self.reserved])
         struct.pack_into("<3QI", out, 24, self.created_at, self.last_used, self.payload_bytes, self.text_bytes)
         return bytes(out)
 
@@ -119,15 +122,15 @@ def parse_header(prefix: bytes, path: str | Path = "<bytes>", file_size: int | N
     tokens, hits, ctx = struct.unpack_from("<3I", prefix, 8)
     created, last_used, payload_bytes, text_bytes = struct.unpack_from("<3QI", prefix, 24)
     header = KVCHeader(version, prefix[4], prefix[5], prefix[6], prefix[7], tokens, hits, ctx, prefix[20],
-                       prefix[21], prefix[22], created, last_used, payload_bytes, text_bytes)
+                       prefix[21], prefix[22], prefix[23], created, last_used, payload_bytes, text_bytes)
     if version == 2:
         if header.codec == CODEC_LZ4_RETIRED:
             raise KVCFormatError(path, "codec: 1 is the retired unchecksummed LZ4 framing", offset=21)
         if header.codec not in (CODEC_NONE, CODEC_LZ4):
             raise KVCFormatError(path, f"codec: {header.codec} is unknown (known: 0 raw, 2 LZ4+XXH32)", offset=21)
-        if header.codec == CODEC_LZ4 and not 1 <= header.chunk_log2 <= 26:
-            raise KVCFormatError(path, f"chunk_log2: {header.chunk_log2} outside 1..26 (chunks up to 64 MiB)",
-                                 offset=22)
+        if header.codec == CODEC_LZ4 and not MIN_CHUNK_LOG2 <= header.chunk_log2 <= MAX_CHUNK_LOG2:
+            raise KVCFormatError(path, f"chunk_log2: {header.chunk_log2} outside {MIN_CHUNK_LOG2}..{MAX_CHUNK_LOG2} "
+                                       "(chunks up to 64 MiB)", offset=22)
     if file_size is not None:
         if PREFIX_BYTES + text_bytes > file_size:
             raise KVCFormatError(path, f"text_bytes: {text_bytes} bytes of text but the file has "

@@ -1,7 +1,8 @@
 """A whole .kv file: header, cache text, payload (raw or LZ4 envelope) and trailer.
 
 `read` maps the file and parses the header words only; arrays are views of the map, so
-opening a large checkpoint costs its metadata, and a block is read when it is touched.
+opening a large raw checkpoint costs its metadata, and a block is read when it is touched (an
+LZ4-envelope payload is decompressed and checked whole when the file is opened).
 `write` lays the file out as ds4 does, atomically, 0600 in a 0700 directory (cache files hold
 prompts verbatim). Unchanged parts are copied as bytes, so rewriting a ds4 file reproduces it.
 """
@@ -26,7 +27,8 @@ from .header import CODEC_LZ4, CODEC_NONE, PREFIX_BYTES, KVCHeader, parse_header
 
 @dataclass
 class KVCFile:
-    """One checkpoint. `payload_bytes` is the payload as ds4's engine reads it (decompressed)."""
+    """One checkpoint. `header.payload_bytes` is the payload as stored on disk; `payload` (and
+    `payload_bytes_of`) the payload as ds4's engine reads it, decompressed."""
 
     path: Path
     header: KVCHeader
@@ -150,7 +152,7 @@ def read(path, model=None) -> KVCFile:
     text = bytes(buf[PREFIX_BYTES:header.payload_offset])
     if header.compressed:
         raw = lz4.decode_region(buf, header.payload_offset, header.payload_bytes, path, header.chunk_log2)
-        body = payload.parse(raw, 0, len(raw), model, path, 0)
+        body = payload.parse(raw, 0, len(raw), model, path, header.payload_offset, decompressed=True)
     else:
         body = payload.parse(buf, header.payload_offset, header.payload_bytes, model, path, header.payload_offset)
     trailer = trailers.parse(bytes(buf[header.trailer_offset:]), header.ext_flags, path, header.trailer_offset)
@@ -160,31 +162,29 @@ def read(path, model=None) -> KVCFile:
 def payload_bytes_of(kvc: KVCFile) -> memoryview:
     """The uncompressed payload bytes exactly as stored (no re-encoding of any float)."""
     p = kvc.payload
-    end = p.blocks[-1].offset + p.blocks[-1].nbytes if p.blocks else 4 * (
-        payload.HEADER_WORDS + len(p.tokens) + len(p.logits) + 2 * len(p.ratios))
-    return memoryview(p.buf)[p.base:p.base + end]
+    return memoryview(p.buf)[p.base:p.base + p.nbytes]
 
 
-def write(kvc: KVCFile, path, compress: bool | None = None, chunk_log2: int = 24) -> Path:
-    """Write `kvc` to `path` the way ds4 lays it out. `compress`: None keeps the envelope the
-    file came with, True writes the LZ4 envelope (version 2, codec 2; stored raw as version 1
-    when it would shrink by less than 1/64, as the PR does), False writes version 1 raw."""
+def write(kvc: KVCFile, path, compress: bool | None = None, chunk_log2: int | None = None) -> Path:
+    """Write `kvc` to `path` the way ds4 lays it out. `compress`: None keeps the payload stored
+    as the file stored it (LZ4 or raw), True writes the LZ4 envelope (version 2, codec 2; stored
+    raw when it would shrink by less than 1/64, as the PR does), False writes raw. A raw payload
+    is written as envelope version 1, as the PR's refresh rewrites raw version-2 files.
+    `chunk_log2`: the LZ4 chunk size, by default the file's own (16 MiB for a raw file)."""
     path = Path(path)
     raw = payload_bytes_of(kvc)
-    if compress is None:
-        compress = kvc.header.compressed
     header = kvc.header.with_(text_bytes=len(kvc.text))
+    if compress is None:
+        compress = header.compressed
+    if chunk_log2 is None:
+        chunk_log2 = header.chunk_log2 if header.compressed else lz4.DEFAULT_CHUNK_LOG2
     stored = raw
     if compress:
-        packed = lz4.encode_region(bytes(raw), chunk_log2)
+        packed = lz4.encode_region(raw, chunk_log2)
         if lz4.compression_worthwhile(len(raw), len(packed)):
             header, stored = header.with_(version=2, codec=CODEC_LZ4, chunk_log2=chunk_log2), packed
-            compress = True
-        else:
-            compress = False
-    if not compress:
-        header = header.with_(version=1, codec=CODEC_NONE if header.version == 2 else header.codec,
-                              chunk_log2=0 if header.version == 2 else header.chunk_log2)
+    if stored is raw and header.version == 2:
+        header = header.with_(version=1, codec=CODEC_NONE, chunk_log2=0)
     header = header.with_(payload_bytes=len(stored))
     with atomic_open(path, private=True) as fh:
         fh.write(header.pack())

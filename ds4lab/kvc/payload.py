@@ -57,9 +57,10 @@ class Block:
 def schedule_of(model_or_ratios, n_layer: int) -> tuple[int, ...]:
     """The compression ratio of each layer: from a sequence, a ModelConfig, a Model, or (None)
     the known shapes, Flash (43 layers) and Pro (61)."""
-    source = model_or_ratios
-    source = getattr(source, "config", source)
-    source = getattr(source, "compress_ratios", source)
+    source = getattr(model_or_ratios, "config", model_or_ratios)
+    if hasattr(source, "compress_ratios"):
+        # A GGUF's schedule may list more entries than main layers (config.py checks "at least").
+        source = source.compress_ratios[:source.n_layer]
     if source is None:
         known = {FLASH.n_layer: FLASH, PRO.n_layer: PRO}
         if n_layer not in known:
@@ -142,6 +143,11 @@ class Payload:
     buf: object
     base: int
 
+    @property
+    def nbytes(self) -> int:
+        """The payload's size (uncompressed): its fixed part and every block."""
+        return _fixed_bytes(self.fields, len(self.ratios)) + sum(b.nbytes for b in self.blocks)
+
     def array(self, block: Block) -> np.ndarray:
         return np.frombuffer(self.buf, "<f4", block.shape[0] * block.shape[1],
                              self.base + block.offset).reshape(block.shape)
@@ -150,14 +156,17 @@ class Payload:
         return {b.name: self.array(b) for b in self.blocks if b.layer == layer}
 
 
-def parse(buf, base: int, length: int, model_or_ratios, path: Path, file_offset: int) -> Payload:
+def parse(buf, base: int, length: int, model_or_ratios, path: Path, file_offset: int,
+          decompressed: bool = False) -> Payload:
     """Parse the `length` payload bytes at `buf[base:]`. Errors name the byte offset in the file
-    (`file_offset` is where the payload starts there; for a compressed payload, the offset is
-    into the decompressed payload, as the message says)."""
+    (`file_offset` is where the payload starts there). A `decompressed` payload (the LZ4
+    envelope) has no file offset of its own: errors name the region's offset, and the message
+    says which byte of the decompressed payload is wrong."""
 
     def fail(what: str, at: int) -> KVCFormatError:
-        where = at + file_offset
-        return KVCFormatError(path, what, offset=where)
+        if decompressed:
+            return KVCFormatError(path, f"{what} (byte {at} of the decompressed payload)", offset=file_offset)
+        return KVCFormatError(path, what, offset=file_offset + at)
 
     if length < 4 * HEADER_WORDS:
         raise fail(f"DSV4 payload header: needs {4 * HEADER_WORDS} bytes, payload_bytes is {length}", 0)
@@ -205,8 +214,9 @@ def parse(buf, base: int, length: int, model_or_ratios, path: Path, file_offset:
     layout = blocks(fields, ratios, n_comp, n_index, head)
     need = head + sum(b.nbytes for b in layout)
     if need != length:
-        raise KVCFormatError(path, f"payload_bytes: header says {length}, the layout of {n_layer} layers with "
-                                   f"these row counts needs {need}", offset=40)
+        field, at = ("uncompressed_total", file_offset) if decompressed else ("payload_bytes", 40)
+        raise KVCFormatError(path, f"{field}: {length} bytes, but the layout of {n_layer} layers with "
+                                   f"these row counts needs {need}", offset=at)
     return Payload(fields, ratios, tokens, logits, n_comp, n_index, layout, buf, base)
 
 

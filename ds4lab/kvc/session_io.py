@@ -45,7 +45,7 @@ def payload_words(config, n_tokens: int, ctx_size: int, version: str) -> dict[st
     if version not in VERSIONS:
         raise ValueError(f"version {version!r}: known versions are {', '.join(VERSIONS)}")
     window = min(config.n_swa, ctx_size)
-    compressed = [r for r in config.compress_ratios if r]
+    compressed = [r for r in payload.schedule_of(config, config.n_layer) if r]
     return {"magic": payload.DSV4_MAGIC, "version": 1 if version == "8d57664" else 2, "ctx": ctx_size,
             "prefill_cap": min(ctx_size, 2048 if version == "8d57664" else 4096), "raw_cap": window,
             "raw_window": window, "comp_cap": ctx_size // min(compressed) + 2 if compressed else 0,
@@ -120,7 +120,7 @@ def to_state(kvc: KVCFile | str | Path, model=None):
         if "index_state_kv" in a:
             cache.index_frontier = Frontier(a["index_state_kv"], a["index_state_score"])
         layers.append(cache)
-    return SessionState(layers=layers, tokens=[int(t) for t in kvc.tokens], logits=mx.array(np.array(kvc.logits)))
+    return SessionState(layers=layers, tokens=[int(t) for t in kvc.tokens], logits=mx.array(kvc.logits))
 
 
 def _check_fits(kvc: KVCFile, config) -> None:
