@@ -386,3 +386,30 @@ def test_pro_shaped_file_reads_without_a_model(tmp_path):
     assert len(frame) == 61 and frame["ratio"].tolist()[:4] == [128, 128, 4, 128]
     assert frame.loc[0, "compressed_rows"] == 2 and frame.loc[2, "indexer_rows"] == 65
     assert np.all(f.arrays(60)["raw_kv"] == 60) and np.all(f.arrays(60)["comp_kv"] == -60)
+
+
+def test_stripped_agent_session_reads(tmp_path, small_q4_mtp):
+    """ds4-agent's /strip keeps header, text and title with payload_bytes 0: it reads, shows,
+    scans, diffs and rewrites; restoring it is a clear error (the agent prefills instead)."""
+    from ds4lab import load
+    from ds4lab.kvc import scan, write
+    from ds4lab.kvc.diff import diff
+
+    model = load(small_q4_mtp[0])
+    session = model.session()
+    session.prefill(list(range(100, 140)))
+    full = read(session.save_kv(tmp_path / "full.kv", reason="agent-session", title=b"my task"), model)
+    stripped_bytes = (full.header.with_(payload_bytes=0).pack() + full.text + full.trailer.encode())
+    path = tmp_path / "stripped.kv"
+    path.write_bytes(stripped_bytes)
+    f = read(path, model)
+    assert f.stripped and f.title == b"my task" and f.header.tokens == 40 and len(f.tokens) == 0
+    assert f.layers.empty and list(f.layers.columns)[:3] == ["layer", "ratio", "raw_rows"]
+    assert f.summary()["stripped"] and f.summary()["layers"] == []
+    assert write(f, tmp_path / "again.kv").read_bytes() == stripped_bytes
+    assert write(f, tmp_path / "lz4.kv", compress=True).read_bytes() == stripped_bytes
+    assert "payload" in set(diff(full, f)["part"])
+    row = scan(tmp_path).set_index("file").loc["stripped.kv"]
+    assert row["valid"] and row["payload_bytes"] == 0
+    with pytest.raises(KVCFormatError, match="stripped"):
+        model.session().load_kv(path)

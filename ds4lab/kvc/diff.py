@@ -32,9 +32,10 @@ def diff(a: KVCFile, b: KVCFile) -> pd.DataFrame:
     for name in (f.name for f in fields(KVCHeader)):
         if getattr(a.header, name) != getattr(b.header, name):
             add("header", name, getattr(a.header, name), getattr(b.header, name))
-    for name, value in a.payload.fields.items():
-        if value != b.payload.fields[name]:
-            add("payload", name, value, b.payload.fields[name])
+    words_a, words_b = a.payload_header, b.payload_header
+    for name in dict.fromkeys([*words_a, *words_b]):
+        if words_a.get(name) != words_b.get(name):
+            add("payload", name, words_a.get(name), words_b.get(name))
     if a.text != b.text:
         shared = _common_prefix(np.frombuffer(a.text, np.uint8), np.frombuffer(b.text, np.uint8))
         add("text", "common_prefix_bytes", shared, f"of {len(a.text)} / {len(b.text)}")
@@ -44,7 +45,7 @@ def diff(a: KVCFile, b: KVCFile) -> pd.DataFrame:
     if a.logits.shape == b.logits.shape and not np.array_equal(a.logits, b.logits):
         add("logits", "logits", int(a.logits.argmax()), int(b.logits.argmax()),
             max_abs=np.abs(a.logits - b.logits).max())
-    for il in range(min(len(a.payload.ratios), len(b.payload.ratios))):
+    for il in range(min(len(a.ratios), len(b.ratios))):
         blocks_a, blocks_b = a.arrays(il), b.arrays(il)
         for name in sorted(blocks_a.keys() & blocks_b.keys()):
             xa, xb = blocks_a[name], blocks_b[name]

@@ -28,34 +28,44 @@ from .header import CODEC_LZ4, CODEC_NONE, PREFIX_BYTES, KVCHeader, parse_header
 @dataclass
 class KVCFile:
     """One checkpoint. `header.payload_bytes` is the payload as stored on disk; `payload` (and
-    `payload_bytes_of`) the payload as ds4's engine reads it, decompressed."""
+    `payload_bytes_of`) the payload as ds4's engine reads it, decompressed. A file ds4-agent's
+    `/strip` rewrote has no payload (payload_bytes 0: header, text and title only; the agent
+    rebuilds the state by prefill): `payload` is None and `stripped` is true."""
 
     path: Path
     header: KVCHeader
     text: bytes
-    payload: payload.Payload
+    payload: payload.Payload | None
     trailer: trailers.Trailer
 
     # ---- what a researcher reads ------------------------------------------------------
     @property
+    def stripped(self) -> bool:
+        return self.payload is None
+
+    @property
     def tokens(self) -> np.ndarray:
-        return self.payload.tokens
+        return self.payload.tokens if self.payload else np.zeros(0, "<u4")
 
     @property
     def logits(self) -> np.ndarray:
-        return self.payload.logits
+        return self.payload.logits if self.payload else np.zeros(0, "<f4")
+
+    @property
+    def ratios(self) -> tuple[int, ...]:
+        return self.payload.ratios if self.payload else ()
 
     @property
     def n_comp(self) -> list[int]:
-        return self.payload.n_comp
+        return self.payload.n_comp if self.payload else []
 
     @property
     def n_index_comp(self) -> list[int]:
-        return self.payload.n_index_comp
+        return self.payload.n_index_comp if self.payload else []
 
     @property
     def payload_header(self) -> dict[str, int]:
-        return dict(self.payload.fields)
+        return dict(self.payload.fields) if self.payload else {}
 
     @property
     def tool_map(self) -> list[tuple[bytes, bytes]]:
@@ -75,15 +85,17 @@ class KVCFile:
 
     def arrays(self, layer: int) -> dict[str, np.ndarray]:
         """The float blocks of one layer by name (raw_kv, comp_kv, attn_state_kv, ...); read-only views."""
-        if not 0 <= layer < len(self.payload.ratios):
-            raise IndexError(f"layer {layer} outside 0..{len(self.payload.ratios) - 1}")
+        if self.payload is None:
+            raise ValueError(f"{self.path}: a stripped file (payload_bytes 0) holds no KV state")
+        if not 0 <= layer < len(self.ratios):
+            raise IndexError(f"layer {layer} outside 0..{len(self.ratios) - 1}")
         return self.payload.layer_arrays(layer)
 
     @property
     def layers(self) -> pd.DataFrame:
         """One row per layer: ratio, row counts, bytes, and row-norm statistics per block kind."""
         rows = []
-        for il, ratio in enumerate(self.payload.ratios):
+        for il, ratio in enumerate(self.ratios):
             arrays = self.arrays(il)
             row = {"layer": il, "ratio": ratio, "raw_rows": arrays["raw_kv"].shape[0],
                    "compressed_rows": self.n_comp[il], "indexer_rows": self.n_index_comp[il],
@@ -93,8 +105,9 @@ class KVCFile:
                 row[f"{key}_norm_mean"] = float(norms.mean()) if norms is not None else np.nan
                 row[f"{key}_norm_max"] = float(norms.max()) if norms is not None else np.nan
             rows.append(row)
-        frame = pd.DataFrame(rows)
         ints = ["layer", "ratio", "raw_rows", "compressed_rows", "indexer_rows", "bytes"]
+        frame = pd.DataFrame(rows, columns=[*ints, *(f"{k}_norm_{s}" for k in ("raw", "compressed", "indexer")
+                                                     for s in ("mean", "max"))])
         return frame.astype(dict.fromkeys(ints, "int64"))
 
     def summary(self) -> dict:
@@ -109,9 +122,10 @@ class KVCFile:
                        "ctx_size": h.ctx_size, "created_at": _iso(h.created_at), "last_used": _iso(h.last_used),
                        "payload_bytes": h.payload_bytes, "text_bytes": h.text_bytes},
             "payload": self.payload_header,
-            "layers": [{"layer": il, "ratio": r, "raw_rows": self.payload.fields["raw_live"],
+            "layers": [{"layer": il, "ratio": r, "raw_rows": self.payload_header["raw_live"],
                         "compressed_rows": self.n_comp[il], "indexer_rows": self.n_index_comp[il]}
-                       for il, r in enumerate(self.payload.ratios)],
+                       for il, r in enumerate(self.ratios)],
+            "stripped": self.stripped,
             "text_sha1": self.text_sha1,
             "name_is_text_sha1": self.name_is_text_sha1,
             "title": None if self.title is None else self.title.decode("utf-8", "replace"),
@@ -150,7 +164,9 @@ def read(path, model=None) -> KVCFile:
         raise KVCFormatError(path, f"cannot read file: {exc.strerror or exc}") from None
     header = parse_header(bytes(buf[:PREFIX_BYTES]), path, len(buf))
     text = bytes(buf[PREFIX_BYTES:header.payload_offset])
-    if header.compressed:
+    if header.payload_bytes == 0:
+        body = None
+    elif header.compressed:
         raw = lz4.decode_region(buf, header.payload_offset, header.payload_bytes, path, header.chunk_log2)
         body = payload.parse(raw, 0, len(raw), model, path, header.payload_offset, decompressed=True)
     else:
@@ -162,7 +178,7 @@ def read(path, model=None) -> KVCFile:
 def payload_bytes_of(kvc: KVCFile) -> memoryview:
     """The uncompressed payload bytes exactly as stored (no re-encoding of any float)."""
     p = kvc.payload
-    return memoryview(p.buf)[p.base:p.base + p.nbytes]
+    return memoryview(p.buf)[p.base:p.base + p.nbytes] if p else memoryview(b"")
 
 
 def write(kvc: KVCFile, path, compress: bool | None = None, chunk_log2: int | None = None) -> Path:
@@ -179,7 +195,7 @@ def write(kvc: KVCFile, path, compress: bool | None = None, chunk_log2: int | No
     if chunk_log2 is None:
         chunk_log2 = header.chunk_log2 if header.compressed else lz4.DEFAULT_CHUNK_LOG2
     stored = raw
-    if compress:
+    if compress and len(raw):  # an empty (stripped) payload has no LZ4 form
         packed = lz4.encode_region(raw, chunk_log2)
         if lz4.compression_worthwhile(len(raw), len(packed)):
             header, stored = header.with_(version=2, codec=CODEC_LZ4, chunk_log2=chunk_log2), packed

@@ -109,10 +109,13 @@ def to_state(kvc: KVCFile | str | Path, model=None):
 
     if not isinstance(kvc, KVCFile):
         kvc = read(kvc, model)
+    if kvc.stripped:
+        raise KVCFormatError(kvc.path, "payload_bytes: 0 (a stripped agent session): no KV state to restore; "
+                                       "prefill its text instead", offset=40)
     if model is not None:
         _check_fits(kvc, model.config)
     layers = []
-    for il in range(len(kvc.payload.ratios)):
+    for il in range(len(kvc.ratios)):
         a = {k: mx.array(v) for k, v in kvc.arrays(il).items()}
         cache = LayerCache(raw=a["raw_kv"], comp=a.get("comp_kv"), index_comp=a.get("index_comp_kv"))
         if "attn_state_kv" in a:
