@@ -37,6 +37,7 @@ def test_oracle_files_match_their_manifest(folder):
         assert f.payload_header == entry["payload_header"]
         assert f.n_comp == entry["n_comp"] and f.n_index_comp == entry["n_index_comp"]
         assert f.text_sha1 == entry["text_sha1"] == entry["file"].removesuffix(".kv")
+        assert f.mismatches == []
         assert hashlib.sha256(f.tokens.astype("<u4").tobytes()).hexdigest() == entry["token_ids_sha256"]
         assert _sha(f.logits) == entry["logits"]["sha256"] and int(f.logits.argmax()) == entry["logits"]["argmax"]
         assert len(f.trailer.encode()) == entry["trailer_bytes"]
@@ -234,7 +235,8 @@ def test_kv_cli(tmp_path, capsys):
     path.write_bytes((folder / name).read_bytes())
     from ds4lab.kvc import write
 
-    write(read(path, RATIOS).with_header(reason=3, hits=5), path)
+    write(read(path, RATIOS).with_header(reason=3, hits=5, tokens=401), path)
+    assert read(path, RATIOS).mismatches == ["header tokens 401 != payload 400"]
     shown = {}
     for target in (folder / name, path):
         assert main(["kv", "show", str(target), "--json", "--model", str(_tiny_schedule_gguf(tmp_path))]) == 0

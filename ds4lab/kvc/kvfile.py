@@ -83,6 +83,16 @@ class KVCFile:
     def name_is_text_sha1(self) -> bool:
         return self.path.name.lower() == f"{self.text_sha1}.kv"
 
+    @property
+    def mismatches(self) -> list[str]:
+        """Where the header and the payload disagree. ds4 loads such a payload, then deletes the
+        file as corrupt (a token count that differs) or refuses it (a ctx the runtime lacks)."""
+        if self.payload is None:
+            return []
+        words = self.payload.fields
+        pairs = (("tokens", self.header.tokens, words["n_tokens"]), ("ctx_size", self.header.ctx_size, words["ctx"]))
+        return [f"header {name} {h} != payload {p}" for name, h, p in pairs if h != p]
+
     def arrays(self, layer: int) -> dict[str, np.ndarray]:
         """The float blocks of one layer by name (raw_kv, comp_kv, attn_state_kv, ...); read-only views."""
         if self.payload is None:
@@ -126,6 +136,7 @@ class KVCFile:
                         "compressed_rows": self.n_comp[il], "indexer_rows": self.n_index_comp[il]}
                        for il, r in enumerate(self.ratios)],
             "stripped": self.stripped,
+            "mismatches": self.mismatches,
             "text_sha1": self.text_sha1,
             "name_is_text_sha1": self.name_is_text_sha1,
             "title": None if self.title is None else self.title.decode("utf-8", "replace"),
