@@ -21,7 +21,7 @@ from typing import Any
 
 from ..config import FLASH, PRO, ModelConfig
 from ..errors import KVCFormatError
-from ..kvc.header import PREFIX_BYTES, REASONS, parse_header
+from ..kvc.header import PREFIX_BYTES, REASONS, KVCHeader, parse_header
 from ..kvc.payload import checkpoint_bytes
 from .policies import DEFAULT_POLICY, Entry, Incoming, Policy, get_policy
 
@@ -156,14 +156,26 @@ def model_config(config: ModelConfig | str) -> ModelConfig:
 
 
 # ---- directories ---------------------------------------------------------------------
-def index_directory(directory: str | Path, policy: str | Policy = DEFAULT_POLICY) -> list[Entry]:
-    """The files ds4 would index in `directory`, in readdir order (kv_cache_refresh).
+def index_entry(name: str, header: KVCHeader, file_size: int, policy: str | Policy = DEFAULT_POLICY) -> Entry | None:
+    """The entry ds4 indexes for a file of this name, parsed header and size, or None where
+    that version's ds4 does not see the file (kv_cache_refresh's rules).
 
-    A file counts only with a 40-hex `.kv` name, at least 52 bytes, envelope version 1,
-    tokens != 0, quant bits 2 or 4, a size covering header + text + payload, and at ba00a8a
-    payload ABI byte 20 == 2. Anything else is invisible: never counted, evicted or loaded.
+    A file counts only with a 40-hex `.kv` name, envelope version 1, tokens != 0, quant bits 2
+    or 4, and at ba00a8a payload ABI byte 20 == 2; `parse_header` (given the file size) has
+    already refused short files and a text or payload running past the end. Anything else is
+    invisible: never counted, evicted or loaded.
     """
-    pol = get_policy(policy)
+    h, pol = header, get_policy(policy)
+    if not _SHA_NAME.fullmatch(name) or h.version != 1 or h.tokens == 0 or h.quant_bits not in (2, 4):
+        return None
+    if pol.payload_abi is not None and h.payload_abi != pol.payload_abi:
+        return None
+    return Entry(name[:40].lower(), h.tokens, h.hits, file_size, h.created_at, h.last_used,
+                 h.reason if h.reason <= 6 else 0, h.model_id, h.quant_bits, h.ctx_size, h.text_bytes)
+
+
+def index_directory(directory: str | Path, policy: str | Policy = DEFAULT_POLICY) -> list[Entry]:
+    """The files ds4 would index in `directory`, in readdir order (see `index_entry`)."""
     out = []
     with os.scandir(directory) as it:
         for de in it:
@@ -175,14 +187,9 @@ def index_directory(directory: str | Path, policy: str | Policy = DEFAULT_POLICY
                     h = parse_header(fh.read(PREFIX_BYTES), de.path, size)
             except (OSError, KVCFormatError):
                 continue
-            # parse_header already refused short files and a text or payload running past the end.
-            if h.version != 1 or h.tokens == 0 or h.quant_bits not in (2, 4):
-                continue
-            if pol.payload_abi is not None and h.payload_abi != pol.payload_abi:
-                continue
-            out.append(Entry(de.name[:40].lower(), h.tokens, h.hits, size, h.created_at, h.last_used,
-                             h.reason if h.reason <= 6 else 0, h.model_id,
-                             h.quant_bits, h.ctx_size, h.text_bytes))
+            entry = index_entry(de.name, h, size, policy)
+            if entry is not None:
+                out.append(entry)
     return out
 
 

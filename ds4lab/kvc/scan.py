@@ -8,16 +8,18 @@ import struct
 import time
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 
 from ..errors import KVCFormatError
-from .header import PREFIX_BYTES, parse_header
+from .header import PREFIX_BYTES, KVCHeader, parse_header
 
 _INT_COLUMNS = ("version", "codec", "payload_version", "model_id", "quant_bits", "reason", "ext_flags", "tokens",
                 "hits", "ctx_size", "payload_abi", "text_bytes", "payload_bytes", "file_bytes")
 
 
-def _row(path: Path, with_text: bool) -> dict:
+def _row(path: Path, with_text: bool) -> tuple[dict, KVCHeader | None]:
+    """A file's row, and its parsed header (None for a file that does not parse)."""
     row: dict = {"file": path.name, "valid": False, "error": ""}
     try:
         with open(path, "rb") as fh:
@@ -29,7 +31,7 @@ def _row(path: Path, with_text: bool) -> dict:
             words = fh.read(8) if not h.compressed and h.payload_bytes >= 8 else b""
     except (OSError, KVCFormatError) as exc:
         row["error"] = str(exc).removeprefix(f"{path}: ").removeprefix(f"{path} ")
-        return row
+        return row, None
     row |= {"valid": True, "version": h.version, "ds4_version": h.ds4_version, "codec": h.codec,
             "payload_version": struct.unpack("<2I", words)[1] if len(words) == 8 else pd.NA,
             "model_id": h.model_id, "quant_bits": h.quant_bits, "reason": h.reason, "reason_name": h.reason_name,
@@ -39,7 +41,7 @@ def _row(path: Path, with_text: bool) -> dict:
             "name_is_text_sha1": path.name.lower() == hashlib.sha1(text).hexdigest() + ".kv"}
     if with_text:
         row["text"] = text.decode("utf-8", errors="replace")
-    return row
+    return row, h
 
 
 def scan(directory, with_text: bool = False, now: float | None = None, policies=None) -> pd.DataFrame:
@@ -50,23 +52,27 @@ def scan(directory, with_text: bool = False, now: float | None = None, policies=
     user's prompt, verbatim)."""
     directory = Path(directory)
     names = sorted(n for n in os.listdir(directory) if n.endswith(".kv"))
-    frame = pd.DataFrame([_row(directory / n, with_text) for n in names],
+    rows, headers = zip(*(_row(directory / n, with_text) for n in names), strict=True) if names else ((), ())
+    frame = pd.DataFrame(list(rows),
                          columns=["file", "valid", "error", *_INT_COLUMNS, "ds4_version", "reason_name", "ext",
                                   "created_at", "last_used", "name_is_text_sha1", *(["text"] if with_text else [])])
     frame = frame.astype(dict.fromkeys(_INT_COLUMNS, "Int64") | {"valid": bool, "name_is_text_sha1": "boolean"})
     for column in ("created_at", "last_used"):
         # A timestamp beyond pandas' calendar (a corrupt header) becomes NaT, not an error.
         frame[column] = pd.to_datetime(frame[column].astype("Int64"), unit="s", utc=True, errors="coerce")
-    return _with_scores(frame, directory, now, policies)
+    return _with_scores(frame, headers, now, policies)
 
 
-def _with_scores(frame: pd.DataFrame, directory: Path, now: float | None, policies) -> pd.DataFrame:
+def _with_scores(frame: pd.DataFrame, headers, now: float | None, policies) -> pd.DataFrame:
     """A `score_<policy>` column per policy: the eviction score each file has now (lowest goes
-    first), NaN for files the policy's ds4 would not index."""
-    from ..cache import eviction_score, index_directory
+    first), NaN for files the policy's ds4 would not index. Uses the headers already read."""
+    from ..cache import eviction_score, index_entry
 
     now = int(time.time() if now is None else now)
     for name in policies or ("ds4@8d57664", "ds4@ba00a8a"):
-        scores = {f"{e.sha}.kv": eviction_score(e, now, policy=name) for e in index_directory(directory, name)}
-        frame[f"score_{name}"] = frame["file"].str.lower().map(scores).astype("float64")
+        scores = []
+        for file, size, h in zip(frame["file"], frame["file_bytes"], headers, strict=True):
+            entry = index_entry(file, h, int(size), name) if h is not None else None
+            scores.append(np.nan if entry is None else eviction_score(entry, now, policy=name))
+        frame[f"score_{name}"] = np.asarray(scores, np.float64)
     return frame
