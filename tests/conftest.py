@@ -33,7 +33,7 @@ def tiny_a_gguf(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
             f"oracle GGUF not found at {TINY_A_GZ}: the tests need the shared/ folder next to the repository",
             pytrace=False,
         )
-    cache = request.config.cache
+    cache = getattr(request.config, "cache", None)   # None under -p no:cacheprovider
     folder = Path(cache.mkdir("oracle")) if cache is not None else tmp_path_factory.mktemp("oracle")
     path = folder / "tiny-a.gguf"
     if path.is_file() and _sha256(path) == TINY_A_SHA256:
