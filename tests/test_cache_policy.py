@@ -14,6 +14,7 @@ from ds4lab.cache import (
     chat_anchor,
     continued_target,
     eviction_score,
+    explain_eviction,
     file_size_fits,
     find_prefix,
     payload_bytes,
@@ -226,9 +227,9 @@ def test_indexing_rules(tmp_path):
     stub(tmp_path, "sysprompt", 2048, 4096)
     (tmp_path / f"{sha(6)}.kv").write_bytes(KVCHeader(tokens=2048, payload_bytes=100).pack() + bytes(99))
     upper = stub(tmp_path, sha(7).upper().replace("0", "A"), 2048, 4096)
-    assert sorted(plan_eviction(tmp_path, 1, now=1, policy="ds4@ba00a8a")) == sorted([good, upper.lower()])
+    assert sorted(plan_eviction(tmp_path, 1, now=1, policy="ds4@ba00a8a")) == sorted([good, upper])  # the real name (issue 13)
     assert sorted(plan_eviction(tmp_path, 1, now=1, policy="ds4@8d57664")) == sorted([good, old_abi,
-                                                                                         upper.lower()])
+                                                                                         upper])
 
 
 # ---- lookup -----------------------------------------------------------------------------------------------
@@ -369,3 +370,18 @@ def test_cli_budget_zero_means_ds4s_default(tmp_path, capsys):
     assert main(["cache", "plan", str(tmp_path), "--budget-mb", "0", "--now", "1"]) == 0
     out = capsys.readouterr().out
     assert "budget 4096 MiB" in out and "nothing to evict" in out
+
+
+def test_paths_keep_the_files_own_case(tmp_path):
+    # ds4 indexes 40-hex names in any case and compares hashes case-blind; what ds4lab returns
+    # must be the names that exist, not lowercased ones (other, absent files on Linux).
+    upper = stub(tmp_path, sha(0xABC).upper(), 2048, 4096, hits=0, last_used=1)
+    mixed = stub(tmp_path, "Ab" + sha(0xDEF)[2:], 2048, 4096, hits=0, last_used=2)
+    plan = plan_eviction(tmp_path, 1, now=3, policy="ds4@ba00a8a")
+    assert plan == [upper, mixed] and all((tmp_path / name).is_file() for name in plan)
+    text = b"a prompt stored under an upper-case name"
+    found = stub(tmp_path, hashlib.sha1(text).hexdigest().upper(), 600, 0, text=text, ctx_size=32768)
+    assert find_prefix(tmp_path, text + b" and what follows", 32768, 2) == found
+    assert plan_eviction(tmp_path, 4096, now=3, protected_sha=sha(0xABC).upper(), policy="ds4@8d57664")[0] != upper
+    table = explain_eviction(tmp_path, 1, now=3)
+    assert set(table["file"]) == {upper, mixed, found}

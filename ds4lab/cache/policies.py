@@ -39,7 +39,9 @@ _ANCHORS = frozenset((REASON_COLD, REASON_EVICT, REASON_SHUTDOWN))
 class Entry:
     """One indexed cache file, as ds4_kvstore_entry holds it (the fields the policy reads).
 
-    `sha` is the file name without `.kv` (the simulator uses any hashable key instead).
+    `sha` is the file name without `.kv`, lowercased as ds4 compares hashes case-blind (the
+    simulator uses any hashable key instead); `file` is the file's own name as the directory
+    holds it (a 40-hex name may be upper- or mixed-case), "" when the entry is not a file.
     """
 
     sha: Any
@@ -53,6 +55,12 @@ class Entry:
     quant_bits: int = 2
     ctx_size: int = 0
     text_bytes: int = 0
+    file: str = ""
+
+    @property
+    def file_name(self) -> str:
+        """The name to open or delete: the directory's own spelling when known."""
+        return self.file or f"{self.sha}.kv"
 
     @classmethod
     def of(cls, entry: Mapping[str, Any] | Entry) -> Entry:
@@ -65,7 +73,7 @@ class Entry:
         return cls(entry["sha"], int(entry["tokens"]), int(entry["hits"]), int(entry["file_size"]),
                    int(entry["created_at"]), int(entry["last_used"]), int(reason),
                    int(entry.get("model_id", 0)), int(entry.get("quant_bits", 2)), int(entry.get("ctx_size", 0)),
-                   int(entry.get("text_bytes", 0)))
+                   int(entry.get("text_bytes", 0)), str(entry.get("file", "")))
 
 
 @dataclass

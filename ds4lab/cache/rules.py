@@ -171,7 +171,7 @@ def index_entry(name: str, header: KVCHeader, file_size: int, policy: str | Poli
     if pol.payload_abi is not None and h.payload_abi != pol.payload_abi:
         return None
     return Entry(name[:40].lower(), h.tokens, h.hits, file_size, h.created_at, h.last_used,
-                 h.reason if h.reason <= 6 else 0, h.model_id, h.quant_bits, h.ctx_size, h.text_bytes)
+                 h.reason if h.reason <= 6 else 0, h.model_id, h.quant_bits, h.ctx_size, h.text_bytes, name)
 
 
 def index_directory(directory: str | Path, policy: str | Policy = DEFAULT_POLICY) -> list[Entry]:
@@ -221,6 +221,8 @@ def evict_order(entries: Sequence[Entry], budget_bytes: int, now: int, protected
     pol = get_policy(policy)
     if budget_bytes == 0:
         return []
+    if isinstance(protected_sha, str):
+        protected_sha = protected_sha.lower()  # names are compared case-blind, as ds4 does
     if pol.pre_store_eviction:
         if extra_bytes > budget_bytes:
             return []  # an oversized newcomer evicts nothing
@@ -265,7 +267,7 @@ def plan_eviction(directory: str | Path | Iterable[Mapping[str, Any] | Entry], b
     pol = get_policy(policy)
     victims = evict_order(_entries(directory, pol), budget_bytes, now, protected_sha, extra_bytes,
                           Incoming.of(incoming), pol)
-    return [f"{e.sha}.kv" for e, _ in victims]
+    return [e.file_name for e, _ in victims]
 
 
 def find_prefix(directory: str | Path | Iterable[Mapping[str, Any] | Entry], prompt_text: str | bytes,
@@ -300,7 +302,7 @@ def find_prefix(directory: str | Path | Iterable[Mapping[str, Any] | Entry], pro
             continue
         if hashlib.sha1(prompt[: e.text_bytes]).hexdigest() == e.sha:
             best = e
-    return None if best is None else f"{best.sha}.kv"
+    return None if best is None else best.file_name
 
 
 def _i32(value: int) -> int:
@@ -324,7 +326,7 @@ def explain_eviction(directory: str | Path | Iterable[Mapping[str, Any] | Entry]
     rows = []
     for e in entries:
         parts = pol.parts(e, int(now), inc)
-        rows.append({"order": order.get(e.sha, 0), "file": f"{e.sha}.kv", "reason": REASONS.get(e.reason, ""),
+        rows.append({"order": order.get(e.sha, 0), "file": e.file_name, "reason": REASONS.get(e.reason, ""),
                      "tokens": e.tokens, "hits": e.hits, "effective_hits": parts.effective_hits,
                      "file_bytes": e.file_size, "density": parts.density, "anchor_factor": parts.anchor,
                      "supersede_factor": parts.supersede,
