@@ -26,6 +26,26 @@ _MAX_DIM = 1 << 20
 _MAX_LAYERS = 1024
 
 
+# ---- the compression ratios' facts --------------------------------------------------------
+# A layer's ratio says what it keeps: 0 only the raw window; 128 a compressor whose rows each
+# pool their own 128 tokens; 4 a compressor whose windows overlap (each row pools 8
+# candidates: the previous window's first half and its own second half, so its projections
+# and frontier are twice as wide) and a lightning indexer choosing among its rows.
+def overlaps(ratio: int) -> bool:
+    """Whether this ratio's compressor windows overlap the previous window (ratio 4)."""
+    return ratio == 4
+
+
+def coff(ratio: int) -> int:
+    """The compressor's width multiple: 2 where windows overlap, else 1."""
+    return 2 if overlaps(ratio) else 1
+
+
+def has_indexer(ratio: int) -> bool:
+    """Whether layers of this ratio choose their compressed rows with the indexer (ratio 4)."""
+    return ratio == 4
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """The shape and constants of one DeepSeek V4 model (names follow ds4's enum, lower case)."""

@@ -25,14 +25,23 @@ from collections.abc import Callable, Sequence
 import mlx.core as mx
 import numpy as np
 
-from .hooks import ActivationCache, HookPoint
+from .hooks import ActivationCache, HookError, HookPoint
 
 
-def force_experts(layer: int, ids: Sequence[int] | np.ndarray) -> list[tuple[str, Callable]]:
+def force_experts(layer: int, ids: Sequence[int] | np.ndarray,
+                  first_position: int = 0) -> list[tuple[str, Callable]]:
+    """ids [n_expert_used]: every token's experts; ids [N, n_expert_used]: row i is the token
+    at absolute position first_position + i (a run outside those rows is an error)."""
     chosen = np.asarray(ids, dtype=np.int32)
 
     def fn(experts: mx.array, hook: HookPoint) -> mx.array:
-        return mx.array(np.broadcast_to(chosen, experts.shape).copy())
+        if chosen.ndim == 1:
+            return mx.array(np.broadcast_to(chosen, experts.shape).copy())
+        rows = hook.positions - first_position
+        if rows.min() < 0 or rows.max() >= len(chosen):
+            raise HookError(f"{hook.name}: forced experts cover positions {first_position}.."
+                            f"{first_position + len(chosen) - 1}, not {hook.positions[0]}..{hook.positions[-1]}")
+        return mx.array(chosen[rows])
 
     return [(f"blocks.{layer}.ffn.hook_experts", fn)]
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .config import ModelConfig
+from .config import ModelConfig, coff, has_indexer
 
 ROUTED_TYPES = ("IQ2_XXS", "Q2_K", "Q4_K")
 PLAIN_TYPES = ("F16", "F32")
@@ -74,15 +74,15 @@ def _block(cfg: ModelConfig, prefix: str, layer: int | None, ratio: int, mtp: bo
         t("attn_output_b.weight", (cfg.out_low_dim, d), "Q8_0", "attention"),
     ]
     if ratio:
-        width = (2 if ratio == 4 else 1) * cfg.head_dim
+        width = coff(ratio) * cfg.head_dim
         specs += [
             t("attn_compressor_ape.weight", (width, ratio), "F16", "compressor"),
             t("attn_compressor_kv.weight", (d, width), "F16", "compressor"),
             t("attn_compressor_gate.weight", (d, width), "F16", "compressor"),
             t("attn_compressor_norm.weight", (cfg.head_dim,), "F32", "compressor"),
         ]
-    if ratio == 4:
-        width = 2 * cfg.indexer_head_dim
+    if has_indexer(ratio):
+        width = coff(ratio) * cfg.indexer_head_dim
         specs += [
             t("indexer.attn_q_b.weight", (cfg.q_lora_rank, cfg.indexer_q_dim), "F16", "indexer"),
             t("indexer.proj.weight", (d, cfg.indexer_heads), "F16", "indexer"),

@@ -206,3 +206,91 @@ def test_frontier_hook_reads_and_replaces_the_state(small):
     with model.hooks([(name, lambda act, hook: mx.zeros_like(act))]):
         session.decode(tokens[10])
     assert not np.array(session.state.layers[layer].frontier.kv).any()
+
+
+# ---- issue 13: hooks that cannot leak, replacements never dropped, one table -----------------
+def test_a_failed_registration_leaves_no_hook(small):
+    model, tokens = small
+    calls = []
+
+    def count(act, hook):
+        calls.append(hook.name)
+
+    for _ in range(2):                          # re-running the corrected cell must not stack copies
+        with pytest.raises(KeyError), model.hooks([("hook_embed", count), ("blocks.0.attn.hook_no_such_point", count)]):
+            pass
+    assert not model._hooks.by_name
+    model(tokens[:3])
+    assert calls == []
+    with model.hooks([("hook_embed", count)]):
+        model(tokens[:3])
+    assert calls == ["hook_embed"]
+
+
+def test_router_probs_replacement_drives_selection_and_weights(small):
+    model, tokens = small
+    cfg = model.config
+    layer = cfg.n_hash_layer                     # a biased top-k layer
+    b = f"blocks.{layer}.ffn."
+    favoured = np.arange(cfg.n_expert_used)[::-1] + 1          # experts 1..U, best last
+
+    def favour(probs, hook):
+        boost = np.zeros(cfg.n_expert, np.float32)
+        boost[favoured] = 1e3 * np.arange(1, len(favoured) + 1)
+        return probs + mx.array(boost)
+
+    with model.hooks([(b + "hook_router_probs", favour)]):
+        _, cache = model.run_with_cache(tokens, [b + "hook_router_probs", b + "hook_experts", b + "hook_expert_weights"])
+    assert (cache[b + "hook_experts"] == favoured[::-1]).all()  # the selection followed the replacement
+    probs = cache[b + "hook_router_probs"]                        # the cache sees the replaced scores
+    chosen = np.take_along_axis(probs, cache[b + "hook_experts"], axis=1)
+    expected = chosen / chosen.sum(axis=1, keepdims=True) * cfg.expert_weight_scale
+    assert np.allclose(cache[b + "hook_expert_weights"], expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("point", ["blocks.1.attn.hook_pattern", "blocks.1.attn.hook_key_span",
+                                   "blocks.1.ffn.hook_routed_mid"])
+def test_read_only_points_refuse_replacements(small, point):
+    from ds4lab.hooks import HookError, spec_of
+
+    model, tokens = small
+    assert not spec_of(point).replaceable
+    with pytest.raises(HookError, match="read-only"):
+        model.run_with_hooks(tokens[:5], [(point, lambda act, hook: act * 0)])
+    model.run_with_hooks(tokens[:5], [(point, lambda act, hook: None)])     # reading is fine
+
+
+def test_every_replaceable_point_takes_effect(small):
+    # A replacement at any replaceable point must change what follows (or the state): none is
+    # dropped. Each point gets a replacement that differs from what the model computed.
+    from ds4lab.hooks import spec_of
+
+    model, tokens = small
+    base = np.array(model(tokens[:24]))
+    for name in model.hook_names():
+        spec = spec_of(name)
+        if not spec.replaceable or name.endswith(("hook_frontier", "hook_logits")):
+            continue
+
+        sizes = []
+
+        def change(act, hook):
+            sizes.append(act.size)
+            if act.dtype == mx.bool_:
+                return mx.zeros_like(act)
+            if act.dtype == mx.int32:
+                return (act + 1) % model.config.n_expert
+            return act[..., ::-1] * 0.5 + 0.25      # not monotonic: a ranking changes too
+
+        changed = np.array(model.run_with_hooks(tokens[:24], [(name, change)]))
+        assert sizes and (not np.array_equal(changed, base) or max(sizes) == 0), name   # (no rows emitted yet)
+    assert np.array_equal(np.array(model(tokens[:24])), base)
+
+
+def test_readme_table_is_the_point_table():
+    from pathlib import Path
+
+    from ds4lab.hooks import markdown_table
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    assert markdown_table() in readme

@@ -117,3 +117,47 @@ def test_restored_snapshot_is_untouched_by_what_followed(small_model, small_toke
     for t in small_tokens[60:63]:
         b.decode(t)
     assert all(np.array_equal(x, y) for x, y in zip(frontiers(a), frontiers(b), strict=True))
+
+
+# ---- issue 13: prefill = decode must not depend on the BLAS's kernel choice ------------------
+def test_prefill_equals_decode_under_a_slot_dependent_gemm(small_model, small_tokens, monkeypatch):
+    # A GEMM whose arithmetic depends on the row's place in its tile (as OpenBLAS's Haswell/Zen
+    # SGEMM does for a partial register tile): exaggerated so any misplacement shows.
+    from ds4lab.model import linalg
+
+    def uneven(tile, wt):
+        return (tile @ wt) * mx.array(1.0 + np.arange(tile.shape[0], dtype=np.float32)[:, None] * 2.0 ** -12)
+
+    monkeypatch.setattr(linalg, "tile_product", uneven)
+    tokens = small_tokens[:40]
+    full = np.array(small_model(tokens))
+    session = small_model.session()
+    decoded = np.stack([np.array(session.decode(t)) for t in tokens])
+    assert np.array_equal(full, decoded)
+    chunked = small_model.session()
+    chunked.prefill(tokens[:7])
+    assert np.array_equal(np.array(chunked.prefill(tokens[7:], chunk=13)), full[-1])
+
+
+def test_prefill_equals_decode_with_openblas_zen_kernels(small_q4_mtp):
+    # The case found on AMD EPYC: OpenBLAS 0.3.21 (DYNAMIC_ARCH) picking its Haswell/Zen SGEMM.
+    # OPENBLAS_CORETYPE forces that choice on any x86-64 CPU; elsewhere it changes nothing.
+    import os
+    import subprocess
+    import sys
+
+    script = f"""
+import ds4lab, numpy as np
+from ds4lab import gguf, load
+m = load({str(small_q4_mtp[0])!r})
+rows = np.flatnonzero(np.abs(gguf.open({str(small_q4_mtp[0])!r}).dequantize("token_embd.weight")).sum(axis=1))
+tokens = [int(t) for t in np.random.default_rng(7).choice(rows, size=40)]
+full = np.array(m(tokens))
+s = m.session()
+decoded = np.stack([np.array(s.decode(t)) for t in tokens])
+print(float(np.abs(full - decoded).max()))
+"""
+    for core in ("Zen", "Haswell"):
+        out = subprocess.run([sys.executable, "-c", script], env=os.environ | {"OPENBLAS_CORETYPE": core},
+                             capture_output=True, text=True, check=True)
+        assert float(out.stdout.strip().splitlines()[-1]) == 0.0, core

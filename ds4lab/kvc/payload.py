@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import FLASH, PRO
+from ..config import FLASH, PRO, coff, has_indexer
 from ..errors import KVCFormatError
 
 DSV4_MAGIC = 0x34565344
@@ -74,8 +74,7 @@ def schedule_of(model_or_ratios, n_layer: int) -> tuple[int, ...]:
 
 
 def frontier_shape(ratio: int, width: int) -> tuple[int, int]:
-    coff = 2 if ratio == 4 else 1
-    return coff * ratio, coff * width
+    return coff(ratio) * ratio, coff(ratio) * width
 
 
 def layer_shapes(ratio: int, fields: dict[str, int], n_comp: int, n_index: int) -> list[tuple[str, tuple[int, int]]]:
@@ -85,7 +84,7 @@ def layer_shapes(ratio: int, fields: dict[str, int], n_comp: int, n_index: int) 
     if ratio:
         out += [("comp_kv", (int(n_comp), hd)), ("attn_state_kv", frontier_shape(ratio, hd)),
                 ("attn_state_score", frontier_shape(ratio, hd))]
-    if ratio == 4:
+    if has_indexer(ratio):
         out += [("index_comp_kv", (int(n_index), ihd)), ("index_state_kv", frontier_shape(ratio, ihd)),
                 ("index_state_score", frontier_shape(ratio, ihd))]
     return out
@@ -208,7 +207,7 @@ def parse(buf, base: int, length: int, model_or_ratios, path: Path, file_offset:
         if ratio != 4 and n_index[il]:
             raise fail(f"layer {il} n_index_comp: {n_index[il]} rows on a layer without an indexer",
                        at + 4 * n_layer)
-        if ratio == 4 and n_index[il] > fields["comp_cap"]:
+        if has_indexer(ratio) and n_index[il] > fields["comp_cap"]:
             raise fail(f"layer {il} n_index_comp: {n_index[il]} exceeds comp_cap {fields['comp_cap']}",
                        at + 4 * n_layer)
     layout = blocks(fields, ratios, n_comp, n_index, head)

@@ -13,24 +13,23 @@ import math
 
 import mlx.core as mx
 
-from .linalg import on_cpu
-from .numerics import fp8_kv_round, rms_norm, round_f16
+from .numerics import Schedule, fp8_kv_round, rms_norm, round_f16
 from .rope import Rotation
 from .weights import LayerWeights, Q8Matrix
 
 
 def project_q(layer: LayerWeights, xa: mx.array, n_head: int, head_dim: int, eps: float,
-              q8) -> tuple[mx.array, mx.array]:
+              mm: Schedule) -> tuple[mx.array, mx.array]:
     """(q [T, H, D] with per-head weightless RMS, qr_n [T, q_lora_rank], which also feeds the indexer)."""
-    qr = q8(layer.q8["attn_q_a.weight"], xa)
+    qr = mm.q8(layer.q8["attn_q_a.weight"], xa)
     qr_n = rms_norm(qr, layer.dense["attn_q_a_norm.weight"], eps)
-    q = q8(layer.q8["attn_q_b.weight"], qr_n).reshape(xa.shape[0], n_head, head_dim)
+    q = mm.q8(layer.q8["attn_q_b.weight"], qr_n).reshape(xa.shape[0], n_head, head_dim)
     return rms_norm(q, None, eps), qr_n
 
 
-def project_kv(layer: LayerWeights, xa: mx.array, eps: float, q8) -> mx.array:
+def project_kv(layer: LayerWeights, xa: mx.array, eps: float, mm: Schedule) -> mx.array:
     """The layer's KV row before RoPE: RMS(attn_kv · xa; kv_norm), [T, D]."""
-    return rms_norm(q8(layer.q8["attn_kv.weight"], xa), layer.dense["attn_kv_a_norm.weight"], eps)
+    return rms_norm(mm.q8(layer.q8["attn_kv.weight"], xa), layer.dense["attn_kv_a_norm.weight"], eps)
 
 
 def finish_kv_row(kv: mx.array, rotation: Rotation, n_rot: int) -> mx.array:
@@ -54,22 +53,20 @@ def visible_keys(mask: mx.array) -> tuple[mx.array, mx.array]:
     return order, mx.take_along_axis(mask, order, axis=1)
 
 
-def attend(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array) -> mx.array:
+def attend(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array, ordered: bool) -> mx.array:
     """Softmax attention with a sink logit per head, K = V.
 
     q [T, H, D]; keys [N, D]; mask [T, N] (True = visible); sinks [H]. Returns [T, H, D].
     The sink joins the denominator only. On the CPU every sum runs in a fixed order over
     the packed keys (see `visible_keys` and `linalg`), so a token's output does not depend
-    on the other tokens of its chunk; GPUs use batched matmuls.
+    on the other tokens of its chunk (`ordered`, the batch-invariant path); GPUs use
+    batched matmuls.
     """
     index, valid = visible_keys(mask)
     scale = 1.0 / math.sqrt(q.shape[-1])
-    if not on_cpu():
+    if not ordered:
         rows = keys[index]                                             # [T, L, D]
-        scores = mx.where(valid[:, None, :], (q @ rows.transpose(0, 2, 1)) * scale, -mx.inf)
-        sink = mx.broadcast_to(sinks[None, :, None], (q.shape[0], q.shape[1], 1))
-        probs = mx.softmax(mx.concatenate([sink, scores], axis=-1), axis=-1, precise=True)
-        return probs[..., 1:] @ rows
+        return _sink_softmax(q, rows, valid, sinks)[..., 1:] @ rows
     per_token = q.shape[1] * index.shape[1] * q.shape[2]
     step = max(1, _CPU_ATTENTION_BUDGET // per_token)
     return mx.concatenate([_attend_ordered(q[i:i + step], keys[index[i:i + step]], valid[i:i + step], sinks, scale)
@@ -84,11 +81,16 @@ def pattern(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array) -> tup
     keys than the widest. Each row sums to 1. A reading of `attend`, computed on request.
     """
     index, valid = visible_keys(mask)
-    scores = (q @ keys[index].transpose(0, 2, 1)) * (1.0 / math.sqrt(q.shape[-1]))
+    weights = _sink_softmax(q, keys[index], valid, sinks)
+    return weights, mx.where(valid, index.astype(mx.int32), -1)
+
+
+def _sink_softmax(q: mx.array, rows: mx.array, valid: mx.array, sinks: mx.array) -> mx.array:
+    """Softmax over [sink, q·rows / sqrt(D)] (invalid rows at -inf), [T, H, 1 + L]."""
+    scores = (q @ rows.transpose(0, 2, 1)) * (1.0 / math.sqrt(q.shape[-1]))
     scores = mx.where(valid[:, None, :], scores, -mx.inf)
     sink = mx.broadcast_to(sinks[None, :, None], (q.shape[0], q.shape[1], 1))
-    weights = mx.softmax(mx.concatenate([sink, scores], axis=-1), axis=-1, precise=True)
-    return weights, mx.where(valid, index.astype(mx.int32), -1)
+    return mx.softmax(mx.concatenate([sink, scores], axis=-1), axis=-1, precise=True)
 
 
 # Floats held at once by the CPU attention's products (q x keys): bounds its memory.
@@ -106,14 +108,14 @@ def _attend_ordered(q: mx.array, rows: mx.array, valid: mx.array, sinks: mx.arra
     return out / denom[..., None]
 
 
-def grouped_output(layer: LayerWeights, heads: mx.array, n_out_group: int, q8) -> mx.array:
+def grouped_output(layer: LayerWeights, heads: mx.array, n_out_group: int, mm: Schedule) -> mx.array:
     """Inverse-rotated heads [T, H, D] -> [T, n_embd] through the grouped low-rank projection."""
     t = heads.shape[0]
     groups = heads.reshape(t, n_out_group, -1)                         # heads of a group side by side
     out_a: Q8Matrix = layer.q8["attn_output_a.weight"]
     rank = out_a.rows // n_out_group
-    low = [q8(out_a.rows_slice(g * rank, (g + 1) * rank), groups[:, g]) for g in range(n_out_group)]
-    return q8(layer.q8["attn_output_b.weight"], mx.concatenate(low, axis=-1))
+    low = [mm.q8(out_a.rows_slice(g * rank, (g + 1) * rank), groups[:, g]) for g in range(n_out_group)]
+    return mm.q8(layer.q8["attn_output_b.weight"], mx.concatenate(low, axis=-1))
 
 
 def output_heads(heads: mx.array, rotation: Rotation) -> mx.array:

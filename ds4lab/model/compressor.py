@@ -19,13 +19,24 @@ KV files agree with ds4.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .linalg import linear
+from ..config import coff, overlaps
+from .numerics import Schedule, fp8_kv_round, indexer_qat, rms_norm, round_f16
+from .rope import rope_tail, yarn_for
+from .weights import LayerWeights
 
 NEG_INF = -1e30
+
+
+def row_span(row: mx.array, ratio: int) -> tuple[mx.array, mx.array]:
+    """The first and last token position compressed row `row` pools: its own window
+    [row·ratio, row·ratio + ratio - 1], from the previous window's start where windows overlap."""
+    first = row * ratio - (ratio if overlaps(ratio) else 0)
+    return mx.maximum(first, 0), row * ratio + ratio - 1
 
 
 @dataclass
@@ -37,17 +48,63 @@ class Frontier:
 
     @classmethod
     def empty(cls, ratio: int, width: int) -> Frontier:
-        coff = 2 if ratio == 4 else 1
-        rows, cols = coff * ratio, coff * width
+        rows, cols = coff(ratio) * ratio, coff(ratio) * width
         return cls(mx.zeros((rows, cols), mx.float32), mx.full((rows, cols), NEG_INF, mx.float32))
 
+    def stacked(self) -> mx.array:
+        """[2 (kv, score), rows, width], as the frontier hook points show it."""
+        return mx.stack([self.kv, self.score])
 
-def project(x: mx.array, wkv: mx.array, wgate: mx.array, ape: mx.array, positions: mx.array,
-            ratio: int) -> tuple[mx.array, mx.array]:
-    """Per-token kv and score rows [T, coff·width]; ape is [ratio, coff·width]."""
-    kv = linear(x, wkv)
-    score = linear(x, wgate) + ape[positions % ratio]
-    return kv, score
+    @classmethod
+    def unstack(cls, both: mx.array) -> Frontier:
+        return cls(both[0], both[1])
+
+
+@dataclass
+class Compressor:
+    """One layer's compressor: the attention's (rows of head_dim, FP8-rounded) or the
+    indexer's (rows of indexer_head_dim, Hadamard + FP4), with its weights and RoPE kind."""
+
+    kv_weight: mx.array
+    gate_weight: mx.array
+    ape: mx.array
+    norm: mx.array
+    ratio: int
+    width: int
+    round_rows: Callable[[mx.array], mx.array]
+    rope_base: float
+    yarn: object
+    n_rot: int
+    eps: float
+
+    @classmethod
+    def of(cls, layer: LayerWeights, cfg, kind: str) -> Compressor:
+        """kind "attn" or "indexer"."""
+        d, ratio = layer.dense, layer.ratio
+        if kind == "attn":
+            width, round_rows = cfg.head_dim, (lambda rows: fp8_kv_round(rows, cfg.head_dim - cfg.n_rot))
+        else:
+            width, round_rows = cfg.indexer_head_dim, indexer_qat
+        return cls(d[f"{kind}_compressor_kv.weight"], d[f"{kind}_compressor_gate.weight"],
+                   d[f"{kind}_compressor_ape.weight"], d[f"{kind}_compressor_norm.weight"], ratio, width,
+                   round_rows, cfg.rope_base(layer.index), yarn_for(cfg, ratio), cfg.n_rot, cfg.rms_eps)
+
+    def project(self, x: mx.array, positions: mx.array, mm: Schedule) -> tuple[mx.array, mx.array]:
+        """Per-token kv and score rows [T, coff·width] (the score with the slot's APE term)."""
+        return mm.linear(x, self.kv_weight), mm.linear(x, self.gate_weight) + self.ape[positions % self.ratio]
+
+    def step(self, frontier: Frontier, x: mx.array, positions: mx.array, p0: int,
+             mm: Schedule) -> tuple[mx.array, Frontier]:
+        """Feed a chunk: the rows it completes, [E, width], normed, rotated to each window's
+        first position, rounded and stored as f16; and the new frontier."""
+        kv, score = self.project(x, positions, mm)
+        pooled, frontier = compress_chunk(frontier, kv, score, p0, self.ratio, self.width)
+        if pooled.shape[0] == 0:
+            return pooled, frontier
+        rows = rms_norm(pooled, self.norm, self.eps)
+        first = (p0 // self.ratio + mx.arange(pooled.shape[0])) * self.ratio
+        rows = rope_tail(rows, first, self.n_rot, self.rope_base, self.yarn)
+        return round_f16(self.round_rows(rows)), frontier
 
 
 def _pool(kv: mx.array, score: mx.array) -> mx.array:
@@ -65,7 +122,7 @@ def compress_chunk(frontier: Frontier, kv: mx.array, score: mx.array, p0: int, r
     t = kv.shape[0]
     m0 = p0 % ratio
     n_done = (m0 + t) // ratio
-    overlap = ratio == 4
+    overlap = overlaps(ratio)
     cur_base = ratio if overlap else 0
 
     # The current window's earlier tokens live in the frontier; line them up with the chunk.
@@ -102,8 +159,7 @@ def compress_chunk(frontier: Frontier, kv: mx.array, score: mx.array, p0: int, r
 
 def clear_unused_slots(frontier: Frontier, n_tokens: int, ratio: int) -> Frontier:
     """What ds4 does after a prefill: slots past the partial window are reset to (0, -1e30)."""
-    overlap = ratio == 4
-    start = (ratio if overlap else 0) + n_tokens % ratio
+    start = (ratio if overlaps(ratio) else 0) + n_tokens % ratio
     end = frontier.kv.shape[0]
     if start >= end:
         return frontier

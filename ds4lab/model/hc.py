@@ -13,8 +13,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from .linalg import linear, on_cpu
-from .numerics import rms_norm
+from .numerics import Schedule, rms_norm
 
 
 @dataclass
@@ -24,20 +23,20 @@ class HCControl:
     comb: mx.array   # [T, n_hc (from), n_hc (to)]: doubly-stochastic mixing of the old streams
 
 
-def _control_vector(streams: mx.array, fn: mx.array, eps: float) -> mx.array:
+def _control_vector(streams: mx.array, fn: mx.array, eps: float, mm: Schedule) -> mx.array:
     flat = streams.reshape(streams.shape[0], -1)
-    return linear(rms_norm(flat, None, eps), fn)
+    return mm.linear(rms_norm(flat, None, eps), fn)
 
 
 def hc_control(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array,
-               sinkhorn_iters: int, rms_eps: float, hc_eps: float) -> HCControl:
+               sinkhorn_iters: int, rms_eps: float, hc_eps: float, mm: Schedule) -> HCControl:
     """pre/post/comb for one sublayer, from the streams right before it (ds4's order of steps).
 
-    On a GPU the ~60 small steps of the split run as one compiled kernel; the CPU runs them
-    one by one so that the float operations stay exactly ds4's.
+    On a GPU the ~60 small steps of the split run as one compiled kernel; the batch-invariant
+    path runs them one by one so that the float operations stay exactly ds4's.
     """
-    mix = _control_vector(streams, fn, rms_eps)
-    split = _split if on_cpu() else _split_compiled
+    mix = _control_vector(streams, fn, rms_eps, mm)
+    split = _split if mm.batch_invariant else _split_compiled
     return HCControl(*split(mix, scale, base, streams.shape[1], sinkhorn_iters, hc_eps))
 
 
@@ -70,7 +69,7 @@ def hc_expand(out: mx.array, streams: mx.array, control: HCControl) -> mx.array:
 
 
 def hc_head_weights(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array,
-                    rms_eps: float, hc_eps: float) -> mx.array:
+                    rms_eps: float, hc_eps: float, mm: Schedule) -> mx.array:
     """The output head's collapse weights: sigmoid without Sinkhorn, [T, n_hc]."""
-    mix = _control_vector(streams, fn, rms_eps)
+    mix = _control_vector(streams, fn, rms_eps, mm)
     return mx.sigmoid(mix * scale[0] + base) + hc_eps

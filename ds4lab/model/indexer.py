@@ -13,20 +13,32 @@ import math
 
 import mlx.core as mx
 
-from .linalg import linear
-from .numerics import indexer_qat
+from .numerics import Schedule, indexer_qat
 from .rope import Rotation
 from .weights import LayerWeights
 
 
 def indexer_scores(layer: LayerWeights, xa: mx.array, qr_n: mx.array, keys: mx.array, rotation: Rotation,
-                   n_heads: int, head_dim: int) -> mx.array:
-    """Scores [T, N] of every key row for every token (visibility not applied)."""
-    q = linear(qr_n, layer.dense["indexer.attn_q_b.weight"]).reshape(xa.shape[0], n_heads, head_dim)
+                   n_heads: int, head_dim: int, mm: Schedule) -> mx.array:
+    """Scores [T, N] of every key row for every token (visibility not applied).
+
+    On the batch-invariant path the q·k dots are summed in a fixed order outside the BLAS:
+    the key count differs between a prefill chunk and a decode step, and so would a GEMM's
+    kernel, and a near-tie in the top-k could then go the other way."""
+    q = mm.linear(qr_n, layer.dense["indexer.attn_q_b.weight"]).reshape(xa.shape[0], n_heads, head_dim)
     q = indexer_qat(rotation.apply(q))
-    weights = linear(xa, layer.dense["indexer.proj.weight"]) * (1.0 / math.sqrt(head_dim * n_heads))
-    dots = mx.maximum(q @ keys.T, 0.0)                                 # [T, H, N]
-    return (dots * weights[:, :, None]).sum(axis=1)
+    weights = mm.linear(xa, layer.dense["indexer.proj.weight"]) * (1.0 / math.sqrt(head_dim * n_heads))
+    if not mm.batch_invariant:
+        dots = q @ keys.T                                               # [T, H, N]
+    else:
+        step = max(1, _ORDERED_BUDGET // max(1, n_heads * keys.shape[0] * head_dim))
+        dots = mx.concatenate([(q[i:i + step, :, None, :] * keys[None, None]).sum(axis=-1)
+                               for i in range(0, q.shape[0], step)])
+    return (mx.maximum(dots, 0.0) * weights[:, :, None]).sum(axis=1)
+
+
+# Floats held at once by the ordered q x key products: bounds their memory.
+_ORDERED_BUDGET = 1 << 25
 
 
 def select_rows(scores: mx.array, visible: mx.array, n_visible: mx.array, top_k: int) -> mx.array:

@@ -1,35 +1,59 @@
-"""x @ W.T whose rows do not depend on how many rows were computed together.
+"""x @ W.T whose rows do not depend on how many rows were computed together, nor on which
+GEMM kernel a BLAS picks.
 
 A BLAS picks its kernel by the matrix shape (a matrix-vector product for one row, blocked
-GEMM for many), so the same token gets slightly different sums in a prefill chunk and in
-a decode step. On a tiny random model, ds4's FP8 rounding of KV rows turns such 1e-7
-differences into visible ones. On the CPU, `linear` therefore always multiplies in tiles
-of exactly ROW_TILE rows (the last tile zero-padded): every row goes through the same GEMM
-shape, and prefill equals token-by-token decode bit for bit. GPUs take the plain product.
+GEMM for many), and inside one GEMM a row's sums can depend on where the row sits: an
+optimised kernel handles the rows of a full register tile and those of a partial tile at
+the end with different code (OpenBLAS's Haswell/Zen SGEMM does, its Cooper Lake one does
+not). On a tiny random model, ds4's FP8 rounding of KV rows turns such 1e-7 differences
+into visible ones.
+
+So on the batch-invariant path every product is a GEMM of exactly ROW_TILE rows, and a
+row always sits at the same place in its tile: the token at absolute position p at row
+p mod ROW_TILE (`slots`). Prefill tiles a chunk by position; decode puts its one token at
+its slot among zero rows; the routed experts place their tokens by slot too. Whatever
+kernel the BLAS runs for that one shape, a token meets the same instructions in prefill
+and in decode, so the two agree bit for bit on any CPU.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 ROW_TILE = 16
 
 
-def on_cpu() -> bool:
-    return mx.default_device() == mx.cpu
+def slots_of(positions: np.ndarray) -> np.ndarray:
+    """The tile row of each token: its absolute position mod ROW_TILE."""
+    return np.asarray(positions, dtype=np.int64) % ROW_TILE
 
 
-def linear(x: mx.array, w: mx.array) -> mx.array:
-    """x [..., in] @ w[out, in].T -> [..., out]."""
-    if not on_cpu():
-        return x @ w.T
-    lead, n_in = x.shape[:-1], x.shape[-1]
-    rows = x.reshape(-1, n_in)
-    n = rows.shape[0]
-    pad = -n % ROW_TILE
-    if pad:
-        rows = mx.concatenate([rows, mx.zeros((pad, n_in), rows.dtype)])
+def tile_product(tile: mx.array, wt: mx.array) -> mx.array:
+    """The one BLAS call of the invariant path: [ROW_TILE, in] @ [in, out]."""
+    return tile @ wt
+
+
+def _tile_places(slots: np.ndarray) -> np.ndarray:
+    """Where each row goes in a stack of tiles: the k-th row with slot s goes to tile k, row s."""
+    order = np.argsort(slots, kind="stable")
+    ranked = slots[order]
+    occurrence = np.empty(len(slots), np.int64)
+    occurrence[order] = np.arange(len(slots)) - np.searchsorted(ranked, ranked, side="left")
+    return occurrence * ROW_TILE + slots
+
+
+def slotted_linear(x: mx.array, w: mx.array, slots: np.ndarray) -> mx.array:
+    """x [n, in] @ w[out, in].T with row i computed at tile row slots[i] (see the module doc)."""
+    n, n_in = x.shape
+    if len(slots) != n:
+        raise ValueError(f"{n} rows but {len(slots)} tile slots")
+    places = _tile_places(slots)
+    n_tiles = int(places.max()) // ROW_TILE + 1
+    source = np.full(n_tiles * ROW_TILE, n, np.int64)      # row n: the zero padding row
+    source[places] = np.arange(n)
+    padded = mx.concatenate([x, mx.zeros((1, n_in), x.dtype)])[mx.array(source)]
     wt = w.T
-    tiles = [rows[i:i + ROW_TILE] @ wt for i in range(0, rows.shape[0], ROW_TILE)]
-    out = tiles[0] if len(tiles) == 1 else mx.concatenate(tiles)
-    return out[:n].reshape(*lead, w.shape[0])
+    tiles = [tile_product(padded[i:i + ROW_TILE], wt) for i in range(0, n_tiles * ROW_TILE, ROW_TILE)]
+    out = tiles[0] if n_tiles == 1 else mx.concatenate(tiles)
+    return out[mx.array(places)]

@@ -4,11 +4,16 @@
 session's state (raw windows, compressed rows, compressor frontiers). ds4 processes a
 prompt layer by layer with token-sequential cache updates, so a chunk computed at once
 equals token-by-token decode up to float reassociation; decode is the chunk of one token.
+On the CPU the two are bit-identical (see `numerics.Numerics` and `linalg`).
 
 Numerics: "float" computes in float32 with exact weights. "ds4-cpu" also rounds
 activations the way ds4's CPU path quantises them (int8 per 32 before every Q8_0 matmul,
 per 256 before routed experts and before their down projection), which is what makes
-comparisons with ds4.c's logits tight.
+comparisons with ds4.c's logits tight. `numerics.Numerics` decides both that and how the
+products are scheduled.
+
+Every hook point fires through a scope of the registry (`ds4lab.hooks`); the points and
+their shapes are the table `hooks.POINTS`.
 """
 
 from __future__ import annotations
@@ -21,38 +26,20 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import numpy as np
 
-from ..config import ModelConfig
-from ..hooks import ActivationCache, HookFn, HookRegistry, NameFilter, floats_per_token, hook_names
-from . import attention, compressor, indexer, moe
+from ..config import ModelConfig, has_indexer
+from ..hooks import ActivationCache, HookFn, HookRegistry, NameFilter, Scope, floats_per_token, hook_names
+from . import attention, indexer, moe
+from .compressor import Compressor, Frontier, row_span
 from .hc import HCControl, hc_collapse, hc_control, hc_expand, hc_head_weights
-from .numerics import fp8_kv_round, indexer_qat, q8_0_act_codes, q8_k_act_round, rms_norm, round_f16
-from .rope import Rotation, rope_tail, yarn_for
+from .numerics import MODES, Numerics, Schedule, rms_norm
+from .rope import Rotation, yarn_for
 from .state import LayerCache, SessionState
-from .weights import LayerWeights, ModelWeights, Q8Matrix
+from .weights import LayerWeights, ModelWeights
 
 if TYPE_CHECKING:
     from ..steering import SteeringVector
 
-NUMERICS = ("float", "ds4-cpu")
-
-
-class Numerics:
-    """Where activations get rounded before quantized matmuls."""
-
-    def __init__(self, mode: str) -> None:
-        if mode not in NUMERICS:
-            raise ValueError(f"numerics must be one of {NUMERICS}, not {mode!r}")
-        self.mode = mode
-        self.emulate = mode == "ds4-cpu"
-
-    def q8(self, matrix: Q8Matrix, x: mx.array) -> mx.array:
-        if not self.emulate:
-            return matrix(x)
-        codes, scales = q8_0_act_codes(x, as_built=True)
-        return matrix.ds4_cpu(x, codes, scales)
-
-    def experts_in(self, x: mx.array) -> mx.array:
-        return q8_k_act_round(x) if self.emulate else x
+NUMERICS = MODES
 
 
 @dataclass
@@ -72,17 +59,20 @@ class Model:
         self.source = source
         self._tokenizer = None
         self._hooks = HookRegistry(hook_names(self.config))
+        self._compressors = [
+            {kind: Compressor.of(layer, self.config, kind) for kind in ("attn", "indexer")
+             if layer.ratio and (kind == "attn" or has_indexer(layer.ratio))}
+            for layer in weights.layers]
 
     # ---- public entry points --------------------------------------------------------
     def __call__(self, tokens, experts=None) -> mx.array:
         """Logits of every position, [T, n_vocab], from a fresh session.
 
-        `experts` (int [T, n_layer, n_expert_used]) forces the routed experts; route weights
-        still come from the router's scores of the forced experts.
+        `experts` (int [T, n_layer, n_expert_used]) forces the routed experts through
+        `interventions.force_experts` hooks; route weights still come from the router's
+        scores of the forced experts.
         """
-        tokens = _as_tokens(tokens)
-        forced = None if experts is None else mx.array(np.asarray(experts, dtype=np.int32))
-        return self.forward(self.empty_state(), tokens, forced=forced).logits
+        return self.forward(self.empty_state(), _as_tokens(tokens), forced=experts).logits
 
     # ---- hooks --------------------------------------------------------------------
     def hook_names(self) -> list[str]:
@@ -91,9 +81,12 @@ class Model:
 
     @contextmanager
     def hooks(self, fwd_hooks: list[tuple[NameFilter, HookFn]]):
-        """Hooks active inside the `with` block, in sessions' prefill and decode too."""
-        added = [pair for which, fn in fwd_hooks for pair in self._hooks.add(which, fn)]
+        """Hooks active inside the `with` block, in sessions' prefill and decode too. A name
+        that matches no point raises, and leaves no hook of the list registered."""
+        added = []
         try:
+            for which, fn in fwd_hooks:
+                added += self._hooks.add(which, fn)
             yield self
         finally:
             self._hooks.remove(added)
@@ -124,11 +117,7 @@ class Model:
         `cache_estimate` says beforehand how much memory that takes."""
         cache = ActivationCache(None if positions is None else np.asarray(positions).reshape(-1))
         wanted = names if isinstance(names, list) else [names or (lambda _: True)]
-
-        def record(act: mx.array, hook) -> None:
-            cache.record(act, hook)
-
-        logits = self.run_with_hooks(tokens, [(which, record) for which in wanted])
+        logits = self.run_with_hooks(tokens, [(which, cache.record) for which in wanted])
         return logits, cache
 
     def session(self, state: SessionState | None = None):
@@ -147,174 +136,154 @@ class Model:
 
     def empty_state(self) -> SessionState:
         cfg = self.config
-        layers = []
-        for ratio in cfg.compress_ratios[: cfg.n_layer]:
-            layers.append(LayerCache.empty(ratio, cfg.head_dim, cfg.indexer_head_dim))
+        layers = [LayerCache.empty(ratio, cfg.head_dim, cfg.indexer_head_dim)
+                  for ratio in cfg.compress_ratios[: cfg.n_layer]]
         return SessionState(layers=layers, tokens=[], logits=None)
 
     # ---- the stack ------------------------------------------------------------------
-    def forward(self, state: SessionState, tokens: list[int], forced: mx.array | None = None,
-                last_only: bool = False) -> ChunkResult:
-        """Run `tokens` (positions len(state.tokens)..) through the model, extending `state`."""
-        cfg, hook = self.config, self._hooks.fire
-        p0 = len(state.tokens)
+    def forward(self, state: SessionState, tokens: list[int], forced=None, last_only: bool = False) -> ChunkResult:
+        """Run `tokens` (positions len(state.tokens)..) through the model; the result holds the
+        extended state (`state` itself is left as it was). `forced` (int [T, n_layer,
+        n_expert_used]) forces the chunk's routed experts, as `__call__`'s `experts`."""
+        if forced is not None:
+            from ..interventions import force_experts
+
+            chosen = np.asarray(forced, dtype=np.int32)
+            pins = [pin for il in range(self.config.n_layer)
+                    for pin in force_experts(il, chosen[:, il], first_position=state.n_tokens)]
+            with self.hooks(pins):
+                return self.forward(state, tokens, last_only=last_only)
+        cfg = self.config
+        p0 = state.n_tokens
         self._hooks.positions = np.arange(p0, p0 + len(tokens))
+        mm = self.numerics.schedule(self._hooks.positions)
         positions = mx.arange(p0, p0 + len(tokens))
         token_ids = mx.array(tokens, dtype=mx.int32)
-        x = hook("hook_embed", self.weights.token_embd[token_ids].astype(mx.float32))
+        x = self._hooks.fire("hook_embed", self.weights.token_embd[token_ids].astype(mx.float32))
         streams = mx.broadcast_to(x[:, None, :], (x.shape[0], cfg.n_hc, cfg.n_embd))
-        new_layers, experts = [], []
+        new = state.copy()
+        experts = []
         rotations: dict[tuple, Rotation] = {}
         for il, layer in enumerate(self.weights.layers):
             kind = (cfg.rope_base(il), yarn_for(cfg, layer.ratio))
             if kind not in rotations:
                 rotations[kind] = Rotation.at(positions, cfg.n_rot, *kind)
-            b = f"blocks.{il}."
-            streams = hook(b + "hook_resid_pre", streams)
-            streams, cache = self._attention_block(layer, state.layers[il], streams, positions, p0, rotations[kind])
-            streams = hook(b + "hook_resid_mid", streams)
-            layer_forced = None if forced is None else forced[:, il]
-            streams, routing = self._ffn_block(layer, streams, token_ids, layer_forced)
-            streams = hook(b + "hook_resid_post", streams)
+            h = self._hooks.scope(f"blocks.{il}")
+            streams = h("hook_resid_pre", streams)
+            streams = self._attention_block(layer, new.layers[il], streams, positions, p0, rotations[kind], mm)
+            streams = h("hook_resid_mid", streams)
+            streams, chosen = self._ffn_block(layer, streams, token_ids, mm)
+            streams = h("hook_resid_post", streams)
             if len(tokens) > 1:
                 mx.eval(streams)     # bounds a prefill chunk's graph; a decode step stays one graph
-            new_layers.append(cache)
-            experts.append(routing.experts)
+            experts.append(chosen)
         if last_only:
-            streams = streams[-1:]
-        logits = self._head(streams)
-        new_state = SessionState(layers=new_layers, tokens=state.tokens + list(tokens), logits=logits[-1])
-        return ChunkResult(logits, experts, new_state)
+            streams, mm = streams[-1:], mm.rows(np.array([len(tokens) - 1]))
+        logits = self._head(streams, mm)
+        new.tokens = state.tokens + list(tokens)
+        new.logits = logits[-1]
+        return ChunkResult(logits, experts, new)
 
-    def _attention_block(self, layer: LayerWeights, cache: LayerCache, streams: mx.array,
-                         positions: mx.array, p0: int, rotation: Rotation) -> tuple[mx.array, LayerCache]:
-        cfg, nm, hook = self.config, self.numerics, self._hooks.fire
-        b = f"blocks.{layer.index}.attn."
-        ratio = layer.ratio
-        base, yarn = cfg.rope_base(layer.index), yarn_for(cfg, ratio)
-        d = layer.dense
-        control = self._control(b, streams, d["hc_attn_fn.weight"], d["hc_attn_scale.weight"],
-                                d["hc_attn_base.weight"])
-        xa = hook(b + "hook_in", rms_norm(hc_collapse(streams, control.pre), d["attn_norm.weight"], cfg.rms_eps))
-        q, qr_n = attention.project_q(layer, xa, cfg.n_head, cfg.head_dim, cfg.rms_eps, nm.q8)
-        q = hook(b + "hook_q", rotation.apply(q))
-        kv = attention.finish_kv_row(attention.project_kv(layer, xa, cfg.rms_eps, nm.q8), rotation, cfg.n_rot)
-        kv = hook(b + "hook_kv", kv)
-
-        # Raw window: the rows kept from earlier chunks, then this chunk's rows.
-        raw_keys = mx.concatenate([cache.raw, kv])
-        raw_pos = mx.arange(p0 - cache.raw.shape[0], p0 + kv.shape[0])
+    def _attention_block(self, layer: LayerWeights, cache: LayerCache, streams: mx.array, positions: mx.array,
+                         p0: int, rotation: Rotation, mm: Schedule) -> mx.array:
+        """Attention over the raw window and the compressed rows; extends `cache`."""
+        cfg, d = self.config, layer.dense
+        h = self._hooks.scope(f"blocks.{layer.index}.attn")
+        control = self._control(h, streams, "attn", d, mm)
+        xa = h("hook_in", rms_norm(hc_collapse(streams, control.pre), d["attn_norm.weight"], cfg.rms_eps))
+        q, qr_n = attention.project_q(layer, xa, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm)
+        q = h("hook_q", rotation.apply(q))
+        kv = h("hook_kv", attention.finish_kv_row(attention.project_kv(layer, xa, cfg.rms_eps, mm), rotation, cfg.n_rot))
+        n_kept = cache.raw.shape[0]
+        keys = cache.update_window(kv, cfg.n_swa)
+        raw_pos = mx.arange(p0 - n_kept, p0 + kv.shape[0])
         offset = positions[:, None] - raw_pos[None, :]
         mask = (offset >= 0) & (offset < cfg.n_swa)
-        keys = raw_keys
-        new_cache = LayerCache(raw=raw_keys[-cfg.n_swa:])
-
-        if ratio:
-            comp_rows, frontier = self._compress(layer, "attn_compressor", cache.frontier, xa, positions, p0, ratio,
-                                                 cfg.head_dim, base, yarn)
-            comp = mx.concatenate([cache.comp, hook(b + "compressor.hook_rows", comp_rows)])
-            frontier = self._hook_frontier(b + "compressor.hook_frontier", frontier)
-            n_visible = (positions + 1) // ratio
-            comp_row = mx.arange(comp.shape[0])[None, :]
-            comp_mask = comp_row < n_visible[:, None]
-            new_cache.comp, new_cache.frontier = comp, frontier
-            if ratio == 4:
-                index_rows, index_frontier = self._compress(layer, "indexer_compressor", cache.index_frontier, xa,
-                                                            positions, p0, ratio, cfg.indexer_head_dim, base, yarn)
-                index_keys = mx.concatenate([cache.index_comp, hook(b + "indexer.hook_rows", index_rows)])
-                index_frontier = self._hook_frontier(b + "indexer.hook_frontier", index_frontier)
-                new_cache.index_comp, new_cache.index_frontier = index_keys, index_frontier
-                if index_keys.shape[0] > cfg.indexer_top_k:
-                    scores = indexer.indexer_scores(layer, xa, qr_n, index_keys, rotation, cfg.indexer_heads,
-                                                    cfg.indexer_head_dim)
-                    scores = hook(b + "indexer.hook_scores", scores)
-                    comp_mask = indexer.select_rows(scores, comp_mask, n_visible, cfg.indexer_top_k)
-                # A hook may choose other rows, never ones the token cannot see yet.
-                comp_mask = hook(b + "indexer.hook_selected", comp_mask) & (comp_row < n_visible[:, None])
-            comp_mask = hook(b + "hook_comp_mask", comp_mask) & (comp_row < n_visible[:, None])
-            keys = mx.concatenate([raw_keys, comp])
+        if layer.ratio:
+            comp, comp_mask = self._compressed_keys(layer, cache, h, xa, qr_n, positions, p0, rotation, mm)
+            keys = mx.concatenate([keys, comp])
             mask = mx.concatenate([mask, comp_mask], axis=1)
+        if h.wants("hook_pattern") or h.wants("hook_key_span"):
+            self._read_pattern(h, q, keys, mask, d["attn_sinks.weight"], raw_pos, layer.ratio)
+        heads = attention.attend(q, keys, mask, d["attn_sinks.weight"], ordered=mm.batch_invariant)
+        heads = h("hook_z", attention.output_heads(heads, rotation))
+        out = h("hook_out", attention.grouped_output(layer, heads, cfg.n_out_group, mm))
+        return hc_expand(out, streams, control)
 
-        if self._hooks.wants(b + "hook_pattern") or self._hooks.wants(b + "hook_key_span"):
-            self._read_pattern(b, q, keys, mask, d["attn_sinks.weight"], raw_pos, ratio)
-        heads = attention.attend(q, keys, mask, d["attn_sinks.weight"])
-        heads = hook(b + "hook_z", attention.output_heads(heads, rotation))
-        out = hook(b + "hook_out", attention.grouped_output(layer, heads, cfg.n_out_group, nm.q8))
-        return hc_expand(out, streams, control), new_cache
+    def _compressed_keys(self, layer: LayerWeights, cache: LayerCache, h: Scope, xa: mx.array, qr_n: mx.array,
+                         positions: mx.array, p0: int, rotation: Rotation, mm: Schedule) -> tuple[mx.array, mx.array]:
+        """The compressed rows after this chunk and the mask of those each token attends
+        (rows of windows it has completed; on ratio-4 layers the indexer's top-k of them)."""
+        cfg, comps = self.config, self._compressors[layer.index]
+        rows, cache.frontier = comps["attn"].step(cache.frontier, xa, positions, p0, mm)
+        comp = cache.append_compressed(h("compressor.hook_rows", rows))
+        cache.frontier = self._hook_frontier(h, "compressor.hook_frontier", cache.frontier)
+        visible = mx.arange(comp.shape[0])[None, :] < ((positions + 1) // layer.ratio)[:, None]
+        comp_mask = visible
+        if has_indexer(layer.ratio):
+            rows, cache.index_frontier = comps["indexer"].step(cache.index_frontier, xa, positions, p0, mm)
+            index_keys = cache.append_index_keys(h("indexer.hook_rows", rows))
+            cache.index_frontier = self._hook_frontier(h, "indexer.hook_frontier", cache.index_frontier)
+            if index_keys.shape[0] > cfg.indexer_top_k:
+                scores = indexer.indexer_scores(layer, xa, qr_n, index_keys, rotation, cfg.indexer_heads,
+                                                cfg.indexer_head_dim, mm)
+                scores = h("indexer.hook_scores", scores)
+                comp_mask = indexer.select_rows(scores, visible, visible.sum(axis=1), cfg.indexer_top_k)
+            # A hook may choose other rows, never ones the token cannot see yet.
+            comp_mask = h("indexer.hook_selected", comp_mask) & visible
+        return comp, h("hook_comp_mask", comp_mask) & visible
 
-    def _hook_frontier(self, name: str, frontier: compressor.Frontier) -> compressor.Frontier:
+    def _hook_frontier(self, h: Scope, suffix: str, frontier: Frontier) -> Frontier:
         """The frontier after the chunk as [2 (kv, score), rows, width]; a replacement becomes the state."""
-        if not self._hooks.wants(name):
+        if not h.wants(suffix):
             return frontier
-        both = self._hooks.fire(name, mx.stack([frontier.kv, frontier.score]))
-        return compressor.Frontier(both[0], both[1])
+        return Frontier.unstack(h(suffix, frontier.stacked()))
 
-    def _read_pattern(self, prefix: str, q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array,
+    def _read_pattern(self, h: Scope, q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array,
                       raw_pos: mx.array, ratio: int) -> None:
-        """Fire the pattern points: weights over the used keys (sink first) and the token
-        positions each key covers, [first, last] (a raw row one position; compressed row c the
-        window [c·ratio, c·ratio + ratio - 1], from ratio·(c - 1) on ratio-4 layers, which
-        overlap the previous window; -1 for padding)."""
+        """Fire the pattern points: weights over the used keys (sink first), and per key the
+        token positions it covers [first, last], its kind (0 raw window, 1 compressed) and its
+        row among those (-1 for padding)."""
         weights, index = attention.pattern(q, keys, mask, sinks)
         n_raw = raw_pos.shape[0]
-        row = mx.maximum(index - n_raw, 0)
-        overlap = ratio if ratio == 4 else 0
-        first = mx.where(index < n_raw, raw_pos[mx.minimum(mx.maximum(index, 0), n_raw - 1)],
-                         mx.maximum(row * max(ratio, 1) - overlap, 0))
-        last = mx.where(index < n_raw, first, row * max(ratio, 1) + max(ratio, 1) - 1)
-        span = mx.where((index >= 0)[..., None], mx.stack([first, last], axis=-1), -1)
-        self._hooks.fire(prefix + "hook_pattern", weights)
-        self._hooks.fire(prefix + "hook_key_span", span)
+        is_raw = index < n_raw
+        row = mx.where(is_raw, index, index - n_raw)
+        comp_first, comp_last = row_span(row, max(ratio, 1))
+        raw_at = raw_pos[mx.clip(index, 0, n_raw - 1)]
+        span = mx.stack([mx.where(is_raw, raw_at, comp_first), mx.where(is_raw, raw_at, comp_last),
+                         mx.where(is_raw, 0, 1), row], axis=-1)
+        h("hook_pattern", weights)
+        h("hook_key_span", mx.where((index >= 0)[..., None], span, -1))
 
-    def _control(self, prefix: str, streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array) -> HCControl:
-        cfg, hook = self.config, self._hooks.fire
-        c = hc_control(streams, fn, scale, base, cfg.hc_sinkhorn_iter, cfg.rms_eps, cfg.hc_eps)
-        return HCControl(hook(prefix + "hook_hc_pre", c.pre), hook(prefix + "hook_hc_post", c.post),
-                         hook(prefix + "hook_hc_comb", c.comb))
-
-    def _compress(self, layer: LayerWeights, name: str, frontier: compressor.Frontier, xa: mx.array,
-                  positions: mx.array, p0: int, ratio: int, width: int, base: float, yarn) -> tuple:
-        d = layer.dense
-        kv, score = compressor.project(xa, d[f"{name}_kv.weight"], d[f"{name}_gate.weight"],
-                                       d[f"{name}_ape.weight"], positions, ratio)
-        pooled, frontier = compressor.compress_chunk(frontier, kv, score, p0, ratio, width)
-        if pooled.shape[0] == 0:
-            return pooled, frontier
-        rows = rms_norm(pooled, d[f"{name}_norm.weight"], self.config.rms_eps)
-        first = (p0 // ratio + mx.arange(pooled.shape[0])) * ratio
-        rows = rope_tail(rows, first, self.config.n_rot, base, yarn)
-        if name == "attn_compressor":
-            rows = fp8_kv_round(rows, width - self.config.n_rot)
-        else:
-            rows = indexer_qat(rows)
-        return round_f16(rows), frontier
+    def _control(self, h: Scope, streams: mx.array, sub: str, d: dict, mm: Schedule) -> HCControl:
+        cfg = self.config
+        c = hc_control(streams, d[f"hc_{sub}_fn.weight"], d[f"hc_{sub}_scale.weight"], d[f"hc_{sub}_base.weight"],
+                       cfg.hc_sinkhorn_iter, cfg.rms_eps, cfg.hc_eps, mm)
+        return HCControl(h("hook_hc_pre", c.pre), h("hook_hc_post", c.post), h("hook_hc_comb", c.comb))
 
     def _ffn_block(self, layer: LayerWeights, streams: mx.array, token_ids: mx.array,
-                   forced: mx.array | None) -> tuple[mx.array, moe.Routing]:
-        cfg, nm, hook = self.config, self.numerics, self._hooks.fire
-        b = f"blocks.{layer.index}.ffn."
-        d = layer.dense
-        control = self._control(b, streams, d["hc_ffn_fn.weight"], d["hc_ffn_scale.weight"], d["hc_ffn_base.weight"])
-        xf = hook(b + "hook_in", rms_norm(hc_collapse(streams, control.pre), d["ffn_norm.weight"], cfg.rms_eps))
-        routing = moe.route(layer, xf, token_ids, cfg.n_expert_used, cfg.expert_weight_scale, forced)
-        hook(b + "hook_router_probs", routing.probs)
-        experts = hook(b + "hook_experts", routing.experts)
-        if experts is not routing.experts:      # a hook chose the experts: weigh them by the router's scores
-            routing = moe.route(layer, xf, token_ids, cfg.n_expert_used, cfg.expert_weight_scale, experts)
-        routing.weights = hook(b + "hook_expert_weights", routing.weights)
+                   mm: Schedule) -> tuple[mx.array, mx.array]:
+        """Router (probs -> experts -> weights, each hooked, each replacement used by the next
+        step), routed and shared experts; returns the new streams and the experts used."""
+        cfg, d = self.config, layer.dense
+        h = self._hooks.scope(f"blocks.{layer.index}.ffn")
+        control = self._control(h, streams, "ffn", d, mm)
+        xf = h("hook_in", rms_norm(hc_collapse(streams, control.pre), d["ffn_norm.weight"], cfg.rms_eps))
+        probs = h("hook_router_probs", moe.router_probs(layer, xf, mm))
+        experts = h("hook_experts", moe.select_experts(layer, probs, token_ids, cfg.n_expert_used))
+        weights = h("hook_expert_weights", moe.route_weights(probs, experts, cfg.expert_weight_scale))
         clamp = cfg.swiglu_clamp[layer.index]
-        mid_point = b + "hook_routed_mid"     # read only; built only when a hook asks for it
-        on_mid = (lambda mid: hook(mid_point, mid)) if self._hooks.wants(mid_point) else None
-        routed = hook(b + "hook_routed_out", moe.routed_experts(layer, xf, routing, clamp, nm.experts_in, on_mid))
-        shared = hook(b + "hook_shared_out", moe.shared_expert(layer, xf, clamp, nm.q8))
-        return hc_expand(hook(b + "hook_out", routed + shared), streams, control), routing
+        on_mid = (lambda mid: h("hook_routed_mid", mid)) if h.wants("hook_routed_mid") else None
+        routed = h("hook_routed_out", moe.routed_experts(layer, xf, experts, weights, clamp, mm, on_mid))
+        shared = h("hook_shared_out", moe.shared_expert(layer, xf, clamp, mm))
+        return hc_expand(h("hook_out", routed + shared), streams, control), experts
 
-    def _head(self, streams: mx.array) -> mx.array:
-        cfg, h, hook = self.config, self.weights.head, self._hooks.fire
-        w = hook("hook_final_weights", hc_head_weights(streams, h["output_hc_fn"], h["output_hc_scale"],
-                                                       h["output_hc_base"], cfg.rms_eps, cfg.hc_eps))
-        z = hook("hook_final_norm", rms_norm(hc_collapse(streams, w), h["output_norm"], cfg.rms_eps))
-        return hook("hook_logits", self.numerics.q8(self.weights.output, z))
+    def _head(self, streams: mx.array, mm: Schedule) -> mx.array:
+        cfg, w, fire = self.config, self.weights.head, self._hooks.fire
+        mix = fire("hook_final_weights", hc_head_weights(streams, w["output_hc_fn"], w["output_hc_scale"],
+                                                         w["output_hc_base"], cfg.rms_eps, cfg.hc_eps, mm))
+        z = fire("hook_final_norm", rms_norm(hc_collapse(streams, mix), w["output_norm"], cfg.rms_eps))
+        return fire("hook_logits", mm.q8(self.weights.output, z))
 
 
 def _as_tokens(tokens) -> list[int]:

@@ -13,14 +13,12 @@ are decoded, a few at a time, and each is applied to the tokens that chose it.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-
 import mlx.core as mx
 import numpy as np
 
 from ..quants import gather_experts
 from . import kernels
-from .linalg import linear, on_cpu
+from .numerics import Schedule
 from .weights import ExpertBlocks, LayerWeights
 
 _ROUTE_DENOM_FLOOR = 2.0 ** -14
@@ -30,35 +28,29 @@ _EXPERTS_PER_BATCH = 8
 _GATHERED_MAX_PAIRS = 48
 
 
-@dataclass
-class Routing:
-    experts: mx.array   # [T, U] int32, ds4's order (hash-table order, or best first)
-    weights: mx.array   # [T, U] route weights
-    probs: mx.array     # [T, n_expert] sqrt(softplus(router logits))
-
-
-def router_probs(layer: LayerWeights, xf: mx.array) -> mx.array:
-    logits = linear(xf, layer.dense["ffn_gate_inp.weight"])
+def router_probs(layer: LayerWeights, xf: mx.array, mm: Schedule) -> mx.array:
+    """sqrt(softplus(router logits)), [T, n_expert]."""
+    logits = mm.linear(xf, layer.dense["ffn_gate_inp.weight"])
     softplus = mx.where(logits > 20, logits, mx.where(logits < -20, mx.exp(logits), mx.log1p(mx.exp(logits))))
     return mx.sqrt(softplus)
 
 
-def route(layer: LayerWeights, xf: mx.array, tokens: mx.array, n_used: int, scale: float,
-          forced: mx.array | None = None) -> Routing:
-    """Choose experts (hash table, biased top-k, or `forced` [T, U]) and their route weights."""
-    probs = router_probs(layer, xf)
-    if forced is not None:
-        experts = forced.astype(mx.int32)
-    elif layer.tid2eid is not None:
-        experts = layer.tid2eid[tokens]
-    else:
-        selection = probs
-        if "exp_probs_b.bias" in layer.dense:
-            selection = probs + layer.dense["exp_probs_b.bias"]
-        experts = mx.argsort(-selection, axis=-1)[:, :n_used].astype(mx.int32)
-    chosen = mx.take_along_axis(probs, experts, axis=-1)
+def select_experts(layer: LayerWeights, probs: mx.array, tokens: mx.array, n_used: int) -> mx.array:
+    """The experts each token uses, [T, n_used] int32 in ds4's order: the hash table's row on
+    hash layers, else the best n_used of probs + bias (the bias only selects)."""
+    if layer.tid2eid is not None:
+        return layer.tid2eid[tokens]
+    selection = probs
+    if "exp_probs_b.bias" in layer.dense:
+        selection = probs + layer.dense["exp_probs_b.bias"]
+    return mx.argsort(-selection, axis=-1)[:, :n_used].astype(mx.int32)
+
+
+def route_weights(probs: mx.array, experts: mx.array, scale: float) -> mx.array:
+    """The chosen experts' scores normalised to sum 1 (denominator at least 2^-14), times scale."""
+    chosen = mx.take_along_axis(probs, experts.astype(mx.int32), axis=-1)
     denom = mx.maximum(chosen.sum(axis=-1, keepdims=True), _ROUTE_DENOM_FLOOR)
-    return Routing(experts, chosen / denom * scale, probs)
+    return chosen / denom * scale
 
 
 def swiglu(gate: mx.array, up: mx.array, clamp: float) -> mx.array:
@@ -68,8 +60,8 @@ def swiglu(gate: mx.array, up: mx.array, clamp: float) -> mx.array:
     return gate * mx.sigmoid(gate) * up
 
 
-def routed_experts(layer: LayerWeights, xf: mx.array, routing: Routing, clamp: float, act_round,
-                   on_mid: Callable[[mx.array], object] | None = None) -> mx.array:
+def routed_experts(layer: LayerWeights, xf: mx.array, experts: mx.array, weights: mx.array, clamp: float,
+                   mm: Schedule, on_mid: Callable[[mx.array], object] | None = None) -> mx.array:
     """Σ over each token's chosen experts of W_down·(w·swiglu(W_gate·x, W_up·x)), [T, d].
 
     `on_mid`, when given, is shown the route-weighted SwiGLU activations of every (token,
@@ -78,13 +70,16 @@ def routed_experts(layer: LayerWeights, xf: mx.array, routing: Routing, clamp: f
 
     Two schedules, the same sums. Few (token, expert) pairs on a GPU: decode each pair's
     expert and multiply, all lazily (no host round trip, so a decode step stays one graph).
-    Otherwise (prefill, and always on the CPU, where `linear` keeps rows batch-invariant):
-    decode each expert some token chose once, a few at a time, and apply it to its tokens.
+    Otherwise (prefill, and always on the batch-invariant path, where each token's rows keep
+    their tile slot): decode each expert some token chose once, a few at a time, and apply it
+    to its tokens.
     """
     gate_t, up_t, down_t = (layer.experts[f"ffn_{r}_exps.weight"] for r in ("gate", "up", "down"))
-    if not on_cpu() and routing.experts.size <= _GATHERED_MAX_PAIRS:
-        return _routed_gathered(gate_t, up_t, down_t, act_round(xf), routing, clamp, act_round, on_mid)
-    experts = np.array(routing.experts)
+    act_round = mm.experts_in
+    if not mm.batch_invariant and experts.size <= _GATHERED_MAX_PAIRS:
+        return _routed_gathered(gate_t, up_t, down_t, act_round(xf), experts, weights, clamp, act_round, on_mid)
+    route = weights
+    experts = np.array(experts)
     x_in = act_round(xf)
     out = mx.zeros(xf.shape, mx.float32)
     used = np.unique(experts)
@@ -97,9 +92,10 @@ def routed_experts(layer: LayerWeights, xf: mx.array, routing: Routing, clamp: f
             tok, slot = np.nonzero(experts == e)
             tok_ids = mx.array(tok)
             x = x_in[tok_ids]
-            w = routing.weights[tok_ids, mx.array(slot)][:, None]
-            mid = act_round(swiglu(linear(x, gate_w[i]), linear(x, up_w[i]), clamp) * w)
-            out = out.at[tok_ids].add(linear(mid, down_w[i]))
+            w = route[tok_ids, mx.array(slot)][:, None]
+            rows = mm.rows(tok)
+            mid = act_round(swiglu(rows.linear(x, gate_w[i]), rows.linear(x, up_w[i]), clamp) * w)
+            out = out.at[tok_ids].add(rows.linear(mid, down_w[i]))
             if on_mid is not None:
                 pairs.append(np.stack([tok, slot]))
                 mids.append(mid)
@@ -114,14 +110,14 @@ def routed_experts(layer: LayerWeights, xf: mx.array, routing: Routing, clamp: f
 
 
 def _routed_gathered(gate_t: ExpertBlocks, up_t: ExpertBlocks, down_t: ExpertBlocks, x_in: mx.array,
-                     routing: Routing, clamp: float, act_round,
+                     experts: mx.array, weights: mx.array, clamp: float, act_round,
                      on_mid: Callable[[mx.array], object] | None) -> mx.array:
-    t, u = routing.experts.shape
-    ids = routing.experts.reshape(-1)
+    t, u = experts.shape
+    ids = experts.reshape(-1)
     x = mx.repeat(x_in, u, axis=0)                                      # [T*U, d]
     gate = _matvec(gate_t, ids, x)
     up = _matvec(up_t, ids, x)
-    mid = act_round(swiglu(gate, up, clamp) * routing.weights.reshape(-1, 1))
+    mid = act_round(swiglu(gate, up, clamp) * weights.reshape(-1, 1))
     if on_mid is not None:
         on_mid(mid.reshape(t, u, -1))
     return _matvec(down_t, ids, mid).reshape(t, u, -1).sum(axis=1)
@@ -138,7 +134,7 @@ def _decode(tensor: ExpertBlocks, ids: mx.array) -> mx.array:
     return gather_experts(tensor.raw, ids, tensor.type_name, tensor.rows, tensor.cols)
 
 
-def shared_expert(layer: LayerWeights, xf: mx.array, clamp: float, q8) -> mx.array:
-    gate = q8(layer.q8["ffn_gate_shexp.weight"], xf)
-    up = q8(layer.q8["ffn_up_shexp.weight"], xf)
-    return q8(layer.q8["ffn_down_shexp.weight"], swiglu(gate, up, clamp))
+def shared_expert(layer: LayerWeights, xf: mx.array, clamp: float, mm: Schedule) -> mx.array:
+    gate = mm.q8(layer.q8["ffn_gate_shexp.weight"], xf)
+    up = mm.q8(layer.q8["ffn_up_shexp.weight"], xf)
+    return mm.q8(layer.q8["ffn_down_shexp.weight"], swiglu(gate, up, clamp))

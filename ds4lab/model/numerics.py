@@ -19,9 +19,15 @@ import math
 import struct
 from bisect import bisect_left
 from functools import cache
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
+
+from .linalg import slots_of, slotted_linear
+
+if TYPE_CHECKING:
+    from .weights import Q8Matrix
 
 _MANT_BITS = 23
 _EXP_BIAS = 127
@@ -255,3 +261,77 @@ def rms_norm(x: mx.array, weight: mx.array | None = None, eps: float = 1.0e-6) -
     mean_sq = mx.sum(mx.sum(squares, axis=-1), axis=-1, keepdims=True) / n
     y = x * (1.0 / mx.sqrt(mean_sq + mx.array(eps, mx.float32)))
     return y if weight is None else y * weight
+
+
+# ---- the numerics object -----------------------------------------------------------------
+# Which roundings run (the mode) and how products are scheduled (by device) are decided
+# here and nowhere else: the model asks `Numerics.schedule(positions)` for a chunk's
+# `Schedule` and every matmul, the attention sums, the HC split and the routed experts go
+# through it. It is the one place a faster path would be selected.
+MODES = ("float", "ds4-cpu")
+
+
+def batch_invariant_device() -> bool:
+    """Whether the default device runs the batch-invariant path (the CPU does; GPUs batch)."""
+    return mx.default_device() == mx.cpu
+
+
+class Numerics:
+    """The model's numerics: "float" (float32, exact weights) or "ds4-cpu" (also ds4's CPU
+    activation roundings: int8 per 32 before every Q8_0 matmul with ds4's integer block dots,
+    per 256 before routed experts and their down projections)."""
+
+    def __init__(self, mode: str = "float") -> None:
+        if mode not in MODES:
+            raise ValueError(f"numerics must be one of {MODES}, not {mode!r}")
+        self.mode = mode
+        self.emulate = mode == "ds4-cpu"
+
+    @property
+    def batch_invariant(self) -> bool:
+        """Fixed-shape products and fixed-order sums, so prefill equals decode bit for bit."""
+        return batch_invariant_device()
+
+    def schedule(self, positions: np.ndarray) -> Schedule:
+        """How the products of a chunk of tokens at these absolute positions are computed."""
+        return Schedule(self, slots_of(positions) if self.batch_invariant else None)
+
+
+class Schedule:
+    """The products of one chunk: `linear` (float weights), `q8` (Q8_0 weights), `experts_in`
+    (the routed experts' input rounding). `rows(index)` is the schedule of a subset of the
+    chunk's tokens (the tokens that chose one expert)."""
+
+    def __init__(self, numerics: Numerics, slots: np.ndarray | None) -> None:
+        self.numerics = numerics
+        self.slots = slots
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.slots is not None
+
+    def rows(self, index: np.ndarray) -> Schedule:
+        return Schedule(self.numerics, None if self.slots is None else self.slots[index])
+
+    def linear(self, x: mx.array, w: mx.array) -> mx.array:
+        """x [T, ..., in] @ w[out, in].T; on the invariant path every token through its tile slot."""
+        if self.slots is None:
+            return x @ w.T
+        per_token = x.size // (len(self.slots) * x.shape[-1])
+        # Row j of a token at position p takes slot (p·per_token + j) mod ROW_TILE: a
+        # function of (p, j) alone, the same in prefill and decode.
+        slots = (self.slots[:, None] * per_token + np.arange(per_token)).reshape(-1)
+        return slotted_linear(x.reshape(-1, x.shape[-1]), w, slots_of(slots)).reshape(*x.shape[:-1], w.shape[0])
+
+    def q8(self, matrix: Q8Matrix, x: mx.array) -> mx.array:
+        if self.numerics.emulate:
+            codes, scales = q8_0_act_codes(x, as_built=True)
+            return matrix.ds4_cpu(x, codes, scales)
+        if self.slots is None:
+            return matrix.quantized(x)
+        # On the CPU, MLX's quantized matmul runs near 1 GFLOP/s, a float32 GEMM through
+        # OpenBLAS near 100: multiply by the decoded matrix (exact, kept while a budget allows).
+        return self.linear(x, matrix.dense())
+
+    def experts_in(self, x: mx.array) -> mx.array:
+        return q8_k_act_round(x) if self.numerics.emulate else x

@@ -4,6 +4,9 @@ Per layer: the raw sliding window (the last n_swa KV rows, oldest first, f16-rou
 on compressed layers the compressed rows and the compressor frontier; ratio-4 layers add
 the indexer's compressed keys and frontier. Plus the tokens consumed and the logits after
 the last one. Arrays are never modified in place, so a snapshot is a shallow copy.
+
+The bookkeeping lives here, as in mlx-lm's caches (`update_and_fetch`): a chunk hands its new
+rows to the layer's cache, which keeps what ds4 keeps and gives back the keys to attend.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
+from ..config import has_indexer
 from .compressor import Frontier
 
 
@@ -30,10 +34,27 @@ class LayerCache:
         if ratio:
             cache.comp = mx.zeros((0, head_dim), mx.float32)
             cache.frontier = Frontier.empty(ratio, head_dim)
-        if ratio == 4:
+        if has_indexer(ratio):
             cache.index_comp = mx.zeros((0, indexer_head_dim), mx.float32)
             cache.index_frontier = Frontier.empty(ratio, indexer_head_dim)
         return cache
+
+    def update_window(self, rows: mx.array, n_swa: int) -> mx.array:
+        """Append a chunk's KV rows; keep the last n_swa; return every raw row a token of the
+        chunk may see (the kept window, then the chunk's rows)."""
+        keys = mx.concatenate([self.raw, rows])
+        self.raw = keys[-n_swa:]
+        return keys
+
+    def append_compressed(self, rows: mx.array) -> mx.array:
+        """Append emitted compressed rows; return them all."""
+        self.comp = mx.concatenate([self.comp, rows])
+        return self.comp
+
+    def append_index_keys(self, rows: mx.array) -> mx.array:
+        """Append emitted indexer keys; return them all."""
+        self.index_comp = mx.concatenate([self.index_comp, rows])
+        return self.index_comp
 
 
 @dataclass

@@ -22,7 +22,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import ModelFileError
 from ..gguf import ModelFile
-from .linalg import linear
+from .numerics import batch_invariant_device
 
 
 @dataclass
@@ -44,11 +44,8 @@ class Q8Matrix:
         scales = mx.array(d)
         return cls(mx.array(codes.reshape(rows, cols).view(np.uint32)), scales, -128.0 * scales, rows, cols)
 
-    def __call__(self, x: mx.array) -> mx.array:
-        # On the CPU, MLX's quantized matmul runs near 1 GFLOP/s while a float32 GEMM through
-        # OpenBLAS runs near 100, and `linear` keeps prefill and decode bit-identical.
-        if mx.default_device() == mx.cpu:
-            return linear(x, self.dense())
+    def quantized(self, x: mx.array) -> mx.array:
+        """x @ W.T through MLX's quantized matmul (the batched path; `Schedule.q8` chooses)."""
         return mx.quantized_matmul(x, self.codes, self.scales, self.biases, transpose=True, group_size=32, bits=8)
 
     def ds4_cpu(self, x: mx.array, x_codes: mx.array, x_scales: mx.array) -> mx.array:
@@ -192,7 +189,7 @@ def load_weights(model_file: ModelFile) -> ModelWeights:
         head=head,
         layers=layers,
     )
-    if mx.default_device() == mx.cpu:
+    if batch_invariant_device():
         _keep_decoded(weights, int(os.environ.get("DS4LAB_CPU_DENSE_MB", CPU_DENSE_BUDGET_MB)) << 20)
     return weights
 
