@@ -6,7 +6,7 @@
    array (tokens, logits, all 43 layers' blocks) into memory. Prints the throughput ratio;
    target ≥ 0.80.
 2. 1000 checkpoint files (headers, texts and payload words; payload bodies left sparse) are
-   scanned into a DataFrame with `ds4lab.kvc.scan`; target < 1 s.
+   scanned into a DataFrame with `ds4lab.cache.scan` (headers + eviction scores); target < 1 s.
 
     python bench/bench_kvc.py [--tokens 32768] [--files 1000] [--rounds 3]
 """
@@ -27,10 +27,11 @@ import ds4lab  # noqa: F401  (loads OpenBLAS before MLX)
 import numpy as np
 
 from ds4lab.config import FLASH
-from ds4lab.kvc import read, scan
+from ds4lab.cache import scan
+from ds4lab.kvc import read
 from ds4lab.kvc.header import KVCHeader
 from ds4lab.kvc.payload import checkpoint_bytes, encode, frontier_shape
-from ds4lab.kvc.session_io import payload_words
+from ds4lab.model.kv_state import payload_words
 
 
 def write_checkpoint(path: Path, n_tokens: int, seed: int = 0) -> int:

@@ -76,7 +76,7 @@ def _cmd_logits(args: argparse.Namespace) -> int:
 
 
 def _cmd_kv_ls(args: argparse.Namespace) -> int:
-    from .kvc import scan
+    from .cache import scan
 
     frame = scan(args.directory, with_text=args.text)
     if args.json:

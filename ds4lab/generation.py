@@ -20,7 +20,7 @@ from pathlib import Path
 import numpy as np
 
 from .atomic import atomic_open
-from .tokenizer import TOKEN_NORMAL, byte_maps, vocab
+from .tokenizer import token_bytes, vocab
 
 
 @dataclass(frozen=True)
@@ -74,16 +74,6 @@ def sample(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> 
         keep &= probs >= sampling.min_p * probs[0]
     probs = np.where(keep, probs, 0.0)
     return int(order[rng.choice(len(order), p=probs / probs.sum())])
-
-
-def token_bytes(token: int) -> bytes:
-    """The bytes a token stands for: byte-level BPE tokens decoded, control tokens as their text."""
-    v = vocab()
-    text = v.tokens[token]
-    if v.token_types[token] != TOKEN_NORMAL:
-        return text.encode("utf-8")
-    table = byte_maps()[1]
-    return bytes(table[c] for c in text) if all(c in table for c in text) else text.encode("utf-8")
 
 
 def _top(logits: np.ndarray, logprobs: np.ndarray, k: int) -> list[tuple[int, float, float]]:

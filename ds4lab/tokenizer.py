@@ -354,3 +354,13 @@ def load(gguf_path: str | os.PathLike[str] | None = None, mode: str = "reference
     if mode not in ("reference", "ds4"):
         raise ValueError(f"mode must be 'reference' or 'ds4', not {mode!r}")
     return _load(None if gguf_path is None else os.fspath(gguf_path), mode)
+
+
+def token_bytes(token: int) -> bytes:
+    """The bytes a token stands for: byte-level BPE tokens decoded, control tokens as their text."""
+    v = vocab()
+    text = v.tokens[token]
+    if v.token_types[token] != TOKEN_NORMAL:
+        return text.encode("utf-8")
+    table = byte_maps()[1]
+    return bytes(table[c] for c in text) if all(c in table for c in text) else text.encode("utf-8")

@@ -33,7 +33,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import numpy as np
 
-from ds4lab import chat, kvc
+from ds4lab import cache, chat, kvc
 from ds4lab.kvc.diff import diff
 from ds4lab.paths import synthetic_model
 
@@ -87,7 +87,7 @@ for p in written:
 # doubles the score of anchor reasons: cold, evict, shutdown).
 
 # %%
-table = kvc.scan(cache_dir)
+table = cache.scan(cache_dir)             # kvc.scan plus the eviction scores
 table[["file", "ds4_version", "reason_name", "tokens", "ctx_size", "file_bytes", "created_at", "name_is_text_sha1",
        "score_ds4@8d57664", "score_ds4@ba00a8a"]]
 

@@ -176,7 +176,7 @@ def test_scan_reads_a_directory_of_every_kind(tmp_path):
     """Valid files of both ds4 versions, a renamed file and a broken one: one row each."""
     import shutil
 
-    from ds4lab.kvc import scan
+    from ds4lab.cache import scan          # kvc.scan plus the eviction-score columns
 
     for folder in ("kv", "kv-ba00a8a"):
         name = "aaa0f5572975136c8071ff8b0e541d53a155c086.kv" if folder == "kv" else (
@@ -348,7 +348,7 @@ def test_payload_sizes_of_flash_and_pro(shape, n_tokens, size):
     """ds4's payload sizes (measured on ds4's own CPU save path) from the layout rules."""
     from ds4lab.config import FLASH, PRO
     from ds4lab.kvc.payload import payload_size
-    from ds4lab.kvc.session_io import payload_words
+    from ds4lab.model.kv_state import payload_words
 
     config = {"flash": FLASH, "pro": PRO}[shape]
     n_comp = [n_tokens // r if r else 0 for r in config.compress_ratios]
@@ -362,7 +362,7 @@ def test_pro_shaped_file_reads_without_a_model(tmp_path):
     from ds4lab.config import PRO
     from ds4lab.kvc.header import KVCHeader
     from ds4lab.kvc.payload import encode, frontier_shape
-    from ds4lab.kvc.session_io import payload_words
+    from ds4lab.model.kv_state import payload_words
 
     n_tokens = 260
     words = payload_words(PRO, n_tokens, 4096, "ba00a8a")

@@ -34,6 +34,7 @@ from .rules import (
     index_directory,
     index_entry,
     payload_bytes,
+    scan,
     plan_eviction,
     store_len,
 )
@@ -60,6 +61,7 @@ __all__ = [
     "index_directory",
     "index_entry",
     "payload_bytes",
+    "scan",
     "plan_eviction",
     "register_policy",
     "store_len",

@@ -14,15 +14,19 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..config import FLASH, PRO, ModelConfig
 from ..errors import KVCFormatError
 from ..kvc.header import PREFIX_BYTES, REASONS, KVCHeader, parse_header
 from ..kvc.payload import checkpoint_bytes
+from ..kvc.scan import scan_headers
 from .policies import DEFAULT_POLICY, Entry, Incoming, Policy, get_policy
 
 U64_MAX = (1 << 64) - 1
@@ -191,6 +195,22 @@ def index_directory(directory: str | Path, policy: str | Policy = DEFAULT_POLICY
             if entry is not None:
                 out.append(entry)
     return out
+
+
+def scan(directory: str | Path, with_text: bool = False, now: float | None = None,
+         policies: Iterable[str] | None = None):
+    """`ds4lab.kvc.scan`'s table of a cache directory plus a `score_<policy>` column per policy:
+    the eviction score each file has now (lowest goes first), NaN for files that policy's ds4
+    would not index (default: both of ds4's versions). Scores come from the headers read once."""
+    frame, headers = scan_headers(directory, with_text)
+    now = int(time.time() if now is None else now)
+    for name in policies or ("ds4@8d57664", "ds4@ba00a8a"):
+        scores = []
+        for file, size, h in zip(frame["file"], frame["file_bytes"], headers, strict=True):
+            entry = index_entry(file, h, int(size), name) if h is not None else None
+            scores.append(np.nan if entry is None else eviction_score(entry, now, policy=name))
+        frame[f"score_{name}"] = np.asarray(scores, np.float64)
+    return frame
 
 
 def _entries(directory: str | Path | Iterable[Mapping[str, Any] | Entry], policy: Policy) -> list[Entry]:

@@ -5,10 +5,8 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
-import time
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 from ..errors import KVCFormatError
@@ -44,12 +42,16 @@ def _row(path: Path, with_text: bool) -> tuple[dict, KVCHeader | None]:
     return row, h
 
 
-def scan(directory, with_text: bool = False, now: float | None = None, policies=None) -> pd.DataFrame:
+def scan(directory, with_text: bool = False) -> pd.DataFrame:
     """One row per `*.kv` file in `directory`: whether it parses (and the error if not), its
-    versions, header fields, sizes, timestamps as UTC datetimes, whether its name is the SHA-1
-    of its text, and the eviction score now under each cache policy (`policies`: names from
-    `ds4lab.cache`, default all of ds4's). The prompt text only with `with_text` (it is the
-    user's prompt, verbatim)."""
+    versions, header fields, sizes, timestamps as UTC datetimes, and whether its name is the
+    SHA-1 of its text. The prompt text only with `with_text` (it is the user's prompt,
+    verbatim). `ds4lab.cache.scan` adds each file's eviction scores."""
+    return scan_headers(directory, with_text)[0]
+
+
+def scan_headers(directory, with_text: bool = False) -> tuple[pd.DataFrame, list[KVCHeader | None]]:
+    """`scan`'s table and, row by row, the parsed header (None where the file does not parse)."""
     directory = Path(directory)
     names = sorted(n for n in os.listdir(directory) if n.endswith(".kv"))
     rows, headers = zip(*(_row(directory / n, with_text) for n in names), strict=True) if names else ((), ())
@@ -60,19 +62,4 @@ def scan(directory, with_text: bool = False, now: float | None = None, policies=
     for column in ("created_at", "last_used"):
         # A timestamp beyond pandas' calendar (a corrupt header) becomes NaT, not an error.
         frame[column] = pd.to_datetime(frame[column].astype("Int64"), unit="s", utc=True, errors="coerce")
-    return _with_scores(frame, headers, now, policies)
-
-
-def _with_scores(frame: pd.DataFrame, headers, now: float | None, policies) -> pd.DataFrame:
-    """A `score_<policy>` column per policy: the eviction score each file has now (lowest goes
-    first), NaN for files the policy's ds4 would not index. Uses the headers already read."""
-    from ..cache import eviction_score, index_entry
-
-    now = int(time.time() if now is None else now)
-    for name in policies or ("ds4@8d57664", "ds4@ba00a8a"):
-        scores = []
-        for file, size, h in zip(frame["file"], frame["file_bytes"], headers, strict=True):
-            entry = index_entry(file, h, int(size), name) if h is not None else None
-            scores.append(np.nan if entry is None else eviction_score(entry, now, policy=name))
-        frame[f"score_{name}"] = np.asarray(scores, np.float64)
-    return frame
+    return frame, list(headers)

@@ -7,8 +7,9 @@ from pathlib import Path
 import mlx.core as mx
 import numpy as np
 
-from ..kvc import KVCFile, from_state, read, to_state
+from ..kvc import KVCFile, read
 from .compressor import clear_unused_slots
+from .kv_state import from_state, to_state
 from .state import SessionState
 
 DEFAULT_PREFILL_CHUNK = 512
@@ -68,7 +69,7 @@ class Session:
         self.state = snapshot.copy()
 
     def save_kv(self, path, reason: str | int = "cold", **options) -> Path:
-        """Write this state as the .kv file ds4 would write (see `ds4lab.kvc.from_state` for the
+        """Write this state as the .kv file ds4 would write (see `ds4lab.model.kv_state.from_state` for the
         options: ctx_size, version, now, title, tool_map, compress). `path` may be a cache
         directory: the file is then named by the SHA-1 of its rendered text, as ds4 names it."""
         return from_state(self.state, self.model, path, reason=reason, **options)

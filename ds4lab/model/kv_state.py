@@ -1,4 +1,5 @@
-"""Between .kv files and model sessions: restore a file's state, save a state as ds4 would.
+"""Session state <-> .kv files: restore a file's state, save a state as ds4 would. The file
+format itself is `ds4lab.kvc` (numpy only); this is the model side of the bridge.
 
 What ds4's CPU path writes for a state (ds4.c session payload, ds4_kvstore.c header):
 - payload words: ctx; prefill_cap = min(ctx, 2048) at 8d57664 and min(ctx, 4096) at ba00a8a
@@ -18,12 +19,16 @@ import hashlib
 import time
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 
 from ..errors import KVCFormatError
-from . import payload, trailers
-from .header import PAYLOAD_ABI, REASON_CODES, KVCHeader
-from .kvfile import KVCFile, read, write
+from ..kvc import payload, trailers
+from ..kvc.header import PAYLOAD_ABI, REASON_CODES, KVCHeader
+from ..kvc.kvfile import KVCFile, read, write
+from ..tokenizer import token_bytes
+from .compressor import Frontier
+from .state import LayerCache, SessionState
 
 VERSIONS = ("8d57664", "ba00a8a")
 DEFAULT_CTX = 32768  # ds4-server's default --ctx
@@ -31,8 +36,6 @@ DEFAULT_CTX = 32768  # ds4-server's default --ctx
 
 def render_text(tokens) -> bytes:
     """The cache text ds4 stores for these tokens (what the file name hashes)."""
-    from ..generation import token_bytes
-
     return b"".join(token_bytes(int(t)) for t in tokens)
 
 
@@ -102,11 +105,6 @@ def from_state(state, model, path, reason: str | int = "cold", ctx_size: int = D
 def to_state(kvc: KVCFile | str | Path, model=None):
     """The session state a .kv file holds (ds4-written files included), for `model.session(state)`.
     With `model`, the file must match its shape: layers, dims, vocabulary and raw window."""
-    import mlx.core as mx
-
-    from ..model.compressor import Frontier
-    from ..model.state import LayerCache, SessionState
-
     if not isinstance(kvc, KVCFile):
         kvc = read(kvc, model)
     if kvc.stripped:
