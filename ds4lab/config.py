@@ -14,9 +14,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
 from .errors import ModelFileError
+from .floats import f32
 
 ARCH = "deepseek4"
 
@@ -44,6 +43,13 @@ def coff(ratio: int) -> int:
 def has_indexer(ratio: int) -> bool:
     """Whether layers of this ratio choose their compressed rows with the indexer (ratio 4)."""
     return ratio == 4
+
+
+# The integer shape fields, in ds4's enum order: the keys of the oracle's config.json.
+_ORACLE_KEYS = ("n_layer", "n_embd", "n_vocab", "n_head", "n_head_kv", "head_dim", "value_dim", "n_rot",
+                "n_out_group", "q_lora_rank", "o_lora_rank", "n_expert", "n_expert_used", "n_expert_shared",
+                "n_ff_exp", "n_hash_layer", "n_swa", "indexer_heads", "indexer_head_dim", "indexer_top_k",
+                "n_hc", "hc_sinkhorn_iter")
 
 
 @dataclass(frozen=True)
@@ -92,9 +98,9 @@ class ModelConfig:
         # written to a file and read back compares equal.
         for f in dataclasses.fields(self):
             if f.type == "float":
-                object.__setattr__(self, f.name, _f32(getattr(self, f.name)))
+                object.__setattr__(self, f.name, f32(getattr(self, f.name)))
         object.__setattr__(self, "compress_ratios", tuple(int(r) for r in self.compress_ratios))
-        clamp = tuple(_f32(c) for c in self.swiglu_clamp) or (10.0,) * self.n_layer
+        clamp = tuple(f32(c) for c in self.swiglu_clamp) or (10.0,) * self.n_layer
         object.__setattr__(self, "swiglu_clamp", clamp)
 
     # ---- derived widths -------------------------------------------------------------
@@ -153,8 +159,7 @@ class ModelConfig:
     # ---- conversions --------------------------------------------------------------
     def to_json(self) -> dict[str, Any]:
         """The config as the JSON keys of the oracle's config.json (ds4's enum names)."""
-        keys = [f.name for f in dataclasses.fields(self)][:22]
-        out: dict[str, Any] = {k: getattr(self, k) for k in keys}
+        out: dict[str, Any] = {k: getattr(self, k) for k in _ORACLE_KEYS}
         out["compress_ratios"] = list(self.compress_ratios)
         return out
 
@@ -276,7 +281,7 @@ def config_problems(cfg: ModelConfig) -> list[str]:
         value = getattr(cfg, name)
         need(0 < value <= _MAX_DIM, f"{name}: expected 1..{_MAX_DIM}, found {value}")
 
-    ref = {"flash": FLASH, "pro": PRO}.get(cfg.shape_name)
+    ref = KNOWN_SHAPES.get(cfg.shape_name)
     if ref is not None:
         for f in dataclasses.fields(ModelConfig):
             if f.name in ("name", "context_length", "compress_ratios", "swiglu_clamp"):
@@ -361,11 +366,6 @@ class _MetadataReader:
         return tuple(float(v) for v in value[:_MAX_LAYERS])
 
 
-def _f32(value: float) -> float:
-    with np.errstate(over="ignore"):
-        return float(np.float32(value))
-
-
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -391,6 +391,16 @@ PRO = ModelConfig(
     expert_weight_scale=2.5, name="DeepSeek V4 Pro",
 )
 
+
+# ds4's two real shapes, by name and by layer count (a .kv payload names only its layer count).
+KNOWN_SHAPES = {"flash": FLASH, "pro": PRO}
+
+
+def known_shape(key: str | int) -> ModelConfig:
+    """Flash or Pro by name ("flash", "pro", any case) or by layer count (43, 61); KeyError otherwise."""
+    if isinstance(key, str):
+        return KNOWN_SHAPES[key.lower()]
+    return {c.n_layer: c for c in KNOWN_SHAPES.values()}[key]
 
 TINY = ModelConfig(
     n_layer=6, n_embd=256, n_vocab=129280, n_head=8, n_head_kv=1, head_dim=256, value_dim=256,

@@ -76,8 +76,10 @@ _STREAMS = "[T, n_hc, n_embd]"
 
 def _hc_points(sub: str) -> list[PointSpec]:
     return [
-        _p(f"{sub}.hook_hc_pre", "[T, n_hc]", lambda c, r, k: c.n_hc, "HC weights collapsing the streams into the input"),
-        _p(f"{sub}.hook_hc_post", "[T, n_hc]", lambda c, r, k: c.n_hc, "HC weights spreading the output over the streams"),
+        _p(f"{sub}.hook_hc_pre", "[T, n_hc]", lambda c, r, k: c.n_hc,
+           "HC weights collapsing the streams into the input"),
+        _p(f"{sub}.hook_hc_post", "[T, n_hc]", lambda c, r, k: c.n_hc,
+           "HC weights spreading the output over the streams"),
         _p(f"{sub}.hook_hc_comb", "[T, n_hc, n_hc]", lambda c, r, k: c.n_hc * c.n_hc,
            "Sinkhorn mix of the old streams (from, to)"),
         _p(f"{sub}.hook_in", "[T, n_embd]", lambda c, r, k: c.n_embd, "the collapsed, normed sublayer input"),

@@ -35,8 +35,7 @@ def run(model, tokens: list[int], k: int = 64, n_gen: int = 0, resume: str | os.
         if list(tokens[:cached]) != kvc.tokens.tolist():
             raise Ds4labError(f"{resume}: its {cached} cached tokens are not a prefix of the prompt")
     if len(tokens) > cached:
-        result = model.forward(session.state, tokens[cached:])
-        session.state = result.state
+        result = session.prefill_all(tokens[cached:])
         logits, experts = np.array(result.logits), [np.array(e) for e in result.experts]
     else:
         logits = np.zeros((0, model.config.n_vocab), np.float32)

@@ -134,7 +134,7 @@ pd.DataFrame({"token_id": top, "text": [tokenizer.decode([int(t)]) for t in top]
 # biased top-k. Which experts each position used, layer by layer:
 
 # %%
-result = model.forward(model.empty_state(), tokens)
+result = model.session().prefill_all(tokens)                            # every position's logits and experts
 experts = np.stack([np.array(e) for e in result.experts], axis=1)       # [T, n_layer, n_expert_used]
 counts = np.zeros((cfg.n_layer, cfg.n_expert), int)
 for layer in range(cfg.n_layer):

@@ -227,7 +227,8 @@ def test_indexing_rules(tmp_path):
     stub(tmp_path, "sysprompt", 2048, 4096)
     (tmp_path / f"{sha(6)}.kv").write_bytes(KVCHeader(tokens=2048, payload_bytes=100).pack() + bytes(99))
     upper = stub(tmp_path, sha(7).upper().replace("0", "A"), 2048, 4096)
-    assert sorted(plan_eviction(tmp_path, 1, now=1, policy="ds4@ba00a8a")) == sorted([good, upper])  # the real name (issue 13)
+    # the file's real name (issue 13), not a lowercased one
+    assert sorted(plan_eviction(tmp_path, 1, now=1, policy="ds4@ba00a8a")) == sorted([good, upper])
     assert sorted(plan_eviction(tmp_path, 1, now=1, policy="ds4@8d57664")) == sorted([good, old_abi,
                                                                                          upper])
 

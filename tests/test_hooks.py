@@ -217,7 +217,8 @@ def test_a_failed_registration_leaves_no_hook(small):
         calls.append(hook.name)
 
     for _ in range(2):                          # re-running the corrected cell must not stack copies
-        with pytest.raises(KeyError), model.hooks([("hook_embed", count), ("blocks.0.attn.hook_no_such_point", count)]):
+        pairs = [("hook_embed", count), ("blocks.0.attn.hook_no_such_point", count)]
+        with pytest.raises(KeyError), model.hooks(pairs):
             pass
     assert not model._hooks.by_name
     model(tokens[:3])
@@ -240,7 +241,8 @@ def test_router_probs_replacement_drives_selection_and_weights(small):
         return probs + mx.array(boost)
 
     with model.hooks([(b + "hook_router_probs", favour)]):
-        _, cache = model.run_with_cache(tokens, [b + "hook_router_probs", b + "hook_experts", b + "hook_expert_weights"])
+        _, cache = model.run_with_cache(tokens, [b + n for n in ("hook_router_probs", "hook_experts",
+                                                                  "hook_expert_weights")])
     assert (cache[b + "hook_experts"] == favoured[::-1]).all()  # the selection followed the replacement
     probs = cache[b + "hook_router_probs"]                        # the cache sees the replaced scores
     chosen = np.take_along_axis(probs, cache[b + "hook_experts"], axis=1)
@@ -272,9 +274,9 @@ def test_every_replaceable_point_takes_effect(small):
         if not spec.replaceable or name.endswith(("hook_frontier", "hook_logits")):
             continue
 
-        sizes = []
+        sizes: list[int] = []
 
-        def change(act, hook):
+        def change(act, hook, sizes=sizes):
             sizes.append(act.size)
             if act.dtype == mx.bool_:
                 return mx.zeros_like(act)

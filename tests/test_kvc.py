@@ -176,7 +176,7 @@ def test_scan_reads_a_directory_of_every_kind(tmp_path):
     """Valid files of both ds4 versions, a renamed file and a broken one: one row each."""
     import shutil
 
-    from ds4lab.cache import scan          # kvc.scan plus the eviction-score columns
+    from ds4lab.cache import scan  # kvc.scan plus the eviction-score columns
 
     for folder in ("kv", "kv-ba00a8a"):
         name = "aaa0f5572975136c8071ff8b0e541d53a155c086.kv" if folder == "kv" else (

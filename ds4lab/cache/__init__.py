@@ -34,8 +34,8 @@ from .rules import (
     index_directory,
     index_entry,
     payload_bytes,
-    scan,
     plan_eviction,
+    scan,
     store_len,
 )
 
@@ -61,8 +61,8 @@ __all__ = [
     "index_directory",
     "index_entry",
     "payload_bytes",
-    "scan",
     "plan_eviction",
     "register_policy",
+    "scan",
     "store_len",
 ]

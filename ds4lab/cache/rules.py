@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from ..config import FLASH, PRO, ModelConfig
+from ..config import ModelConfig, known_shape
 from ..errors import KVCFormatError
-from ..kvc.header import PREFIX_BYTES, REASONS, KVCHeader, parse_header
+from ..kvc.header import PREFIX_BYTES, REASONS, KVCHeader, read_prefix
 from ..kvc.payload import checkpoint_bytes
 from ..kvc.scan import scan_headers
 from .policies import DEFAULT_POLICY, Entry, Incoming, Policy, get_policy
@@ -156,7 +156,7 @@ def payload_bytes(config: ModelConfig | str, n_tokens: int, ctx_size: int | None
 
 def model_config(config: ModelConfig | str) -> ModelConfig:
     """A ModelConfig as given, or ds4's shape by name ("flash" or "pro")."""
-    return {"flash": FLASH, "pro": PRO}[config.lower()] if isinstance(config, str) else config
+    return known_shape(config) if isinstance(config, str) else config
 
 
 # ---- directories ---------------------------------------------------------------------
@@ -187,8 +187,7 @@ def index_directory(directory: str | Path, policy: str | Policy = DEFAULT_POLICY
                 continue
             try:
                 with open(de.path, "rb") as fh:  # one open: ds4's stat() size and its header read
-                    size = os.fstat(fh.fileno()).st_size
-                    h = parse_header(fh.read(PREFIX_BYTES), de.path, size)
+                    h, size = read_prefix(fh, de.path)
             except (OSError, KVCFormatError):
                 continue
             entry = index_entry(de.name, h, size, policy)

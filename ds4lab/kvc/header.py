@@ -17,9 +17,11 @@ directory of thousands of files is indexed without touching payloads.
 
 from __future__ import annotations
 
+import os
 import struct
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import BinaryIO
 
 from ..errors import KVCFormatError
 from .lz4 import MAX_CHUNK_LOG2, MIN_CHUNK_LOG2
@@ -141,13 +143,18 @@ def parse_header(prefix: bytes, path: str | Path = "<bytes>", file_size: int | N
     return header
 
 
+def read_prefix(fh: BinaryIO, path: str | Path, size: int | None = None) -> tuple[KVCHeader, int]:
+    """(header, file size) of a .kv file open at its start (`size` when already known); the file
+    is left just past the header's 52 bytes."""
+    size = os.fstat(fh.fileno()).st_size if size is None else size
+    return parse_header(fh.read(PREFIX_BYTES), path, size), size
+
+
 def read_header(path: str | Path) -> KVCHeader:
     """The header of a .kv file, reading only its first 52 bytes."""
     path = Path(path)
     try:
         with open(path, "rb") as fh:
-            size = fh.seek(0, 2)
-            fh.seek(0)
-            return parse_header(fh.read(PREFIX_BYTES), path, size)
+            return read_prefix(fh, path)[0]
     except OSError as exc:
         raise KVCFormatError(path, f"cannot read file: {exc.strerror or exc}") from None

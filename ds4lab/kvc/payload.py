@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import FLASH, PRO, coff, has_indexer
+from ..config import coff, has_indexer, known_shape
 from ..errors import KVCFormatError
 
 DSV4_MAGIC = 0x34565344
@@ -62,11 +62,11 @@ def schedule_of(model_or_ratios, n_layer: int) -> tuple[int, ...]:
         # A GGUF's schedule may list more entries than main layers (config.py checks "at least").
         source = source.compress_ratios[:source.n_layer]
     if source is None:
-        known = {FLASH.n_layer: FLASH, PRO.n_layer: PRO}
-        if n_layer not in known:
+        try:
+            source = known_shape(n_layer).compress_ratios
+        except KeyError:
             raise ValueError(f"a payload of {n_layer} layers is neither Flash nor Pro: pass the model or its "
-                             "compress_ratios")
-        source = known[n_layer].compress_ratios
+                             "compress_ratios") from None
     ratios = tuple(int(r) for r in source)
     if len(ratios) != n_layer:
         raise ValueError(f"the model has {len(ratios)} layers, the payload {n_layer}")

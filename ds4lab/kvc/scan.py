@@ -10,7 +10,7 @@ from pathlib import Path
 import pandas as pd
 
 from ..errors import KVCFormatError
-from .header import PREFIX_BYTES, KVCHeader, parse_header
+from .header import KVCHeader, read_prefix
 
 _INT_COLUMNS = ("version", "codec", "payload_version", "model_id", "quant_bits", "reason", "ext_flags", "tokens",
                 "hits", "ctx_size", "payload_abi", "text_bytes", "payload_bytes", "file_bytes")
@@ -21,9 +21,8 @@ def _row(path: Path, with_text: bool) -> tuple[dict, KVCHeader | None]:
     row: dict = {"file": path.name, "valid": False, "error": ""}
     try:
         with open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            row["file_bytes"] = size
-            h = parse_header(fh.read(PREFIX_BYTES), path, size)
+            row["file_bytes"] = os.fstat(fh.fileno()).st_size
+            h, _ = read_prefix(fh, path, row["file_bytes"])
             text = fh.read(h.text_bytes)
             # The payload's own version word (1 at 8d57664, 2 at ba00a8a), when stored raw.
             words = fh.read(8) if not h.compressed and h.payload_bytes >= 8 else b""

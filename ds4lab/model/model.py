@@ -193,7 +193,8 @@ class Model:
         xa = h("hook_in", rms_norm(hc_collapse(streams, control.pre), d["attn_norm.weight"], cfg.rms_eps))
         q, qr_n = attention.project_q(layer, xa, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm)
         q = h("hook_q", rotation.apply(q))
-        kv = h("hook_kv", attention.finish_kv_row(attention.project_kv(layer, xa, cfg.rms_eps, mm), rotation, cfg.n_rot))
+        kv = attention.finish_kv_row(attention.project_kv(layer, xa, cfg.rms_eps, mm), rotation, cfg.n_rot)
+        kv = h("hook_kv", kv)
         n_kept = cache.raw.shape[0]
         keys = cache.update_window(kv, cfg.n_swa)
         raw_pos = mx.arange(p0 - n_kept, p0 + kv.shape[0])

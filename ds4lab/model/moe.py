@@ -13,6 +13,7 @@ are decoded, a few at a time, and each is applied to the tokens that chose it.
 from __future__ import annotations
 
 from collections.abc import Callable
+
 import mlx.core as mx
 import numpy as np
 

@@ -16,7 +16,6 @@ varies between backends.
 from __future__ import annotations
 
 import math
-import struct
 from bisect import bisect_left
 from functools import cache
 from typing import TYPE_CHECKING
@@ -24,6 +23,7 @@ from typing import TYPE_CHECKING
 import mlx.core as mx
 import numpy as np
 
+from ..floats import f32
 from .linalg import slots_of, slotted_linear
 
 if TYPE_CHECKING:
@@ -44,10 +44,6 @@ def round_f16(x: mx.array) -> mx.array:
     return x.astype(mx.float16).astype(mx.float32)
 
 
-def _f32(v: float) -> float:
-    """Round a Python float to the nearest float32, as a C float assignment does."""
-    return struct.unpack("f", struct.pack("f", v))[0]
-
 
 @cache
 def _log2f_carry_table() -> mx.array:
@@ -60,7 +56,7 @@ def _log2f_carry_table() -> mx.array:
     this; glibc's log2f agrees for every normal float32 (checked exhaustively).
     """
     def carries(e: int, j: int) -> bool:
-        return _f32(e + math.log2(1.0 + j * 2.0**-_MANT_BITS)) > e
+        return f32(e + math.log2(1.0 + j * 2.0**-_MANT_BITS)) > e
 
     first = [1 + bisect_left(range(1, 1 << _MANT_BITS), True, key=lambda j, e=e: carries(e, j))
              for e in range(_MIN_NORMAL_EXP, _MAX_EXP + 1)]

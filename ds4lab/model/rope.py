@@ -25,12 +25,13 @@ x0*c - x1*s, x0*s + x1*c.
 from __future__ import annotations
 
 import math
-import struct
 from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
 import mlx.core as mx
+
+from ..floats import f32
 
 
 @dataclass(frozen=True)
@@ -56,10 +57,6 @@ def yarn_for(cfg: Any, ratio: int) -> YarnParams | None:
                       float(cfg.rope_yarn_beta_fast), float(cfg.rope_yarn_beta_slow))
 
 
-def _f32(v: float) -> float:
-    """Round a Python float to the nearest float32, as a C float operation's result is."""
-    return struct.unpack("f", struct.pack("f", v))[0]
-
 
 @dataclass(frozen=True)
 class _Table:
@@ -74,28 +71,28 @@ class _Table:
 def _corr_dim(n_rot: int, orig_ctx: int, beta: float, base: float) -> float:
     """ds4's `rope_yarn_corr_dim` in float32 steps: the pair index where beta rotations fit
     in the original context."""
-    turn = _f32(_f32(_f32(beta) * 2.0) * _f32(math.pi))
-    log_ratio = _f32(math.log(_f32(_f32(orig_ctx) / turn)))
-    return _f32(_f32(n_rot * log_ratio) / _f32(2.0 * _f32(math.log(base))))
+    turn = f32(f32(f32(beta) * 2.0) * f32(math.pi))
+    log_ratio = f32(math.log(f32(f32(orig_ctx) / turn)))
+    return f32(f32(n_rot * log_ratio) / f32(2.0 * f32(math.log(base))))
 
 
 def _ramp(n_rot: int, base: float, yarn: YarnParams) -> tuple[float, ...]:
     """ds4's `rope_yarn_ramp` per pair: 1 up to the fast corr dim, 0 from the slow one."""
     low = max(0.0, math.floor(_corr_dim(n_rot, yarn.orig_ctx, yarn.beta_fast, base)))
     high = min(float(n_rot - 1), math.ceil(_corr_dim(n_rot, yarn.orig_ctx, yarn.beta_slow, base)))
-    width = max(_f32(0.001), _f32(high - low))
-    return tuple(_f32(1.0 - min(1.0, max(0.0, _f32(_f32(j - low) / width)))) for j in range(n_rot // 2))
+    width = max(f32(0.001), f32(high - low))
+    return tuple(f32(1.0 - min(1.0, max(0.0, f32(f32(j - low) / width)))) for j in range(n_rot // 2))
 
 
 @cache
 def _table(n_rot: int, base: float, yarn: YarnParams | None) -> _Table:
-    base = _f32(base)
-    theta_scale = _f32(base ** _f32(-2.0 / n_rot))
+    base = f32(base)
+    theta_scale = f32(base ** f32(-2.0 / n_rot))
     if yarn is None:
         return _Table(theta_scale, 1.0, (0.0,) * (n_rot // 2), 1.0)
-    freq_scale = _f32(1.0 / _f32(yarn.factor))
-    mag = _f32(1.0 + _f32(_f32(0.1) * _f32(math.log(_f32(1.0 / freq_scale)))))
-    return _Table(theta_scale, freq_scale, _ramp(n_rot, base, yarn), _f32(_f32(1.0 / mag) * mag))
+    freq_scale = f32(1.0 / f32(yarn.factor))
+    mag = f32(1.0 + f32(f32(0.1) * f32(math.log(f32(1.0 / freq_scale)))))
+    return _Table(theta_scale, freq_scale, _ramp(n_rot, base, yarn), f32(f32(1.0 / mag) * mag))
 
 
 def _angles(positions: mx.array, n_rot: int, table: _Table) -> mx.array:

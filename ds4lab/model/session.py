@@ -10,6 +10,7 @@ import numpy as np
 from ..kvc import KVCFile, read
 from .compressor import clear_unused_slots
 from .kv_state import from_state, to_state
+from .model import ChunkResult
 from .state import SessionState
 
 DEFAULT_PREFILL_CHUNK = 512
@@ -31,9 +32,18 @@ class Session:
         return self.state.logits
 
     def prefill(self, tokens, chunk: int = DEFAULT_PREFILL_CHUNK, progress: bool = False) -> mx.array:
-        """Consume `tokens` in chunks (a progress bar over them with `progress`); afterwards,
-        like ds4, reset the frontier slots past the partial window (they are never read
-        before being overwritten)."""
+        """Consume `tokens` in chunks (a progress bar over them with `progress`); return the
+        logits that predict the next token, [n_vocab]. Afterwards, like ds4, the frontier
+        slots past the partial window are reset (they are never read before being overwritten)."""
+        self._run(tokens, chunk, progress, last_only=True)
+        return self.state.logits
+
+    def prefill_all(self, tokens, chunk: int = DEFAULT_PREFILL_CHUNK, progress: bool = False) -> ChunkResult:
+        """`prefill` keeping every position's logits [T, n_vocab] and the experts each layer
+        routed to (per layer [T, n_expert_used]): teacher-forced scoring of a prompt."""
+        return self._run(tokens, chunk, progress, last_only=False)
+
+    def _run(self, tokens, chunk: int, progress: bool, last_only: bool) -> ChunkResult:
         ids = [int(t) for t in np.asarray(tokens).reshape(-1)]
         if not ids:
             raise ValueError("prefill needs at least one token")
@@ -42,9 +52,12 @@ class Session:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(ids), unit="tok", desc="prefill")
+        results = []
         for start in range(0, len(ids), chunk):
             part = ids[start:start + chunk]
-            self.state = self.model.forward(self.state, part, last_only=True).state
+            result = self.model.forward(self.state, part, last_only=last_only)
+            self.state = result.state
+            results.append(result)
             if bar is not None:
                 bar.update(len(part))
         if bar is not None:
@@ -55,7 +68,11 @@ class Session:
                 cache.frontier = clear_unused_slots(cache.frontier, n, ratio)
             if cache.index_frontier is not None:
                 cache.index_frontier = clear_unused_slots(cache.index_frontier, n, ratio)
-        return self.state.logits
+        if len(results) == 1:
+            return ChunkResult(results[0].logits, results[0].experts, self.state)
+        return ChunkResult(mx.concatenate([r.logits for r in results]),
+                           [mx.concatenate(per_layer) for per_layer in zip(*(r.experts for r in results), strict=True)],
+                           self.state)
 
     def decode(self, token: int) -> mx.array:
         """Consume one token; return the logits that predict the next one."""

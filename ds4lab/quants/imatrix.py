@@ -199,10 +199,8 @@ def collect(model: Any, prompts: Iterable[Sequence[int]], chunk: int = 2048, dat
     collector = _Collector(cfg.n_layer, cfg.n_expert, cfg.n_embd, cfg.n_ff_exp)
     with model.hooks(collector.hooks()):
         for tokens in prompts:
-            state = model.empty_state()
-            ids = [int(t) for t in tokens]
-            for start in range(0, len(ids), chunk):
-                state = model.forward(state, ids[start:start + chunk], last_only=True).state
+            if len(tokens):
+                model.session().prefill(tokens, chunk=chunk)
     return collector.result(dataset)
 
 
