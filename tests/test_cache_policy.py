@@ -182,7 +182,10 @@ def test_stale_hits_decay_and_recent_hits_count(tmp_path, policy):
     assert plan_eviction(tmp_path, 4096, now, policy=policy) == [stale]  # equal scores: older last_used
     recent = stub(tmp_path, sha(3), 2048, 4096, hits=3, last_used=now)
     assert plan_eviction(tmp_path, 4096, now, policy=policy) == [stale, fresh]
-    assert recent
+    # the recent hits keep `recent` last: (3 + 1) x density against 1 x for the others
+    e = {"sha": sha(3), "tokens": 2048, "hits": 3, "file_size": 4096, "created_at": 1, "last_used": now, "reason": 2}
+    assert eviction_score(e, now, policy=policy) == pytest.approx(4 * 2048 / 4096, rel=1e-12)
+    assert plan_eviction(tmp_path, 1, now, policy=policy)[-1] == recent
 
 
 def test_anchor_reason_weighting_only_at_ba00a8a(tmp_path):

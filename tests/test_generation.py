@@ -88,3 +88,28 @@ def test_dump_logprobs_schema_and_scoring(tmp_path, tiny):
     real = json.loads((OFFICIAL / "short_italian_fact.official.json").read_text())
     against = compare_vectors(doc, real)
     assert len(against) == 3 and not against["top1_match"].any()
+
+
+def test_dump_logprobs_are_the_models_and_scoring_is_exact(tmp_path, tiny):
+    # The dump's logprobs are log-softmax of the model's own logits (computed here in float64
+    # from a teacher-forced run), and the scorer's numbers are the hand-computed ones.
+    prompt = list(range(900, 910))
+    doc = json.loads(dump_logprobs(tiny, prompt, tmp_path / "dump.json", max_tokens=3, top_k=5).read_text())
+    chosen = [s["selected"]["id"] for s in doc["steps"]]
+    logits = np.array(tiny.session().prefill_all(prompt + chosen[:-1]).logits, dtype=np.float64)
+    for k, step in enumerate(doc["steps"]):
+        row = logits[len(prompt) - 1 + k]
+        lp = row - (row.max() + np.log(np.exp(row - row.max()).sum()))
+        ids = [t["token"]["id"] for t in step["top_logprobs"]]
+        assert ids == np.argsort(-row, kind="stable")[:5].tolist()
+        assert np.allclose([t["logprob"] for t in step["top_logprobs"]], lp[ids], atol=2e-5)
+    # Scoring: drop one shared token and move another's logprob by 0.25: overlap 4/5, mean |Δ| 0.25/4.
+    first = doc["steps"][0]
+    moved = [dict(t) for t in first["top_logprobs"]]
+    moved[1]["logprob"] += 0.25
+    moved[4]["token"] = {"id": -1, "text": "\u2400", "bytes": [0xE2, 0x90, 0x80]}
+    official = {"steps": [{"step": 0, "token": first["selected"], "logprob": moved[0]["logprob"],
+                           "top_logprobs": moved}]}
+    row = compare_vectors(doc, official).iloc[0]
+    assert row["top1_match"] and row["topk_overlap"] == 0.8
+    assert row["mean_abs_logprob_diff"] == pytest.approx(0.25 / 4, abs=1e-12)

@@ -433,7 +433,12 @@ def test_fuzz_mutated_regions_pure(flips):
 @settings(max_examples=1000, deadline=None)
 @given(st.binary(min_size=0, max_size=200), st.integers(1, 30))
 def test_fuzz_random_regions(data, log2):
+    # Random bytes: refused with the file, a field and an offset inside the region (or the
+    # chunk-size byte 22), or, if they happen to form a region, decoded within its bounds.
     try:
-        L.decode_region(data, 0, len(data), PATH, log2)
-    except KVCFormatError:
-        pass
+        out = L.decode_region(data, 0, len(data), PATH, log2)
+    except KVCFormatError as exc:
+        assert exc.path == str(PATH) and exc.offset is not None and ":" in exc.problems[0]
+        assert 0 <= exc.offset <= max(len(data), 22), (exc.offset, len(data))
+    else:
+        assert len(out) <= 256 * len(data)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from ds4lab import ModelFileError, gguf, load
-from ds4lab.quants import dequantize, imatrix, requantize, studies
+from ds4lab.quants import dequantize, imatrix, quantize, requantize, studies
 from ds4lab.synth import make_model
 
 
@@ -28,7 +28,7 @@ def q4_file(tiny_q2, collected, tmp_path_factory):
     return out
 
 
-def test_q4_recipe_gives_a_valid_file_that_runs(tiny_q2, q4_file):
+def test_q4_recipe_gives_a_valid_file_that_runs(tiny_q2, q4_file, collected):
     src, out = gguf.open(tiny_q2), gguf.open(q4_file)        # open() runs the layout validator
     assert gguf.inventory_problems(out.config, out.tensors, out.kind) == []
     assert out.variant == "q4" and src.variant == "q2"
@@ -42,10 +42,14 @@ def test_q4_recipe_gives_a_valid_file_that_runs(tiny_q2, q4_file):
     assert out.header.value_types["quantize.imatrix.entries_count"] == "UINT64"
     logits = np.array(load(q4_file)([0, 100, 2000, 30000]))
     assert logits.shape == (4, out.config.n_vocab) and np.isfinite(logits).all()
-    # Q4_K holds the 2-bit source's values closely
+    # Each expert's bytes are the (sha-checked, see test_quantize) Q4_K quantizer's on the
+    # dequantized 2-bit source with that expert's imatrix slice: nothing lost or mixed up.
     name = "blk.3.ffn_down_exps.weight"
-    ref, mine = requantize.expert_matrix(src, name, 7), requantize.expert_matrix(out, name, 7)
-    assert np.sqrt(((mine - ref) ** 2).mean() / (ref ** 2).mean()) < 0.1
+    n_expert, _, cols = src.tensor(name).shape
+    for expert in (0, 7, n_expert - 1):
+        importance = collected.importance(name, cols, expert, n_expert)
+        expected = quantize(requantize.expert_matrix(src, name, expert), "Q4_K", importance)
+        assert requantize.expert_bytes(out, name, expert).tobytes() == expected, expert
 
 
 def test_mixed_recipe_splices_layers(tmp_path):
