@@ -9,8 +9,15 @@ import shutil
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 import ds4lab  # noqa: F401  (first: it loads OpenBLAS before anything imports MLX)
+
+# Property tests draw the same examples on every machine (a failure reproduces anywhere);
+# HYPOTHESIS_PROFILE=explore draws fresh ones.
+settings.register_profile("derandomized", derandomize=True)
+settings.register_profile("explore", derandomize=False)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "derandomized"))
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY_A_GZ = REPO_ROOT.parent / "shared" / "oracle" / "tiny-a" / "model.gguf.gz"
@@ -77,3 +84,14 @@ def small_q4_mtp(synth_dir: Path) -> tuple[Path, Path]:
 
     main, mtp = make_model(synth_dir / "small-q4.gguf", "small", "q4", mtp=True, seed=3, vocab_rows=512)
     return main, mtp
+
+
+@pytest.fixture
+def on_cpu():
+    """Run a test on MLX's CPU device: the bit-exact numerics are the CPU path's."""
+    import mlx.core as mx
+
+    before = mx.default_device()
+    mx.set_default_device(mx.cpu)
+    yield
+    mx.set_default_device(before)

@@ -35,7 +35,7 @@ def test_shapes(small_model, small_tokens):
     assert session.tokens == small_tokens[:6]
 
 
-def test_prefill_equals_token_by_token_decode(small_model, small_tokens):
+def test_prefill_equals_token_by_token_decode(small_model, small_tokens, on_cpu):
     # 150 tokens on the small shape: the 16-row window slides, ratio-4 rows pass the
     # indexer's top-4, and a ratio-128 row is emitted at token 128.
     full = np.array(small_model(small_tokens))
@@ -120,7 +120,7 @@ def test_restored_snapshot_is_untouched_by_what_followed(small_model, small_toke
 
 
 # ---- issue 13: prefill = decode must not depend on the BLAS's kernel choice ------------------
-def test_prefill_equals_decode_under_a_slot_dependent_gemm(small_model, small_tokens, monkeypatch):
+def test_prefill_equals_decode_under_a_slot_dependent_gemm(small_model, small_tokens, monkeypatch, on_cpu):
     # A GEMM whose arithmetic depends on the row's place in its tile (as OpenBLAS's Haswell/Zen
     # SGEMM does for a partial register tile): exaggerated so any misplacement shows.
     from ds4lab.model import linalg

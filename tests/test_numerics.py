@@ -36,6 +36,10 @@ YARN = YarnParams(16.0, 65536, 32.0, 1.0)
 ROPE_KINDS = {"plain": (10000.0, None), "yarn": (160000.0, YARN)}
 
 
+# Bit-exact with ds4.c: pinned to the CPU device, whatever the default is.
+pytestmark = pytest.mark.usefixtures("on_cpu")
+
+
 @pytest.fixture(scope="module")
 def ref() -> dict[str, np.ndarray]:
     with np.load(REF_PATH) as data:

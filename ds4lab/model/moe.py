@@ -18,7 +18,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..quants import gather_experts
-from . import kernels
+from . import kernels, kquant_dots
 from .numerics import Schedule
 from .weights import ExpertBlocks, LayerWeights
 
@@ -69,13 +69,18 @@ def routed_experts(layer: LayerWeights, xf: mx.array, experts: mx.array, weights
     slot), [T, U, n_ff]: the down projections' input (what ds4's imatrix collects); it only
     reads them, so both schedules stay as they are.
 
-    Two schedules, the same sums. Few (token, expert) pairs on a GPU: decode each pair's
+    In "ds4-cpu" numerics with ds4's CPU expert types (IQ2_XXS gate/up, Q2_K down) the experts
+    are ds4's integer dots (`kquant_dots`). Otherwise two schedules, the same sums. Few (token, expert) pairs on a GPU: decode each pair's
     expert and multiply, all lazily (no host round trip, so a decode step stays one graph).
     Otherwise (prefill, and always on the batch-invariant path, where each token's rows keep
     their tile slot): decode each expert some token chose once, a few at a time, and apply it
     to its tokens.
     """
     gate_t, up_t, down_t = (layer.experts[f"ffn_{r}_exps.weight"] for r in ("gate", "up", "down"))
+    if mm.numerics.emulate and all(t.type_name in kquant_dots.TYPES for t in (gate_t, up_t, down_t)):
+        show = None if on_mid is None else (lambda mid: on_mid(mx.array(mid)))
+        return mx.array(kquant_dots.routed_experts(np.array(xf), np.array(experts), np.array(weights),
+                                                   layer.experts, clamp, show))
     act_round = mm.experts_in
     if not mm.batch_invariant and experts.size <= _GATHERED_MAX_PAIRS:
         return _routed_gathered(gate_t, up_t, down_t, act_round(xf), experts, weights, clamp, act_round, on_mid)
