@@ -81,29 +81,64 @@ def test_bad_files_are_clear_errors(tmp_path):
         read(path)
 
 
-@pytest.mark.parametrize(("folder", "reference", "top1", "median"),
-                         [("kv", "oracle.npz", 0.90, 0.045),
-                          ("kv-ba00a8a", "kv-ba00a8a/reference_ba00a8a.npz", 0.85, 0.05)])
-def test_restore_from_ds4s_file_continues_like_ds4(tiny_a_gguf, folder, reference, top1, median):
+# Bars: each build's measured figure moved by ds4's own build-to-build spread (2.3 points of
+# top-1, 0.0096 rms/std; see test_model_oracle). Measured, 8d57664 file: top-1 0.913, 100% past
+# a 0.1-std gap, rms/std median 0.028, p90 0.038, max 0.074, logsumexp error median 0.0011 and
+# max 0.0098 std; ba00a8a file: 0.902, 98.4%, 0.030, 0.041, 0.42 (one routing flip), 0.00095, 0.024.
+@pytest.mark.parametrize(("folder", "reference", "bars"),
+                         [("kv", "oracle.npz", {"top1": 0.89, "top1_gap_0.1": 1.0, "rms_median": 0.038,
+                                                "rms_p90": 0.048, "rms_max": 0.084, "lse_median": 0.003,
+                                                "lse_max": 0.02}),
+                          ("kv-ba00a8a", "kv-ba00a8a/reference_ba00a8a.npz",
+                           {"top1": 0.879, "top1_gap_0.1": 0.98, "rms_median": 0.04, "rms_p90": 0.05,
+                            "rms_max": 0.5, "lse_median": 0.003, "lse_max": 0.035})])
+def test_restore_from_ds4s_file_continues_like_ds4(tiny_a_gguf, folder, reference, bars):
     """Load ds4's 300-token state (each version's file) into a session and decode the rest of
     the prompt: the logits follow that ds4 build's own restored run (`restore_*`). The experts
     forced are the 8d57664 build's, so against the ba00a8a build the routing is effectively
-    free: the oracle's free-routing bars (top-1 >= 85%, median rms/std <= 5%) apply there."""
-    import mlx.core as mx
-
+    free (one flip gives the larger maximum there)."""
     from ds4lab import load
-    from ds4lab.compare import compare_topk, summarize
+    from ds4lab.compare import compare_topk, logsumexp, summarize
 
     oracle, want = np.load(ORACLE / "oracle.npz"), np.load(ORACLE / reference)
     model = load(tiny_a_gguf, numerics="ds4-cpu")
     session = model.session()
     session.load_kv(ORACLE / folder / "aaa0f5572975136c8071ff8b0e541d53a155c086.kv")
-    result = model.forward(session.state, [int(t) for t in oracle["tokens"][300:]],
-                           forced=mx.array(oracle["experts"][300:]))
-    stats = summarize(compare_topk(np.array(result.logits), want["restore_topk_ids"],
-                                   want["restore_topk_logits"], oracle["logit_std"][300:]))
+    result = model.forward(session.state, [int(t) for t in oracle["tokens"][300:]], forced=oracle["experts"][300:])
+    logits = np.array(result.logits)
+    stats = summarize(compare_topk(logits, want["restore_topk_ids"], want["restore_topk_logits"],
+                                   oracle["logit_std"][300:]))
+    lse = np.abs(logsumexp(logits) - want["restore_logsumexp"]) / oracle["logit_std"][300:]
+    stats |= {"lse_median": float(np.median(lse)), "lse_max": float(lse.max())}
     print(stats)
-    assert stats["top1"] >= top1 and stats["rms_median"] <= median
+    for key, bar in bars.items():
+        assert stats[key] >= bar if key.startswith("top1") else stats[key] <= bar, key
+
+
+def test_restore_of_the_servers_cold_file(tiny_a_gguf):
+    """ds4-server's cold checkpoint (392 tokens) restored and fed ds4's greedy ids: the logits
+    are that build's gen rows 1..15. Against ba00a8a's own restore they are its logits to
+    float32 precision (decode with ds4's integer expert dots; measured rms 0, logsumexp 4e-7
+    std); against 8d57664's build-to-build noise remains (measured top-1 0.933, median 0.014)."""
+    from ds4lab import load
+    from ds4lab.compare import compare_topk, logsumexp, summarize
+
+    oracle = np.load(ORACLE / "oracle.npz")
+    model = load(tiny_a_gguf, numerics="ds4-cpu")
+    for folder, reference in (("kv", "oracle.npz"), ("kv-ba00a8a", "kv-ba00a8a/reference_ba00a8a.npz")):
+        want = np.load(ORACLE / reference)
+        session = model.session()
+        session.load_kv(ORACLE / folder / "893f68aa7053e5b3bcd7742fe10b1dec38ab5851.kv")
+        logits = np.stack([np.array(session.decode(int(t))) for t in oracle["gen_ids"][:15]])
+        stats = summarize(compare_topk(logits, want["gen_topk_ids"][1:], want["gen_topk_logits"][1:],
+                                       oracle["gen_logit_std"][1:]))
+        lse = np.abs(logsumexp(logits) - want["gen_logsumexp"][1:]) / oracle["gen_logit_std"][1:]
+        print(folder, stats, lse.max())
+        if folder == "kv-ba00a8a":
+            assert stats["top1"] == 1.0 and stats["rms_max"] <= 1e-5 and lse.max() <= 1e-5
+        else:
+            assert stats["top1"] >= 0.933 - 0.023 and stats["rms_median"] <= 0.0143 + 0.0096
+            assert stats["rms_max"] <= 0.0253 + 0.0096 and lse.max() <= 0.0087 + 0.0096
 
 
 @pytest.mark.parametrize("folder", ["kv", "kv-ba00a8a"])
@@ -130,9 +165,36 @@ def prefilled_300(tiny_a_gguf):
     """A session that prefilled the 300 tokens ds4's harness saved."""
     from ds4lab import load
 
-    session = load(tiny_a_gguf).session()
+    session = load(tiny_a_gguf, numerics="ds4-cpu").session()
     session.prefill(read(ORACLE / "kv" / "aaa0f5572975136c8071ff8b0e541d53a155c086.kv", RATIOS).tokens)
     return session
+
+
+FP4_VALUES = np.array([0, 0.5, 1, 1.5, 2, 3, 4, 6])
+
+
+def _on_grid(rows: np.ndarray, block: int, is_code) -> np.ndarray:
+    """Per block of `rows`: whether some power-of-two scale s puts every value v/s on the format's
+    grid (`is_code`); the scale is 2^(e-k) for the block maximum's exponent e and small k."""
+    b = np.asarray(rows, np.float64).reshape(-1, block)
+    top = np.abs(b).max(axis=1)
+    e = np.floor(np.log2(np.where(top > 0, top, 1)))
+    ok = top == 0
+    for k in range(0, 10):
+        s = 2.0 ** (e - k)
+        ok |= is_code(b / s[:, None]).all(axis=1)
+    return ok
+
+
+def _fp4_code(y: np.ndarray) -> np.ndarray:
+    return np.isin(np.abs(y), FP4_VALUES)
+
+
+def _fp8_code(y: np.ndarray) -> np.ndarray:
+    """e4m3fn values up to 448: 3 mantissa bits, subnormal step 2^-9."""
+    a = np.abs(y)
+    step = 2.0 ** (np.maximum(np.floor(np.log2(np.where(a > 0, a, 1))), -6) - 3)
+    return (a <= 448) & (np.mod(a, step) == 0)
 
 
 @pytest.mark.parametrize(("folder", "version"), [("kv", "8d57664"), ("kv-ba00a8a", "ba00a8a")])
@@ -148,6 +210,22 @@ def test_saved_session_has_ds4s_layout(tmp_path, prefilled_300, folder, version)
     for lo, hi in _float_regions(theirs):
         ours[lo:hi] = want[lo:hi] = bytes(hi - lo)
     assert ours == want
+    # The floats: layer 0's raw KV rows are ds4's (ds4-cpu numerics; measured 99.988% of entries
+    # equal, float numerics 65%); stored compressed rows carry ds4's roundings: indexer keys on
+    # the FP4 grid (per 32), attention rows on the fp8 grid (per 64, the non-RoPE dims) and not
+    # on FP4's.
+    mine = read(path, RATIOS)
+    assert (mine.arrays(0)["raw_kv"] == theirs.arrays(0)["raw_kv"]).mean() >= 0.9998   # measured: 4 of 32,768 differ
+    n_nope = 256 - 64
+    for f in (mine, theirs):
+        for il, ratio in enumerate(RATIOS):
+            a = f.arrays(il)
+            if ratio == 4:
+                assert _on_grid(a["index_comp_kv"], 32, _fp4_code).all(), il
+            if ratio:
+                assert _on_grid(a["comp_kv"][:, :n_nope], 64, _fp8_code).all(), il
+                assert not _on_grid(a["comp_kv"][:, :n_nope], 32, _fp4_code).all(), il
+        assert not _on_grid(f.arrays(2)["raw_kv"][:, n_nope:], 32, _fp4_code).all()
     assert os.stat(path).st_mode & 0o777 == 0o600 and os.stat(path.parent).st_mode & 0o777 == 0o700
 
 
