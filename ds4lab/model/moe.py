@@ -71,7 +71,8 @@ def routed_experts(layer: LayerWeights, xf: mx.array, experts: mx.array, weights
 
     In "ds4-cpu" numerics with ds4's CPU expert types (IQ2_XXS gate/up, Q2_K down) the experts
     are ds4's integer dots (`kquant_dots`). Otherwise two schedules, the same sums. Few
-    (token, expert) pairs on a GPU: decode each pair's expert and multiply, all lazily (no host round trip, so a decode step stays one graph).
+    (token, expert) pairs on a GPU: decode each pair's expert and multiply, all lazily (no
+    host round trip, so a decode step stays one graph).
     Otherwise (prefill, and always on the batch-invariant path, where each token's rows keep
     their tile slot): decode each expert some token chose once, a few at a time, and apply it
     to its tokens.
