@@ -221,15 +221,6 @@ def test_build_recovers_a_planted_direction(planted, method):
     assert v.directions[layer] @ direction >= 0.95
     assert abs(v.directions[layer - 1] @ direction) < 0.5      # upstream layers cannot see the plant
     np.testing.assert_allclose(np.linalg.norm(v.directions, axis=1), 1.0, atol=1e-6)
-    # The directions, by hand from the prompts' activations: unit(mean target - mean control)
-    # per layer, after removing the component along the control mean.
-    target = collect_activations(model, ["Tell me one fact.", "Name a colour."], component="ffn")
-    control = collect_activations(model, ["Describe the ocean at great length.", "Write an essay about colour."],
-                                  component="ffn")
-    diff = (target.mean(axis=0) - control.mean(axis=0)).astype(np.float64)
-    c = control.mean(axis=0) / np.linalg.norm(control.mean(axis=0), axis=1, keepdims=True)
-    diff -= (diff * c).sum(axis=1, keepdims=True) * c
-    np.testing.assert_allclose(v.directions, diff / np.linalg.norm(diff, axis=1, keepdims=True), atol=2e-5)
     base = control.mean(axis=0)
     assert np.abs((v.directions * base).sum(axis=1)).max() < 1e-4 * np.linalg.norm(base, axis=1).max()
 
@@ -275,6 +266,15 @@ def test_cli_build_and_sweep(model, tiny_q2, tmp_path):
     assert v.metadata["pairs"] == 2 and v.metadata["component"] == "ffn_out"
     assert v.metadata["good_file"].endswith("a.txt")
     np.testing.assert_allclose(np.linalg.norm(v.directions, axis=1), 1.0, atol=1e-6)
+    # The directions, by hand from the prompts' activations: unit(mean target - mean control)
+    # per layer, after removing the component along the control mean.
+    target = collect_activations(model, ["Tell me one fact.", "Name a colour."], component="ffn")
+    control = collect_activations(model, ["Describe the ocean at great length.", "Write an essay about colour."],
+                                  component="ffn")
+    diff = (target.mean(axis=0) - control.mean(axis=0)).astype(np.float64)
+    c = control.mean(axis=0) / np.linalg.norm(control.mean(axis=0), axis=1, keepdims=True)
+    diff -= (diff * c).sum(axis=1, keepdims=True) * c
+    np.testing.assert_allclose(v.directions, diff / np.linalg.norm(diff, axis=1, keepdims=True), atol=2e-5)
 
     (tmp_path / "p.txt").write_text("Why is the sky blue?\n")
     csv = tmp_path / "sweep.csv"

@@ -310,9 +310,19 @@ class Schedule:
         return Schedule(self.numerics, None if self.slots is None else self.slots[index])
 
     def linear(self, x: mx.array, w: mx.array) -> mx.array:
-        """x [T, ..., in] @ w[out, in].T; on the invariant path every token through its tile slot."""
+        """x [T, ..., in] @ w[out, in].T; on the invariant path every token through its tile slot.
+
+        In "ds4-cpu" numerics on the CPU the products are summed in float64 and rounded once:
+        ds4's vectorised float loops are accurate to about an ulp, a BLAS's float32 GEMM may
+        not be (MLX's reference BLAS sums naively, about 5x the error), and the int8 roundings
+        downstream turn that difference into different codes."""
         if self.slots is None:
             return x @ w.T
+        if self.numerics.emulate:
+            return self._slotted(x.astype(mx.float64), w.astype(mx.float64)).astype(mx.float32)
+        return self._slotted(x, w)
+
+    def _slotted(self, x: mx.array, w: mx.array) -> mx.array:
         per_token = x.size // (len(self.slots) * x.shape[-1])
         # Row j of a token at position p takes slot (p·per_token + j) mod ROW_TILE: a
         # function of (p, j) alone, the same in prefill and decode.
