@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from ..config import coff, overlaps
 from .numerics import Schedule, fp8_kv_round, indexer_qat, rms_norm, round_f16
-from .rope import rope_tail, yarn_for
+from .rope import Rotation, yarn_for
 from .weights import LayerWeights
 
 NEG_INF = -1e30
@@ -102,8 +102,10 @@ class Compressor:
         if pooled.shape[0] == 0:
             return pooled, frontier
         rows = rms_norm(pooled, self.norm, self.eps)
-        first = (p0 // self.ratio + mx.arange(pooled.shape[0])) * self.ratio
-        rows = rope_tail(rows, first, self.n_rot, self.rope_base, self.yarn)
+        # rotated to each window's first position: p0 // ratio · ratio, then every ratio tokens
+        first = Rotation.at(p0 // self.ratio * self.ratio, pooled.shape[0], self.n_rot, self.rope_base, self.yarn,
+                            step=self.ratio)
+        rows = first.apply(rows)
         return round_f16(self.round_rows(rows)), frontier
 
 

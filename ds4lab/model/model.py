@@ -167,7 +167,7 @@ class Model:
         for il, layer in enumerate(self.weights.layers):
             kind = (cfg.rope_base(il), yarn_for(cfg, layer.ratio))
             if kind not in rotations:
-                rotations[kind] = Rotation.at(positions, cfg.n_rot, *kind)
+                rotations[kind] = Rotation.at(p0, len(tokens), cfg.n_rot, *kind)
             h = self._hooks.scope(f"blocks.{il}")
             streams = h("hook_resid_pre", streams)
             streams = self._attention_block(layer, new.layers[il], streams, positions, p0, rotations[kind], mm)

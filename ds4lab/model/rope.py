@@ -203,19 +203,46 @@ def rope_tail(x: mx.array, positions: mx.array | int, n_rot: int, base: float,
     return apply_rope_tail(x, cos, sin, inverse)
 
 
+# ---- tables on the device ---------------------------------------------------------------
+# cos/sin depend only on the position and the layer kind, so a forward pass gathers them from
+# a table made once (with the exact code above, on the CPU stream) and kept on the default
+# device, grown by doubling when a position passes its end. Nothing is computed per token,
+# and no host round trip sits inside a decode step.
+_TABLE_START = 4096
+_tables: dict[tuple, tuple[mx.array, mx.array]] = {}
+
+
+def cos_sin_table(n_rot: int, base: float, yarn: YarnParams | None, upto: int) -> tuple[mx.array, mx.array]:
+    """(cos, sin) [capacity, n_rot/2] for positions 0..capacity-1, capacity > upto."""
+    key = (n_rot, float(base), yarn)
+    table = _tables.get(key)
+    if table is None or table[0].shape[0] <= upto:
+        capacity = _TABLE_START
+        while capacity <= upto:
+            capacity *= 2
+        cos, sin = rope_cos_sin(mx.arange(capacity), n_rot, base, yarn)
+        table = (mx.array(cos), mx.array(sin))      # off the CPU stream: on the default device
+        mx.eval(*table)
+        _tables[key] = table
+    return table
+
+
 @dataclass(frozen=True)
 class Rotation:
-    """The (cos, sin) of a set of positions for one layer kind, computed once and applied to
+    """The (cos, sin) of a set of positions for one layer kind, gathered once and applied to
     every tensor rotated at those positions (q, the KV row, indexer queries, head outputs)."""
 
     cos: mx.array
     sin: mx.array
 
     @classmethod
-    def at(cls, positions: mx.array, n_rot: int, base: float, yarn: YarnParams | None) -> Rotation:
-        cos, sin = rope_cos_sin(positions, n_rot, base, yarn)
-        mx.eval(cos, sin)
-        return cls(cos, sin)
+    def at(cls, first: int, count: int, n_rot: int, base: float, yarn: YarnParams | None,
+           step: int = 1) -> Rotation:
+        """Positions first, first + step, ... (count of them)."""
+        last = first + step * (count - 1)
+        cos, sin = cos_sin_table(n_rot, base, yarn, max(last, 0))
+        end = last + 1
+        return cls(cos[first:end:step], sin[first:end:step])
 
     def apply(self, x: mx.array, inverse: bool = False) -> mx.array:
         return apply_rope_tail(x, self.cos, self.sin, inverse)
