@@ -49,7 +49,8 @@ def decode_bytes(w: ModelWeights) -> int:
 def bench(name: str, model: Model, prompt: int, steps: int, bw: float) -> None:
     tokens = list(range(1000, 1000 + prompt))
     session = model.session()
-    mx.eval(session.prefill(tokens[:8]))            # warm-up: kernels, caches
+    mx.eval(session.prefill(tokens[:8]))            # warm-up: kernels, caches, a decode step's
+    mx.eval(session.decode(tokens[8]))              # graph (not timed: NVRTC compiles once)
     session = model.session()
     t = time.perf_counter()
     logits = session.prefill(tokens)

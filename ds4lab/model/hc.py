@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from . import kernels
 from .numerics import Schedule, rms_norm
 
 
@@ -32,11 +33,12 @@ def hc_control(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array,
                sinkhorn_iters: int, rms_eps: float, hc_eps: float, mm: Schedule) -> HCControl:
     """pre/post/comb for one sublayer, from the streams right before it (ds4's order of steps).
 
-    On a GPU the ~60 small steps of the split run as one compiled kernel; the batch-invariant
-    path runs them one by one so that the float operations stay exactly ds4's.
+    The batch-invariant path runs the ~80 small steps of the split one by one so that the
+    float operations stay exactly ds4's; a GPU runs them compiled, the fast path as one
+    CUDA kernel (`kernels/cuda/hc_split.cu`, one thread per token).
     """
     mix = _control_vector(streams, fn, rms_eps, mm)
-    split = _split if mm.batch_invariant else _split_compiled
+    split = _split if mm.batch_invariant else kernels.hc_split if mm.fast else _split_compiled
     return HCControl(*split(mix, scale, base, streams.shape[1], sinkhorn_iters, hc_eps))
 
 

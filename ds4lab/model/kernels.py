@@ -1,4 +1,9 @@
-"""Fused routed-expert matvec: decode the block bytes and multiply in one CUDA kernel.
+"""Fused CUDA kernels of the fast path (sources in `kernels/cuda/`, one small file each).
+
+`hc_split`: the hyper-connection split (pre, post, Sinkhorn comb) of a token in one thread,
+instead of some 80 MLX operations (MLX's compile fuses elementwise chains, not reductions).
+
+Fused routed-expert matvec: decode the block bytes and multiply in one CUDA kernel.
 
 The portable path (`moe._routed_gathered`) decodes each selected expert to a float32
 matrix with MLX ops and multiplies it: a few dozen kernels and three float32 copies of
@@ -25,10 +30,36 @@ _TYPES = {"IQ2_XXS": "iq2_xxs", "Q2_K": "q2_k", "Q4_K": "q4_k"}
 _ROWS_PER_BLOCK = 4                      # warps per thread block
 
 
+def cuda_ready() -> bool:
+    """True when CUDA kernels can run: the default device is a CUDA GPU and the sources exist."""
+    return mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available() and KERNEL_DIR.is_dir()
+
+
 def available(type_name: str) -> bool:
-    """True when the fused kernel can run: CUDA device, a supported type, sources present."""
-    return (type_name in _TYPES and mx.default_device() == mx.gpu and hasattr(mx, "cuda")
-            and mx.cuda.is_available() and KERNEL_DIR.is_dir())
+    """True when the fused expert kernel can run: CUDA ready and a supported type."""
+    return type_name in _TYPES and cuda_ready()
+
+
+@cache
+def _hc_split_kernel():
+    return mx.fast.cuda_kernel(name="ds4lab_hc_split", input_names=["mix", "scale", "base", "eps", "n_tok"],
+                               output_names=["pre", "post", "comb"], source=(KERNEL_DIR / "hc_split.cu").read_text())
+
+
+def hc_split(mix: mx.array, scale: mx.array, base: mx.array, n: int, sinkhorn_iters: int,
+             hc_eps: float) -> tuple[mx.array, mx.array, mx.array]:
+    """(pre [T, n], post [T, n], comb [T, n, n]) from mix [T, (2 + n)·n]: hc._split in one kernel."""
+    t = mix.shape[0]
+    threads = 64
+    return tuple(_hc_split_kernel()(
+        inputs=[mix.astype(mx.float32), scale.astype(mx.float32), base.astype(mx.float32),
+                mx.array([hc_eps], mx.float32), mx.array([t], mx.int32)],
+        template=[("N", n), ("ITERS", sinkhorn_iters)],
+        grid=(-(-t // threads) * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(t, n), (t, n), (t, n, n)],
+        output_dtypes=[mx.float32] * 3,
+    ))
 
 
 @cache

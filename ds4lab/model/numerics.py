@@ -282,15 +282,27 @@ class Numerics:
             raise ValueError(f"numerics must be one of {MODES}, not {mode!r}")
         self.mode = mode
         self.emulate = mode == "ds4-cpu"
+        self.allow_fast = True          # False keeps the reference composition on a GPU too
 
     @property
     def batch_invariant(self) -> bool:
         """Fixed-shape products and fixed-order sums, so prefill equals decode bit for bit."""
         return batch_invariant_device()
 
+    @property
+    def fast(self) -> bool:
+        """The fast path: fused CUDA kernels where they exist ("float" numerics on a CUDA GPU).
+        It computes the same function in another float order (checked against the reference
+        compositions by bench/check_device.py); the CPU and "ds4-cpu" keep the reference."""
+        if self.emulate or self.batch_invariant or not self.allow_fast:
+            return False
+        from .kernels import cuda_ready
+
+        return cuda_ready()
+
     def schedule(self, positions: np.ndarray) -> Schedule:
         """How the products of a chunk of tokens at these absolute positions are computed."""
-        return Schedule(self, slots_of(positions) if self.batch_invariant else None)
+        return Schedule(self, slots_of(positions) if self.batch_invariant else None, self.fast)
 
 
 class Schedule:
@@ -298,16 +310,18 @@ class Schedule:
     (the routed experts' input rounding). `rows(index)` is the schedule of a subset of the
     chunk's tokens (the tokens that chose one expert)."""
 
-    def __init__(self, numerics: Numerics, slots: np.ndarray | None) -> None:
+    def __init__(self, numerics: Numerics, slots: np.ndarray | None, fast: bool = False) -> None:
         self.numerics = numerics
         self.slots = slots
+        self.fast = fast
 
     @property
     def batch_invariant(self) -> bool:
         return self.slots is not None
 
     def rows(self, index: np.ndarray) -> Schedule:
-        return Schedule(self.numerics, None if self.slots is None else self.slots[index])
+        return Schedule(self.numerics, None if self.slots is None else self.slots[index], self.fast)
+
 
     def linear(self, x: mx.array, w: mx.array) -> mx.array:
         """x [T, ..., in] @ w[out, in].T; on the invariant path every token through its tile slot.
