@@ -200,10 +200,12 @@ class HookRegistry:
             raise UnknownHookPoint(f"no hook point matches {which!r} (model.hook_names() lists them)")
         return chosen
 
-    def add(self, which: NameFilter, fn: HookFn) -> list[tuple[str, HookFn]]:
+    def add(self, which: NameFilter, fn: HookFn, first: bool = False) -> list[tuple[str, HookFn]]:
+        """Register `fn` at the matching points, after their hooks (before them with `first`)."""
         added = []
         for name in self.resolve(which):
-            self.by_name.setdefault(name, []).append(fn)
+            fns = self.by_name.setdefault(name, [])
+            fns.insert(0, fn) if first else fns.append(fn)
             added.append((name, fn))
         return added
 

@@ -51,7 +51,7 @@ logits, cache = model.run_with_cache(tokens, wanted)
 # %%
 layer = ratio4[0]
 pattern = cache[f"blocks.{layer}.attn.hook_pattern"]          # [T, H, 1 + L]
-span = cache[f"blocks.{layer}.attn.hook_key_span"]            # [T, L, 2]
+span = cache[f"blocks.{layer}.attn.hook_key_span"]            # [T, L, 4]: first, last, kind, row
 n_rows = cache[f"blocks.{layer}.attn.indexer.hook_selected"].shape[1]
 mass = np.full((len(tokens), n_rows), np.nan)
 for t in range(len(tokens)):
@@ -128,9 +128,9 @@ def show(layer: int, head: int, position: int) -> None:
     s = cache[f"blocks.{layer}.attn.hook_key_span"][position]
     used = s[:, 0] >= 0
     _, ax = plt.subplots(figsize=(8, 2.8))
-    for (first, last), weight in zip(s[used], w[1:][used], strict=True):
-        ax.barh(0 if first == last else 1, last - first + 1, left=first, height=0.8, alpha=min(1.0, 0.15 + weight * 5),
-                color="tab:blue" if first == last else "tab:orange")
+    for (first, last, kind, _), weight in zip(s[used], w[1:][used], strict=True):   # kind 0 window, 1 compressed
+        ax.barh(kind, last - first + 1, left=first, height=0.8, alpha=min(1.0, 0.15 + weight * 5),
+                color="tab:orange" if kind else "tab:blue")
     ax.set_yticks([0, 1], ["raw rows", "compressed rows"])
     ax.set_xlabel("token position covered")
     ax.set_title(f"layer {layer}, head {head}, token {position}: sink share {w[0]:.3f} "

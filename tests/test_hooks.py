@@ -296,3 +296,16 @@ def test_readme_table_is_the_point_table():
 
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
     assert markdown_table() in readme
+
+
+def test_forced_experts_are_what_other_hooks_see(small):
+    # model(tokens, experts=E) is force_experts hooks registered first: a user's hook on the
+    # point sees (and may replace) the forced experts, not the router's.
+    model, tokens = small
+    cfg = model.config
+    layer = cfg.n_hash_layer
+    forced = np.tile(np.arange(cfg.n_expert_used, dtype=np.int32)[::-1], (10, cfg.n_layer, 1))
+    seen = []
+    with model.hooks([(f"blocks.{layer}.ffn.hook_experts", lambda act, hook: seen.append(np.array(act)))]):
+        model(tokens[:10], experts=forced)
+    assert np.array_equal(seen[0], forced[:, layer])

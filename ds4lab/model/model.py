@@ -80,13 +80,14 @@ class Model:
         return list(self._hooks.names)
 
     @contextmanager
-    def hooks(self, fwd_hooks: list[tuple[NameFilter, HookFn]]):
-        """Hooks active inside the `with` block, in sessions' prefill and decode too. A name
-        that matches no point raises, and leaves no hook of the list registered."""
+    def hooks(self, fwd_hooks: list[tuple[NameFilter, HookFn]], first: bool = False):
+        """Hooks active inside the `with` block, in sessions' prefill and decode too, after the
+        hooks already registered (before them with `first`). A name that matches no point
+        raises, and leaves no hook of the list registered."""
         added = []
         try:
-            for which, fn in fwd_hooks:
-                added += self._hooks.add(which, fn)
+            for which, fn in (reversed(fwd_hooks) if first else fwd_hooks):
+                added += self._hooks.add(which, fn, first=first)
             yield self
         finally:
             self._hooks.remove(added)
@@ -151,7 +152,7 @@ class Model:
             chosen = np.asarray(forced, dtype=np.int32)
             pins = [pin for il in range(self.config.n_layer)
                     for pin in force_experts(il, chosen[:, il], first_position=state.n_tokens)]
-            with self.hooks(pins):
+            with self.hooks(pins, first=True):     # the forced experts are what every other hook sees
                 return self.forward(state, tokens, last_only=last_only)
         cfg = self.config
         p0 = state.n_tokens

@@ -84,7 +84,8 @@ def routed_experts(layer: LayerWeights, xf: mx.array, experts: mx.array, weights
                                                    layer.experts, clamp, show))
     act_round = mm.experts_in
     if not mm.batch_invariant and experts.size <= _GATHERED_MAX_PAIRS:
-        return _routed_gathered(gate_t, up_t, down_t, act_round(xf), experts, weights, clamp, act_round, on_mid)
+        return _routed_gathered(gate_t, up_t, down_t, act_round(xf), experts, weights, clamp, act_round, on_mid,
+                                mm.fast)
     route = weights
     experts = np.array(experts)
     x_in = act_round(xf)
@@ -118,21 +119,21 @@ def routed_experts(layer: LayerWeights, xf: mx.array, experts: mx.array, weights
 
 def _routed_gathered(gate_t: ExpertBlocks, up_t: ExpertBlocks, down_t: ExpertBlocks, x_in: mx.array,
                      experts: mx.array, weights: mx.array, clamp: float, act_round,
-                     on_mid: Callable[[mx.array], object] | None) -> mx.array:
+                     on_mid: Callable[[mx.array], object] | None, fast: bool) -> mx.array:
     t, u = experts.shape
     ids = experts.reshape(-1)
     x = mx.repeat(x_in, u, axis=0)                                      # [T*U, d]
-    gate = _matvec(gate_t, ids, x)
-    up = _matvec(up_t, ids, x)
+    gate = _matvec(gate_t, ids, x, fast)
+    up = _matvec(up_t, ids, x, fast)
     mid = act_round(swiglu(gate, up, clamp) * weights.reshape(-1, 1))
     if on_mid is not None:
         on_mid(mid.reshape(t, u, -1))
-    return _matvec(down_t, ids, mid).reshape(t, u, -1).sum(axis=1)
+    return _matvec(down_t, ids, mid, fast).reshape(t, u, -1).sum(axis=1)
 
 
-def _matvec(tensor: ExpertBlocks, ids: mx.array, x: mx.array) -> mx.array:
-    """Expert ids[p] times x[p], [P, rows]: the fused kernel on CUDA, else decode then multiply."""
-    if kernels.available(tensor.type_name):
+def _matvec(tensor: ExpertBlocks, ids: mx.array, x: mx.array, fast: bool) -> mx.array:
+    """Expert ids[p] times x[p], [P, rows]: the fused kernel on the fast path, else decode then multiply."""
+    if fast and kernels.available(tensor.type_name):
         return kernels.expert_matvec(tensor, ids, x)
     return (_decode(tensor, ids) @ x[:, :, None])[..., 0]
 

@@ -52,12 +52,14 @@ class Session:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(ids), unit="tok", desc="prefill")
-        results = []
+        logits, experts = [], []            # only what the caller gets back: not each chunk's state
         for start in range(0, len(ids), chunk):
             part = ids[start:start + chunk]
             result = self.model.forward(self.state, part, last_only=last_only)
             self.state = result.state
-            results.append(result)
+            if not last_only:
+                logits.append(result.logits)
+                experts.append(result.experts)
             if bar is not None:
                 bar.update(len(part))
         if bar is not None:
@@ -68,10 +70,11 @@ class Session:
                 cache.frontier = clear_unused_slots(cache.frontier, n, ratio)
             if cache.index_frontier is not None:
                 cache.index_frontier = clear_unused_slots(cache.index_frontier, n, ratio)
-        if len(results) == 1:
-            return ChunkResult(results[0].logits, results[0].experts, self.state)
-        return ChunkResult(mx.concatenate([r.logits for r in results]),
-                           [mx.concatenate(per_layer) for per_layer in zip(*(r.experts for r in results), strict=True)],
+        if last_only:
+            return ChunkResult(self.state.logits[None], result.experts, self.state)
+        if len(logits) == 1:
+            return ChunkResult(logits[0], experts[0], self.state)
+        return ChunkResult(mx.concatenate(logits), [mx.concatenate(layer) for layer in zip(*experts, strict=True)],
                            self.state)
 
     def decode(self, token: int) -> mx.array:
