@@ -6,7 +6,7 @@ the memory bandwidth measured in the same run (a large array reduction), and the
 decode's achieved bytes/s to that bandwidth.
 
     python bench/bench_model.py                          # CPU: tiny, and flash-dims with 2 layers
-    python bench/bench_model.py --in-memory --layers 43  # GPU: flash-dims built in memory, no file
+    python bench/bench_model.py --in-memory --layers 43 --prompt 128 4096 --steps 32   # GPU, no file
 """
 
 from __future__ import annotations
@@ -46,24 +46,26 @@ def decode_bytes(w: ModelWeights) -> int:
     return int(rest + experts * cfg.n_expert_used / cfg.n_expert + cfg.n_embd * 2)
 
 
-def bench(name: str, model: Model, prompt: int, steps: int, bw: float) -> None:
-    tokens = list(range(1000, 1000 + prompt))
-    session = model.session()
-    mx.eval(session.prefill(tokens[:8]))            # warm-up: kernels, caches, a decode step's
-    mx.eval(session.decode(tokens[8]))              # graph (not timed: NVRTC compiles once)
-    session = model.session()
-    t = time.perf_counter()
-    logits = session.prefill(tokens)
-    mx.eval(logits)
-    prefill = prompt / (time.perf_counter() - t)
-    t = time.perf_counter()
-    for _ in range(steps):
-        logits = session.decode(int(mx.argmax(logits).item()))
-        mx.eval(logits)
-    decode = steps / (time.perf_counter() - t)
+def bench(name: str, model: Model, contexts: list[int], steps: int, bw: float) -> None:
+    """Per context length: prefill tok/s of that prompt, then decode tok/s of `steps` greedy steps."""
+    session = model.session()                              # warm-up (not timed): a chunk's and a decode
+    mx.eval(session.prefill(list(range(1000, 1000 + min(contexts)))))   # step's kernels are compiled
+    mx.eval(session.decode(999))                                        # (NVRTC) on first use
     per_token = decode_bytes(model.weights)
-    print(f"{name:34s} prefill {prefill:9.1f} tok/s   decode {decode:8.2f} tok/s   "
-          f"{per_token / 2**20:9.1f} MiB/token   roofline ratio {decode * per_token / bw:6.1%}")
+    for context in contexts:
+        tokens = [1000 + i % 50000 for i in range(context)]
+        session = model.session()
+        t = time.perf_counter()
+        logits = session.prefill(tokens)
+        mx.eval(logits)
+        prefill = context / (time.perf_counter() - t)
+        t = time.perf_counter()
+        for _ in range(steps):
+            logits = session.decode(int(mx.argmax(logits).item()))
+            mx.eval(logits)
+        decode = steps / (time.perf_counter() - t)
+        print(f"{name:30s} context {context:6d}: prefill {prefill:8.1f} tok/s   decode {decode:7.2f} tok/s   "
+              f"{per_token / 2**20:8.1f} MiB/token   roofline ratio {decode * per_token / bw:6.1%}")
 
 
 def main() -> None:
@@ -71,7 +73,8 @@ def main() -> None:
     parser.add_argument("--in-memory", action="store_true", help="flash-dims with random weights, no file")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--variant", default="q2", choices=["q2", "q4"])
-    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--prompt", type=int, nargs="+", default=[128],
+                        help="context lengths: each is prefilled, then decoded from (e.g. 128 4096)")
     parser.add_argument("--steps", type=int, default=8)
     args = parser.parse_args()
     device = mx.default_device()
