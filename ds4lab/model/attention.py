@@ -13,7 +13,7 @@ import math
 
 import mlx.core as mx
 
-from .numerics import Schedule, fp8_kv_round, rms_norm, round_f16
+from .numerics import Schedule, fp8_kv_round, round_f16
 from .rope import Rotation
 from .weights import LayerWeights, Q8Matrix
 
@@ -22,14 +22,14 @@ def project_q(layer: LayerWeights, xa: mx.array, n_head: int, head_dim: int, eps
               mm: Schedule) -> tuple[mx.array, mx.array]:
     """(q [T, H, D] with per-head weightless RMS, qr_n [T, q_lora_rank], which also feeds the indexer)."""
     qr = mm.q8(layer.q8["attn_q_a.weight"], xa)
-    qr_n = rms_norm(qr, layer.dense["attn_q_a_norm.weight"], eps)
+    qr_n = mm.rms_norm(qr, layer.dense["attn_q_a_norm.weight"], eps)
     q = mm.q8(layer.q8["attn_q_b.weight"], qr_n).reshape(xa.shape[0], n_head, head_dim)
-    return rms_norm(q, None, eps), qr_n
+    return mm.rms_norm(q, None, eps), qr_n
 
 
 def project_kv(layer: LayerWeights, xa: mx.array, eps: float, mm: Schedule) -> mx.array:
     """The layer's KV row before RoPE: RMS(attn_kv · xa; kv_norm), [T, D]."""
-    return rms_norm(mm.q8(layer.q8["attn_kv.weight"], xa), layer.dense["attn_kv_a_norm.weight"], eps)
+    return mm.rms_norm(mm.q8(layer.q8["attn_kv.weight"], xa), layer.dense["attn_kv_a_norm.weight"], eps)
 
 
 def finish_kv_row(kv: mx.array, rotation: Rotation, n_rot: int) -> mx.array:

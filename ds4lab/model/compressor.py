@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from ..config import coff, overlaps
-from .numerics import Schedule, fp8_kv_round, indexer_qat, rms_norm, round_f16
+from .numerics import Schedule, fp8_kv_round, indexer_qat, round_f16
 from .rope import Rotation, yarn_for
 from .weights import LayerWeights
 
@@ -101,7 +101,7 @@ class Compressor:
         pooled, frontier = compress_chunk(frontier, kv, score, p0, self.ratio, self.width)
         if pooled.shape[0] == 0:
             return pooled, frontier
-        rows = rms_norm(pooled, self.norm, self.eps)
+        rows = mm.rms_norm(pooled, self.norm, self.eps)
         # rotated to each window's first position: p0 // ratio · ratio, then every ratio tokens
         first = Rotation.at(p0 // self.ratio * self.ratio, pooled.shape[0], self.n_rot, self.rope_base, self.yarn,
                             step=self.ratio)

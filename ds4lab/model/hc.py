@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from . import kernels
-from .numerics import Schedule, rms_norm
+from .numerics import Schedule
 
 
 @dataclass
@@ -26,7 +26,7 @@ class HCControl:
 
 def _control_vector(streams: mx.array, fn: mx.array, eps: float, mm: Schedule) -> mx.array:
     flat = streams.reshape(streams.shape[0], -1)
-    return mm.linear(rms_norm(flat, None, eps), fn)
+    return mm.linear(mm.rms_norm(flat, None, eps), fn)
 
 
 def hc_control(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array,

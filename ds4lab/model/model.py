@@ -31,7 +31,7 @@ from ..hooks import ActivationCache, HookFn, HookRegistry, NameFilter, Scope, fl
 from . import attention, indexer, moe
 from .compressor import Compressor, Frontier, row_span
 from .hc import HCControl, hc_collapse, hc_control, hc_expand, hc_head_weights
-from .numerics import MODES, Numerics, Schedule, rms_norm
+from .numerics import MODES, Numerics, Schedule
 from .rope import Rotation, yarn_for
 from .state import LayerCache, SessionState
 from .weights import LayerWeights, ModelWeights
@@ -191,7 +191,7 @@ class Model:
         cfg, d = self.config, layer.dense
         h = self._hooks.scope(f"blocks.{layer.index}.attn")
         control = self._control(h, streams, "attn", d, mm)
-        xa = h("hook_in", rms_norm(hc_collapse(streams, control.pre), d["attn_norm.weight"], cfg.rms_eps))
+        xa = h("hook_in", mm.rms_norm(hc_collapse(streams, control.pre), d["attn_norm.weight"], cfg.rms_eps))
         q, qr_n = attention.project_q(layer, xa, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm)
         q = h("hook_q", rotation.apply(q))
         kv = attention.finish_kv_row(attention.project_kv(layer, xa, cfg.rms_eps, mm), rotation, cfg.n_rot)
@@ -270,7 +270,7 @@ class Model:
         cfg, d = self.config, layer.dense
         h = self._hooks.scope(f"blocks.{layer.index}.ffn")
         control = self._control(h, streams, "ffn", d, mm)
-        xf = h("hook_in", rms_norm(hc_collapse(streams, control.pre), d["ffn_norm.weight"], cfg.rms_eps))
+        xf = h("hook_in", mm.rms_norm(hc_collapse(streams, control.pre), d["ffn_norm.weight"], cfg.rms_eps))
         probs = h("hook_router_probs", moe.router_probs(layer, xf, mm))
         experts = h("hook_experts", moe.select_experts(layer, probs, token_ids, cfg.n_expert_used))
         weights = h("hook_expert_weights", moe.route_weights(probs, experts, cfg.expert_weight_scale))
@@ -284,7 +284,7 @@ class Model:
         cfg, w, fire = self.config, self.weights.head, self._hooks.fire
         mix = fire("hook_final_weights", hc_head_weights(streams, w["output_hc_fn"], w["output_hc_scale"],
                                                          w["output_hc_base"], cfg.rms_eps, cfg.hc_eps, mm))
-        z = fire("hook_final_norm", rms_norm(hc_collapse(streams, mix), w["output_norm"], cfg.rms_eps))
+        z = fire("hook_final_norm", mm.rms_norm(hc_collapse(streams, mix), w["output_norm"], cfg.rms_eps))
         return fire("hook_logits", mm.q8(self.weights.output, z))
 
 

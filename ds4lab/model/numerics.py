@@ -323,6 +323,10 @@ class Schedule:
         return Schedule(self.numerics, None if self.slots is None else self.slots[index], self.fast)
 
 
+    def rms_norm(self, x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
+        """ds4's RMSNorm (`rms_norm`), compiled into a few fused kernels on the fast path."""
+        return _rms_norm_compiled(x, weight, eps) if self.fast else rms_norm(x, weight, eps)
+
     def linear(self, x: mx.array, w: mx.array) -> mx.array:
         """x [T, ..., in] @ w[out, in].T; on the invariant path every token through its tile slot.
 
@@ -355,3 +359,6 @@ class Schedule:
 
     def experts_in(self, x: mx.array) -> mx.array:
         return q8_k_act_round(x) if self.numerics.emulate else x
+
+
+_rms_norm_compiled = mx.compile(rms_norm)
