@@ -26,6 +26,9 @@ from ds4lab.model import Model
 from ds4lab.model.random_weights import random_weights
 from ds4lab.model.weights import ModelWeights
 
+# ds4.c decoding a tiny shape token by token on this VM class (the decode issue's CPU reference).
+DS4C_TINY_CPU_DECODE = 60.0
+
 
 def bandwidth() -> float:
     """Bytes/s of a reduction over a 1 GiB array (reads dominate), best of 5."""
@@ -93,6 +96,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=".") as tmp:
         tiny = make_model(Path(tmp) / "tiny.gguf", "tiny", args.variant, seed=0)[0]
         bench(f"tiny {args.variant}", ds4lab.load(tiny), args.prompt, args.steps, bw)
+        print(f"{'':30s} (ds4.c's CPU path on a tiny shape, token by token: {DS4C_TINY_CPU_DECODE:.0f} tok/s)")
         flash = make_model(Path(tmp) / "flash.gguf", "flash-dims", args.variant, n_layer=args.layers,
                            seed=0, vocab_rows=4096)[0]
         bench(f"flash-dims {args.layers}L {args.variant}", ds4lab.load(flash), args.prompt, args.steps, bw)
