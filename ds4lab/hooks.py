@@ -145,11 +145,12 @@ def spec_of(name: str) -> PointSpec:
 
 def hook_names(cfg: ModelConfig) -> list[str]:
     """Every hook point of a model with this config, in the order the forward pass reaches them."""
-    head = [p.suffix for p in POINTS if not p.block and p.suffix == "hook_embed"]
-    tail = [p.suffix for p in POINTS if not p.block and p.suffix != "hook_embed"]
+    # The table is in forward order: model-level rows before the first block row run before
+    # the blocks, the others after them.
+    first = next(i for i, p in enumerate(POINTS) if p.block)
     blocks = [f"blocks.{il}.{p.suffix}" for il, ratio in enumerate(cfg.compress_ratios[: cfg.n_layer])
               for p in POINTS if p.block and _EXISTS[p.exists](ratio)]
-    return head + blocks + tail
+    return [p.suffix for p in POINTS[:first]] + blocks + [p.suffix for p in POINTS[first:] if not p.block]
 
 
 def floats_per_token(name: str, cfg: ModelConfig, n_tokens: int) -> int:

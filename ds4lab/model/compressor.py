@@ -26,7 +26,7 @@ import mlx.core as mx
 
 from ..config import coff, overlaps
 from .numerics import Schedule, fp8_kv_round, indexer_qat, round_f16
-from .rope import Rotation, yarn_for
+from .rope import Rotation, YarnParams, yarn_for
 from .weights import LayerWeights
 
 NEG_INF = -1e30
@@ -73,7 +73,7 @@ class Compressor:
     width: int
     round_rows: Callable[[mx.array], mx.array]
     rope_base: float
-    yarn: object
+    yarn: YarnParams | None
     n_rot: int
     eps: float
 

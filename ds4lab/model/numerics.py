@@ -44,7 +44,6 @@ def round_f16(x: mx.array) -> mx.array:
     return x.astype(mx.float16).astype(mx.float32)
 
 
-
 @cache
 def _log2f_carry_table() -> mx.array:
     """For each exponent e of a normal float32 q = 2^e * (1 + j*2^-23): the smallest j > 0
@@ -263,7 +262,7 @@ def rms_norm(x: mx.array, weight: mx.array | None = None, eps: float = 1.0e-6) -
 # Which roundings run (the mode) and how products are scheduled (by device) are decided
 # here and nowhere else: the model asks `Numerics.schedule(positions)` for a chunk's
 # `Schedule` and every matmul, the attention sums, the HC split and the routed experts go
-# through it. It is the one place a faster path would be selected.
+# through it. It is also the one place the fast path is selected (`Numerics.fast`).
 MODES = ("float", "ds4-cpu")
 
 
@@ -321,7 +320,6 @@ class Schedule:
 
     def rows(self, index: np.ndarray) -> Schedule:
         return Schedule(self.numerics, None if self.slots is None else self.slots[index], self.fast)
-
 
     def rms_norm(self, x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
         """ds4's RMSNorm (`rms_norm`), compiled into a few fused kernels on the fast path."""
