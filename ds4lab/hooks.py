@@ -61,6 +61,7 @@ class PointSpec:
     replaceable: bool = True
     block: bool = True                            # per block (`blocks.L.`) or once per model
     exists: str = EVERY_LAYER                     # which blocks have it
+    mtp: bool = False                             # only on an MTP head (`mtp.` points, model.mtp)
 
 
 def _p(suffix, shape, floats, doc, replaceable=True, exists=EVERY_LAYER):
@@ -69,6 +70,10 @@ def _p(suffix, shape, floats, doc, replaceable=True, exists=EVERY_LAYER):
 
 def _model(suffix, shape, floats, doc):
     return PointSpec(suffix, shape, floats, doc, True, False)
+
+
+def _mtp(suffix, shape, floats, doc):
+    return PointSpec(suffix, shape, floats, doc, True, False, mtp=True)
 
 
 _STREAMS = "[T, n_hc, n_embd]"
@@ -131,6 +136,12 @@ POINTS: tuple[PointSpec, ...] = (
     _model("hook_final_weights", "[T, n_hc]", lambda c, r, k: c.n_hc, "output-head collapse weights"),
     _model("hook_final_norm", "[T, n_embd]", lambda c, r, k: c.n_embd, "the final norm, the head's input"),
     _model("hook_logits", "[T, n_vocab]", lambda c, r, k: c.n_vocab, "logits"),
+    _mtp("mtp.hook_e", "[T, n_embd]", lambda c, r, k: c.n_embd,
+         "MTP: e_proj·RMSNorm(embedding; enorm) of the draft token"),
+    _mtp("mtp.hook_h", _STREAMS, lambda c, r, k: c.hc_dim,
+         "MTP: h_proj·RMSNorm(stream; hnorm) of the HC state it drafts from, per stream"),
+    _mtp("mtp.hook_in", _STREAMS, lambda c, r, k: c.hc_dim,
+         "MTP: e + h, the streams its block starts from (then `mtp.`-prefixed block and head points)"),
 )
 _BY_SUFFIX = {p.suffix: p for p in POINTS}
 # `hook_key_span`'s kind codes, and the sink's in `attention_frame`.
@@ -138,19 +149,27 @@ KEY_KINDS = ("window", "compressed", "sink")
 
 
 def spec_of(name: str) -> PointSpec:
-    """The table row of a full point name."""
+    """The table row of a full point name (`mtp.` block and head points take their model rows)."""
     parts = name.split(".")
-    return _BY_SUFFIX[".".join(parts[2:]) if parts[0] == "blocks" else name]
+    if parts[0] == "blocks":
+        return _BY_SUFFIX[".".join(parts[2:])]
+    return _BY_SUFFIX.get(name) or _BY_SUFFIX[name.removeprefix("mtp.")]
 
 
-def hook_names(cfg: ModelConfig) -> list[str]:
-    """Every hook point of a model with this config, in the order the forward pass reaches them."""
+def hook_names(cfg: ModelConfig, mtp: bool = False) -> list[str]:
+    """Every hook point of a model with this config, in the order the forward pass reaches them;
+    with `mtp`, the MTP head's points after them (its block is an uncompressed one)."""
     # The table is in forward order: model-level rows before the first block row run before
     # the blocks, the others after them.
     first = next(i for i, p in enumerate(POINTS) if p.block)
     blocks = [f"blocks.{il}.{p.suffix}" for il, ratio in enumerate(cfg.compress_ratios[: cfg.n_layer])
               for p in POINTS if p.block and _EXISTS[p.exists](ratio)]
-    return [p.suffix for p in POINTS[:first]] + blocks + [p.suffix for p in POINTS[first:] if not p.block]
+    head = [p.suffix for p in POINTS[first:] if not p.block and not p.mtp]
+    names = [p.suffix for p in POINTS[:first]] + blocks + head
+    if mtp:
+        names += [p.suffix for p in POINTS if p.mtp]
+        names += [f"mtp.{p.suffix}" for p in POINTS if p.block and _EXISTS[p.exists](0)] + [f"mtp.{n}" for n in head]
+    return names
 
 
 def floats_per_token(name: str, cfg: ModelConfig, n_tokens: int) -> int:
@@ -166,7 +185,7 @@ def markdown_table() -> str:
     lines = ["| point | shape | exists on | replaceable | what |", "|---|---|---|---|---|"]
     for p in POINTS:
         name = f"blocks.L.{p.suffix}" if p.block else p.suffix
-        where = p.exists if p.block else "the model"
+        where = p.exists if p.block else "the MTP head" if p.mtp else "the model"
         lines.append(f"| `{name}` | {p.shape} | {where} | {'yes' if p.replaceable else 'read-only'} | {p.doc} |")
     return "\n".join(lines)
 

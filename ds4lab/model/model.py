@@ -38,8 +38,13 @@ from .weights import LayerWeights, ModelWeights
 
 if TYPE_CHECKING:
     from ..steering import SteeringVector
+    from .mtp import MTPHead
 
 NUMERICS = MODES
+
+
+# ds4 runs the MTP block as layer 1 (`metal_graph_eval_mtp_draft_from_hc`): its SwiGLU clamp.
+MTP_LAYER = 1
 
 
 @dataclass
@@ -47,18 +52,21 @@ class ChunkResult:
     logits: mx.array                 # [T, n_vocab] (or [1, n_vocab] when only the last is asked for)
     experts: list[mx.array]          # per layer [T, n_expert_used]
     state: SessionState
+    hidden: mx.array | None = None   # [T, n_hc, n_embd]: the final HC streams of every token
 
 
 class Model:
     """DeepSeek V4 from a ModelConfig and its weights; see `ds4lab.load`."""
 
-    def __init__(self, weights: ModelWeights, numerics: str = "float", source: str = "") -> None:
+    def __init__(self, weights: ModelWeights, numerics: str = "float", source: str = "",
+                 mtp: MTPHead | None = None) -> None:
         self.weights = weights
         self.config: ModelConfig = weights.config
         self.numerics = Numerics(numerics)
         self.source = source
+        self.mtp = mtp                   # the MTP head (`ds4lab.load(..., mtp=FILE)`), or None
         self._tokenizer = None
-        self._hooks = HookRegistry(hook_names(self.config))
+        self._hooks = HookRegistry(hook_names(self.config, mtp=mtp is not None))
         self._compressors = [
             {kind: Compressor.of(layer, self.config, kind) for kind in ("attn", "indexer")
              if layer.ratio and (kind == "attn" or has_indexer(layer.ratio))}
@@ -178,18 +186,20 @@ class Model:
             if len(tokens) > 1:
                 mx.eval(streams)     # bounds a prefill chunk's graph; a decode step stays one graph
             experts.append(chosen)
+        hidden = streams
         if last_only:
             streams, mm = streams[-1:], mm.rows(np.array([len(tokens) - 1]))
         logits = self._head(streams, mm)
         new.tokens = state.tokens + list(tokens)
         new.logits = logits[-1]
-        return ChunkResult(logits, experts, new)
+        new.hidden = hidden[-1]
+        return ChunkResult(logits, experts, new, hidden)
 
     def _attention_block(self, layer: LayerWeights, cache: LayerCache, streams: mx.array, positions: mx.array,
                          p0: int, rotation: Rotation, mm: Schedule) -> mx.array:
         """Attention over the raw window and the compressed rows; extends `cache`."""
         cfg, d = self.config, layer.dense
-        h = self._hooks.scope(f"blocks.{layer.index}.attn")
+        h = self._hooks.scope(f"{_prefix(layer)}.attn")
         control = self._control(h, streams, "attn", d, mm)
         xa = h("hook_in", mm.rms_norm(hc_collapse(streams, control.pre), d["attn_norm.weight"], cfg.rms_eps))
         q, qr_n = attention.project_q(layer, xa, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm)
@@ -268,24 +278,32 @@ class Model:
         """Router (probs -> experts -> weights, each hooked, each replacement used by the next
         step), routed and shared experts; returns the new streams and the experts used."""
         cfg, d = self.config, layer.dense
-        h = self._hooks.scope(f"blocks.{layer.index}.ffn")
+        h = self._hooks.scope(f"{_prefix(layer)}.ffn")
         control = self._control(h, streams, "ffn", d, mm)
         xf = h("hook_in", mm.rms_norm(hc_collapse(streams, control.pre), d["ffn_norm.weight"], cfg.rms_eps))
         probs = h("hook_router_probs", moe.router_probs(layer, xf, mm))
         experts = h("hook_experts", moe.select_experts(layer, probs, token_ids, cfg.n_expert_used))
         weights = h("hook_expert_weights", moe.route_weights(probs, experts, cfg.expert_weight_scale))
-        clamp = cfg.swiglu_clamp[layer.index]
+        clamp = cfg.swiglu_clamp[MTP_LAYER if layer.index is None else layer.index]
         on_mid = (lambda mid: h("hook_routed_mid", mid)) if h.wants("hook_routed_mid") else None
         routed = h("hook_routed_out", moe.routed_experts(layer, xf, experts, weights, clamp, mm, on_mid))
         shared = h("hook_shared_out", moe.shared_expert(layer, xf, clamp, mm))
         return hc_expand(h("hook_out", routed + shared), streams, control), experts
 
-    def _head(self, streams: mx.array, mm: Schedule) -> mx.array:
-        cfg, w, fire = self.config, self.weights.head, self._hooks.fire
-        mix = fire("hook_final_weights", hc_head_weights(streams, w["output_hc_fn"], w["output_hc_scale"],
-                                                         w["output_hc_base"], cfg.rms_eps, cfg.hc_eps, mm))
-        z = fire("hook_final_norm", mm.rms_norm(hc_collapse(streams, mix), w["output_norm"], cfg.rms_eps))
-        return fire("hook_logits", mm.q8(self.weights.output, z))
+    def _head(self, streams: mx.array, mm: Schedule, prefix: str = "") -> mx.array:
+        """Collapse, norm and output matrix; with prefix "mtp." the MTP head's own collapse and
+        norm (and its `mtp.` points) before the shared output matrix."""
+        cfg, fire = self.config, self._hooks.fire
+        w = self.mtp.head if prefix else self.weights.head
+        mix = fire(prefix + "hook_final_weights", hc_head_weights(streams, w["output_hc_fn"], w["output_hc_scale"],
+                                                                  w["output_hc_base"], cfg.rms_eps, cfg.hc_eps, mm))
+        z = fire(prefix + "hook_final_norm", mm.rms_norm(hc_collapse(streams, mix), w["output_norm"], cfg.rms_eps))
+        return fire(prefix + "hook_logits", mm.q8(self.weights.output, z))
+
+
+def _prefix(layer: LayerWeights) -> str:
+    """Where a block's points live: `blocks.L`, or `mtp` for the MTP head's block (index None)."""
+    return "mtp" if layer.index is None else f"blocks.{layer.index}"
 
 
 def _as_tokens(tokens) -> list[int]:

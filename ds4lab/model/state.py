@@ -3,7 +3,8 @@
 Per layer: the raw sliding window (the last n_swa KV rows, oldest first, f16-rounded), and
 on compressed layers the compressed rows and the compressor frontier; ratio-4 layers add
 the indexer's compressed keys and frontier. Plus the tokens consumed and the logits after
-the last one. Arrays are never modified in place, so a snapshot is a shallow copy.
+the last one, the last token's final HC streams (what an MTP head drafts from) and, with
+an MTP head, its own state. Arrays are never modified in place, so a snapshot is a shallow copy.
 
 The bookkeeping lives here, as in mlx-lm's caches (`update_and_fetch`): a chunk hands its new
 rows to the layer's cache, which keeps what ds4 keeps and gives back the keys to attend.
@@ -58,13 +59,31 @@ class LayerCache:
 
 
 @dataclass
+class MTPState:
+    """An MTP head's state: its own raw window (`ring`, rows of consecutive positions ending
+    at next_pos - 1), the position its next row takes, and the latest row's outputs (the HC
+    streams a chained draft continues from, and the logits of its guess)."""
+
+    ring: LayerCache
+    next_pos: int
+    out: mx.array | None = None          # [n_hc, n_embd]
+    logits: mx.array | None = None       # [n_vocab]
+
+    def copy(self) -> MTPState:
+        return dataclasses.replace(self, ring=dataclasses.replace(self.ring))
+
+
+@dataclass
 class SessionState:
     layers: list[LayerCache]
     tokens: list[int] = field(default_factory=list)
     logits: mx.array | None = None
+    hidden: mx.array | None = None       # [n_hc, n_embd]: the final HC streams after the last token
+    mtp: MTPState | None = None
 
     def copy(self) -> SessionState:
-        return SessionState([dataclasses.replace(c) for c in self.layers], list(self.tokens), self.logits)
+        return SessionState([dataclasses.replace(c) for c in self.layers], list(self.tokens), self.logits,
+                            self.hidden, None if self.mtp is None else self.mtp.copy())
 
     @property
     def n_tokens(self) -> int:

@@ -134,7 +134,7 @@ def _dense(model_file: ModelFile, name: str) -> mx.array:
     return mx.array(model_file.dequantize(name).astype(np.float32))
 
 
-def _load_block(model_file: ModelFile, prefix: str, index: int | None, ratio: int) -> LayerWeights:
+def load_block(model_file: ModelFile, prefix: str, index: int | None, ratio: int) -> LayerWeights:
     cfg = model_file.config
     layer = LayerWeights(index=index, ratio=ratio)
     start = len(prefix) + 1
@@ -164,8 +164,11 @@ def _load_block(model_file: ModelFile, prefix: str, index: int | None, ratio: in
 CPU_DENSE_BUDGET_MB = 1024
 
 
-def _keep_decoded(weights: ModelWeights, budget: int) -> None:
-    matrices = [weights.output] + [m for layer in weights.layers for m in layer.q8.values()]
+def keep_decoded(matrices: list[Q8Matrix]) -> None:
+    """On the CPU, keep these matrices decoded in float32 while the budget allows (first come first)."""
+    if not batch_invariant_device():
+        return
+    budget = int(os.environ.get("DS4LAB_CPU_DENSE_MB", CPU_DENSE_BUDGET_MB)) << 20
     for matrix in matrices:
         size = matrix.rows * matrix.cols * 4
         if size <= budget:
@@ -177,7 +180,7 @@ def _keep_decoded(weights: ModelWeights, budget: int) -> None:
 def load_weights(model_file: ModelFile) -> ModelWeights:
     """Every main-model tensor of `model_file` in its MLX form (see the module docstring)."""
     cfg = model_file.config
-    layers = [_load_block(model_file, f"blk.{i}", i, cfg.compress_ratios[i]) for i in range(cfg.n_layer)]
+    layers = [load_block(model_file, f"blk.{i}", i, cfg.compress_ratios[i]) for i in range(cfg.n_layer)]
     head = {role: _dense(model_file, f"{role}.weight") for role in
             ("output_hc_base", "output_hc_fn", "output_hc_scale", "output_norm")}
     embd = model_file.tensor("token_embd.weight")
@@ -189,8 +192,7 @@ def load_weights(model_file: ModelFile) -> ModelWeights:
         head=head,
         layers=layers,
     )
-    if batch_invariant_device():
-        _keep_decoded(weights, int(os.environ.get("DS4LAB_CPU_DENSE_MB", CPU_DENSE_BUDGET_MB)) << 20)
+    keep_decoded([weights.output] + [m for layer in weights.layers for m in layer.q8.values()])
     return weights
 
 
