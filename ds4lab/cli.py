@@ -319,6 +319,18 @@ def _cmd_tour(args: argparse.Namespace) -> int:
     return 0
 
 
+def _args_lab(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", help="GGUF the notebooks use (default: $DS4LAB_MODEL, else the built-in tiny model)")
+    p.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: a free one)")
+    p.add_argument("--dir", help="folder to serve (default: ds4lab's notebooks)")
+
+
+def _cmd_lab(args: argparse.Namespace) -> int:
+    from .lab import serve
+
+    return serve(args.model, args.port, args.dir)
+
+
 def _args_cache_simulate(p: argparse.ArgumentParser) -> None:
     p.add_argument("trace")
     p.add_argument("--policy", default="ds4@ba00a8a", help="ds4@ba00a8a, ds4@8d57664, ds4@24fa85ea, lru or size")
@@ -574,6 +586,8 @@ COMMANDS = [
      _args_chat, _cmd_chat),
     (None, "tour", "execute the tour notebook headless and write an HTML report",
      _args_tour, _cmd_tour),
+    (None, "lab", "JupyterLab on 127.0.0.1 with a token, in the notebooks folder; prints its URL",
+     _args_lab, _cmd_lab),
     ("cache", "simulate", "replay a JSONL trace or ds4-server --trace log; hit rates, stores",
      _args_cache_simulate, _cmd_cache_simulate),
     ("cache", "plan", "which files ds4 would evict next from a --kv-disk-dir, and why",

@@ -96,6 +96,7 @@ ax.set_ylabel("density (1/unit)")
 ax.set_yscale("log")
 ax.set_title(f"layer {layer} weights by block format")
 ax.legend(fontsize=8)
+plt.show()
 
 # %% [markdown]
 # ## The model
@@ -145,6 +146,7 @@ ax.set_xlabel("expert id")
 ax.set_ylabel("layer")
 ax.set_title(f"routed expert use over {len(tokens)} prompt positions")
 fig.colorbar(image, ax=ax, label="positions routed (count)")
+plt.show()
 
 # %% [markdown]
 # ## The session state

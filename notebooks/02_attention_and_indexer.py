@@ -64,6 +64,7 @@ ax.set_xlabel("query token position")
 ax.set_ylabel("compressed row (tokens 4r..4r+3)")
 ax.set_title(f"layer {layer}: attention weight on selected compressed rows (top-{cfg.indexer_top_k})")
 fig.colorbar(image, ax=ax, label="mean weight over heads (fraction)")
+plt.show()
 
 # %% [markdown]
 # ## Does attention weigh what the indexer ranks first?
@@ -115,7 +116,9 @@ fig, ax = plt.subplots(figsize=(8, 3))
 image = ax.imshow(usage / len(tokens), aspect="auto", cmap="viridis")
 ax.set_xlabel("expert id")
 ax.set_ylabel("layer")
+ax.set_title("router usage")
 fig.colorbar(image, ax=ax, label="fraction of tokens routed")
+plt.show()
 
 # %% [markdown]
 # ## Explorer: one layer, head and token
@@ -138,6 +141,6 @@ def show(layer: int, head: int, position: int) -> None:
     plt.show()
 
 
-widgets.interact(show, layer=widgets.IntSlider(ratio4[0], 0, cfg.n_layer - 1),
-                 head=widgets.IntSlider(0, 0, cfg.n_head - 1),
-                 position=widgets.IntSlider(len(tokens) - 1, 0, len(tokens) - 1))
+widgets.interactive(show, layer=widgets.IntSlider(ratio4[0], 0, cfg.n_layer - 1),
+                    head=widgets.IntSlider(0, 0, cfg.n_head - 1),
+                    position=widgets.IntSlider(len(tokens) - 1, 0, len(tokens) - 1))

@@ -32,6 +32,7 @@ from pathlib import Path
 
 import matplotlib.pyplot as plt
 import numpy as np
+from tqdm.auto import tqdm
 
 from ds4lab import cache, chat, kvc
 from ds4lab.kvc.diff import diff
@@ -56,7 +57,7 @@ system = ("You are a careful literary assistant. Answer in plain prose, cite act
 messages = [{"role": "system", "content": system}]
 session = model.session()
 written = []
-for i, turn in enumerate(turns):
+for i, turn in enumerate(tqdm(turns, desc="turns", unit="turn")):
     messages.append({"role": "user", "content": turn})
     text = chat.render({"messages": messages})
     ids = model.tokenizer.encode(text).ids

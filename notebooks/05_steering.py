@@ -121,8 +121,9 @@ pd.DataFrame(rows)
 
 # %%
 frame = sweep(model, steered, ["What does DNS do?", "Explain why databases use indexes."],
-              scales=[-1.0, 0.0, 1.0, 2.0], max_tokens=8)
+              scales=[-1.0, 0.0, 1.0, 2.0], max_tokens=8, progress=True)
 fig = plot_sweep(frame, measure="mean_logprob")
+fig.axes[0].set_ylabel("mean log-prob of the chosen tokens (nats)")
 frame[["prompt", "scale", "n_tokens", "mean_logprob", "text"]]
 
 # %% [markdown]

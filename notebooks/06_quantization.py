@@ -33,6 +33,7 @@ from pathlib import Path
 import matplotlib.pyplot as plt
 import pandas as pd
 from IPython.display import display
+from tqdm.auto import tqdm
 
 from ds4lab import gguf
 from ds4lab.paths import synthetic_model
@@ -106,7 +107,9 @@ print(plan[plan["type"] != plan["target"]][["name", "type", "target", "bytes", "
 variants = {}
 for label, weights in (("q2 plain", None), ("q2 imatrix", collected)):
     start = time.perf_counter()
-    path = requantize.requantize(reference_path, work / f"{label.replace(' ', '-')}.gguf", recipe, weights)
+    with tqdm(total=len(plan), desc=label, unit="tensor") as bar:
+        path = requantize.requantize(reference_path, work / f"{label.replace(' ', '-')}.gguf", recipe, weights,
+                                     progress=lambda *_: bar.update())
     variants[label] = gguf.open(path)      # validated like ds4.c validates
     print(f"{label}: {path.stat().st_size / 2**20:.1f} MiB in {time.perf_counter() - start:.1f} s, "
           f"layers {variants[label].layer_variants()}")
@@ -121,6 +124,7 @@ for label, weights in (("q2 plain", None), ("q2 imatrix", collected)):
 weights_err = studies.weight_error(reference_file, variants, collected, layers=[2, 3, 4, 5])
 display(weights_err.groupby(["variant", "role"])[["rel_rmse", "weighted_err"]].mean().mul(100).round(2))
 studies.plot_weight_error(weights_err)
+plt.show()
 
 # %% [markdown]
 # ## Each expert's output on the activations that reached it
@@ -170,3 +174,4 @@ q2_file = variants["q2 imatrix"]
 mlx_err = studies.mlx_requant_error(q2_file, layers=[4], experts=range(4))
 display(pd.pivot_table(mlx_err, index="format", columns="source", values="rel_rmse").mul(100).round(1))
 studies.plot_mlx_requant(mlx_err)
+plt.show()
