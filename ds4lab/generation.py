@@ -16,11 +16,17 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .atomic import atomic_open
 from .tokenizer import token_bytes, vocab
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+    from .mtp import SpecConfig
 
 
 @dataclass(frozen=True)
@@ -48,6 +54,8 @@ class Generation:
     tokens: list[int]
     steps: list[Step]
     finish_reason: str      # "eos", "stop", or "length"
+    spec_trace: pd.DataFrame | None = None     # with `spec`: one row per speculative cycle (ds4lab.mtp)
+    spec_summary: dict | None = None           # with `spec`: ds4lab.mtp.summarize(spec_trace)
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
@@ -58,9 +66,28 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
 
 def sample(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> int:
     """One token id from `logits` under `sampling` (greedy when temperature is 0; ties to the lower id)."""
-    logits = np.asarray(logits, dtype=np.float64)
     if sampling.temperature <= 0:
-        return int(np.argmax(logits))
+        return int(np.argmax(np.asarray(logits, dtype=np.float64)))
+    order, probs = _filtered(logits, sampling)
+    return int(order[rng.choice(len(order), p=probs)])
+
+
+def distribution(logits: np.ndarray, sampling: Sampling) -> np.ndarray:
+    """The probabilities `sample` draws from, over the whole vocabulary (float64; one-hot at the
+    argmax when temperature is 0)."""
+    logits = np.asarray(logits, dtype=np.float64)
+    p = np.zeros(logits.shape[-1])
+    if sampling.temperature <= 0:
+        p[int(np.argmax(logits))] = 1.0
+        return p
+    order, probs = _filtered(logits, sampling)
+    p[order] = probs
+    return p
+
+
+def _filtered(logits: np.ndarray, sampling: Sampling) -> tuple[np.ndarray, np.ndarray]:
+    """Token ids by decreasing logit and their probabilities after temperature, top-k, top-p, min-p."""
+    logits = np.asarray(logits, dtype=np.float64)
     order = np.argsort(-logits, kind="stable")
     if sampling.top_k > 0:
         order = order[: sampling.top_k]
@@ -73,7 +100,7 @@ def sample(logits: np.ndarray, sampling: Sampling, rng: np.random.Generator) -> 
     if sampling.min_p > 0.0:
         keep &= probs >= sampling.min_p * probs[0]
     probs = np.where(keep, probs, 0.0)
-    return int(order[rng.choice(len(order), p=probs / probs.sum())])
+    return order, probs / probs.sum()
 
 
 def _top(logits: np.ndarray, logprobs: np.ndarray, k: int) -> list[tuple[int, float, float]]:
@@ -81,51 +108,84 @@ def _top(logits: np.ndarray, logprobs: np.ndarray, k: int) -> list[tuple[int, fl
     return [(int(i), float(logits[i]), float(logprobs[i])) for i in ids]
 
 
+class Emitter:
+    """Turns chosen tokens into `Step`s: incremental UTF-8, stop strings (up to longest stop - 1
+    characters held back until it is clear they do not begin one), EOS and max_tokens."""
+
+    def __init__(self, max_tokens: int, stop: Sequence[str] = (), top_logprobs: int = 0) -> None:
+        self.max_tokens, self.stop, self.top_logprobs = max_tokens, list(stop), top_logprobs
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.hold = max((len(s) for s in self.stop), default=1) - 1
+        self.pending = ""
+        self.index = 0
+        self.eos = vocab().eos_id
+
+    def step(self, token: int, logits) -> Step:
+        """The step of the next token, chosen from `logits` (the row its logprob is read from);
+        `finish` is set when generation ends with it."""
+        row = np.array(logits, dtype=np.float32)
+        lp = log_softmax(row)
+        top = _top(row, lp, self.top_logprobs) if self.top_logprobs else []
+        index, self.index = self.index, self.index + 1
+        if token == self.eos:
+            return Step(index, token, self.pending, float(lp[token]), top, finish="eos")
+        self.pending += self.decoder.decode(token_bytes(token))
+        hit = min((self.pending.find(s) for s in self.stop if s in self.pending), default=-1)
+        if hit >= 0:
+            return Step(index, token, self.pending[:hit], float(lp[token]), top, finish="stop")
+        if index + 1 == self.max_tokens:
+            return Step(index, token, self.pending + self.decoder.decode(b"", final=True), float(lp[token]), top,
+                        finish="length")
+        emit = self.pending[: max(len(self.pending) - self.hold, 0)]
+        self.pending = self.pending[len(emit):]
+        return Step(index, token, emit, float(lp[token]), top)
+
+
 def stream(model, prompt: Sequence[int], max_tokens: int = 256, sampling: Sampling = Sampling(),
-           stop: Sequence[str] = (), top_logprobs: int = 0, session=None, progress: bool = False) -> Iterator[Step]:
+           stop: Sequence[str] = (), top_logprobs: int = 0, session=None, progress: bool = False,
+           spec: SpecConfig | None = None) -> Iterator[Step]:
     """Prefill `prompt` (or continue `session`) and yield generated steps until EOS, a stop
     string (the text before it is yielded, the stop string is not) or `max_tokens`.
 
     With stop strings, up to (longest stop - 1) characters are held back until it is
-    clear they do not begin one; the last step carries the rest and `finish`."""
+    clear they do not begin one; the last step carries the rest and `finish`.
+    `spec` decodes speculatively (`ds4lab.mtp.SpecConfig`): the same tokens (greedy) or the
+    same distribution (sampled), the session left as plain decoding leaves it; the per-cycle
+    record is then `session.spec_trace`."""
     session = session or model.session()
+    if spec is not None:
+        from .mtp import speculative_stream
+
+        yield from speculative_stream(model, session, list(prompt), Emitter(max_tokens, stop, top_logprobs),
+                                      sampling, spec, progress)
+        return
     logits = session.prefill(list(prompt), progress=progress) if prompt else session.logits
     rng = np.random.default_rng(sampling.seed)
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    hold = max((len(s) for s in stop), default=1) - 1
-    pending = ""
-    eos = vocab().eos_id
-    for index in range(max_tokens):
-        row = np.array(logits, dtype=np.float32)
-        lp = log_softmax(row)
-        token = sample(row, sampling, rng)
-        top = _top(row, lp, top_logprobs) if top_logprobs else []
-        if token == eos:
-            yield Step(index, token, pending, float(lp[token]), top, finish="eos")
+    emitter = Emitter(max_tokens, stop, top_logprobs)
+    for _ in range(max_tokens):
+        step = emitter.step(sample(np.array(logits, dtype=np.float32), sampling, rng), logits)
+        yield step
+        if step.finish:
             return
-        pending += decoder.decode(token_bytes(token))
-        hit = min((pending.find(s) for s in stop if s in pending), default=-1)
-        if hit >= 0:
-            yield Step(index, token, pending[:hit], float(lp[token]), top, finish="stop")
-            return
-        if index + 1 == max_tokens:
-            yield Step(index, token, pending + decoder.decode(b"", final=True), float(lp[token]), top,
-                       finish="length")
-            return
-        emit = pending[: max(len(pending) - hold, 0)]
-        pending = pending[len(emit):]
-        yield Step(index, token, emit, float(lp[token]), top)
-        logits = session.decode(token)
+        logits = session.decode(step.token)
 
 
 def generate(model, prompt: str | Sequence[int], max_tokens: int = 256, sampling: Sampling = Sampling(),
-             stop: Sequence[str] = (), top_logprobs: int = 0) -> Generation:
-    """Generate from a prompt (text, tokenized as is, or token ids); see `stream`."""
+             stop: Sequence[str] = (), top_logprobs: int = 0, spec: SpecConfig | None = None,
+             session=None) -> Generation:
+    """Generate from a prompt (text, tokenized as is, or token ids); see `stream`. With `spec`
+    the result carries `spec_trace` and `spec_summary`."""
     ids = model.tokenizer.encode(prompt, add_special_tokens=False).ids if isinstance(prompt, str) else list(prompt)
-    steps = list(stream(model, ids, max_tokens, sampling, stop, top_logprobs))
+    session = session or model.session()
+    steps = list(stream(model, ids, max_tokens, sampling, stop, top_logprobs, session=session, spec=spec))
     finish = steps[-1].finish if steps else "length"
     tokens = [s.token for s in steps if s.finish != "eos"]
-    return Generation("".join(s.text for s in steps), tokens, steps, finish or "length")
+    out = Generation("".join(s.text for s in steps), tokens, steps, finish or "length")
+    if spec is not None:
+        from .mtp import summarize
+
+        out.spec_trace, out.spec_summary = session.spec_trace, summarize(session.spec_trace)
+    return out
 
 
 def _json_token(token: int) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
@@ -22,6 +23,7 @@ class Session:
     def __init__(self, model, state: SessionState | None = None) -> None:
         self.model = model
         self.state = state or model.empty_state()
+        self.spec_trace = None       # after speculative decoding: one row per cycle (ds4lab.mtp)
 
     @property
     def tokens(self) -> list[int]:
@@ -31,11 +33,13 @@ class Session:
     def logits(self) -> mx.array | None:
         return self.state.logits
 
-    def prefill(self, tokens, chunk: int = DEFAULT_PREFILL_CHUNK, progress: bool = False) -> mx.array:
+    def prefill(self, tokens, chunk: int = DEFAULT_PREFILL_CHUNK, progress: bool = False,
+                on_chunk: Callable[[list[int], ChunkResult], None] | None = None) -> mx.array:
         """Consume `tokens` in chunks (a progress bar over them with `progress`); return the
         logits that predict the next token, [n_vocab]. Afterwards, like ds4, the frontier
-        slots past the partial window are reset (they are never read before being overwritten)."""
-        self._run(tokens, chunk, progress, last_only=True)
+        slots past the partial window are reset (they are never read before being overwritten).
+        `on_chunk(ids, result)` sees each chunk (its tokens' final HC streams: result.hidden)."""
+        self._run(tokens, chunk, progress, last_only=True, on_chunk=on_chunk)
         return self.state.logits
 
     def prefill_all(self, tokens, chunk: int = DEFAULT_PREFILL_CHUNK, progress: bool = False) -> ChunkResult:
@@ -43,7 +47,8 @@ class Session:
         routed to (per layer [T, n_expert_used]): teacher-forced scoring of a prompt."""
         return self._run(tokens, chunk, progress, last_only=False)
 
-    def _run(self, tokens, chunk: int, progress: bool, last_only: bool) -> ChunkResult:
+    def _run(self, tokens, chunk: int, progress: bool, last_only: bool,
+             on_chunk: Callable[[list[int], ChunkResult], None] | None = None) -> ChunkResult:
         ids = [int(t) for t in np.asarray(tokens).reshape(-1)]
         if not ids:
             raise ValueError("prefill needs at least one token")
@@ -57,6 +62,8 @@ class Session:
             part = ids[start:start + chunk]
             result = self.model.forward(self.state, part, last_only=last_only)
             self.state = result.state
+            if on_chunk is not None:
+                on_chunk(part, result)
             if not last_only:
                 logits.append(result.logits)
                 experts.append(result.experts)

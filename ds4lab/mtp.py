@@ -1,0 +1,373 @@
+"""Speculative decoding with an MTP head (or any drafter), lossless, with a record of every cycle.
+
+A cycle starts from a session that has consumed tokens up to position P and a chosen next
+token f (not consumed yet). The head drafts up to `draft_len` tokens after f; the target
+model runs [f, d1, ..., dk] in one pass; drafts are accepted while the target agrees
+(greedy) or by rejection sampling (`accept_or_resample`); the first disagreement gives the
+next f (the target's own choice, or a draw from the residual), a full accept gives it from
+the last row (the bonus token). The session then holds exactly the state plain decoding of
+the committed tokens gives: the verify pass's state on a full accept, else the state before
+it with the accepted prefix run again (on the CPU, a batch of rows equals the same rows
+decoded one by one bit for bit, so the .kv files are byte-identical).
+
+Pairing (what the head's row at position i reads):
+- "v3" (DeepSeek V3/V4, vLLM, SGLang): the target's HC state after t_i with the embedding of
+  t_{i+1}; it guesses t_{i+2}. The first draft of a cycle uses the real state h_P and f.
+- "ds4" (ds4.c's first draft): h_i with the embedding of t_i itself, a guess of t_{i+1} the
+  target already makes; drafts past f are chained from the head's own output streams.
+The head's rows for committed tokens are always computed from the target's real states
+(rows computed for drafts are discarded): its window is warm from the prompt with
+`warm_prefill` (vLLM/SGLang), else empty after prefill as in ds4.
+
+Schedule: "standard" verifies [f, drafts] in one target pass (up to draft_len + 1 tokens per
+pass); "ds4" first commits f with a one-row pass, checks the head's guess of the next token
+against that pass's choice (a "miss" ends the cycle), then verifies [that token, drafts]
+(ds4's `ds4_session_eval_speculative_argmax`: at most 3 tokens per 2 passes at draft_len 1).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+import pandas as pd
+
+from .generation import Emitter, Sampling, Step, distribution, sample
+from .model.state import SessionState
+
+PATHS = ("miss", "margin-skip", "full", "partial", "fallback")
+PAIRINGS = ("v3", "ds4")
+SCHEDULES = ("standard", "ds4")
+DS4_MARGIN = 3.0        # ds4's --mtp-margin default (top-1 minus top-2 logit of the last draft)
+
+Drafter = Callable[[list[int], int], Sequence[int]]
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How to decode speculatively (see the module doc).
+
+    draft_len: speculative tokens per cycle (ds4's `--mtp-draft 2` is draft_len 1).
+    verify: "greedy" (temperature 0 only) or "sample" (rejection sampling, any Sampling).
+    draft_sampling: "argmax" (one-hot q) or "sample" (drafts drawn from the head's q under the
+    same Sampling). margin: drafts stop at the first whose head top-1 minus top-2 logit is
+    below it (ds4: 3.0); a cycle left with none decodes f alone ("margin-skip").
+    drafter: `(context_tokens, k) -> k ids` replacing the head's proposals (one-hot q)."""
+
+    draft_len: int = 1
+    pairing: str = "v3"
+    schedule: str = "standard"
+    warm_prefill: bool = True
+    verify: str = "greedy"
+    draft_sampling: str = "argmax"
+    margin: float | None = None
+    drafter: Drafter | None = None
+
+    def __post_init__(self) -> None:
+        checks = [(self.draft_len >= 1, f"draft_len must be at least 1, not {self.draft_len}"),
+                  (self.pairing in PAIRINGS, f"pairing must be one of {PAIRINGS}, not {self.pairing!r}"),
+                  (self.schedule in SCHEDULES, f"schedule must be one of {SCHEDULES}, not {self.schedule!r}"),
+                  (self.verify in ("greedy", "sample"), f"verify must be 'greedy' or 'sample', not {self.verify!r}"),
+                  (self.draft_sampling in ("argmax", "sample"),
+                   f"draft_sampling must be 'argmax' or 'sample', not {self.draft_sampling!r}")]
+        bad = [why for ok, why in checks if not ok]
+        if bad:
+            raise ValueError("; ".join(bad))
+
+    @property
+    def offset(self) -> int:
+        """s in the pairing (h_i, t_{i+s}): 1 for v3, 0 for ds4."""
+        return 1 if self.pairing == "v3" else 0
+
+
+def accept_or_resample(p: np.ndarray, q: np.ndarray, draft: int, rng: np.random.Generator) -> tuple[bool, int]:
+    """One rejection-sampling step: accept `draft` with probability min(1, p/q); on rejection
+    draw from norm(max(0, p - q)). The result is distributed as p whatever q is (q[draft] > 0;
+    a one-hot q is an argmax draft, accepted with probability p[draft])."""
+    p, q = np.asarray(p, np.float64), np.asarray(q, np.float64)
+    if q[draft] <= 0:
+        raise ValueError(f"draft {draft} has q = {q[draft]}: a draft must be possible under q")
+    if rng.random() * q[draft] < p[draft]:
+        return True, int(draft)
+    residual = np.maximum(p - q, 0.0)
+    total = residual.sum()
+    # Rejection implies p[draft] < q[draft], hence some p[x] > q[x]: the residual has mass.
+    return False, int(rng.choice(len(p), p=residual / total))
+
+
+def _one_hot(n: int, token: int) -> np.ndarray:
+    q = np.zeros(n)
+    q[token] = 1.0
+    return q
+
+
+def _margin(logits: np.ndarray) -> float:
+    top2 = np.partition(logits, -2)[-2:]
+    return float(top2[1] - top2[0])
+
+
+class _Cycles:
+    """The speculative loop over one session (see `speculative_stream`)."""
+
+    def __init__(self, model, session, emitter: Emitter, sampling: Sampling, spec: SpecConfig) -> None:
+        if spec.drafter is None and model.mtp is None:
+            raise ValueError("speculative decoding needs an MTP head (ds4lab.load(..., mtp=FILE)) or a drafter")
+        if spec.verify == "greedy" and sampling.temperature > 0:
+            raise ValueError("verify='greedy' is lossless only at temperature 0; use verify='sample'")
+        self.model, self.session, self.emitter, self.sampling, self.spec = model, session, emitter, sampling, spec
+        self.head = model.mtp if spec.drafter is None else None
+        self.rng = np.random.default_rng(sampling.seed)
+        self.records: list[dict] = []
+
+    # ---- the head's rows for committed tokens ----------------------------------------
+    def _expected_next(self, state: SessionState) -> int:
+        return state.n_tokens - self.spec.offset
+
+    def _advance(self, state: SessionState, prev: mx.array | None, hidden: mx.array, tokens: list[int]) -> None:
+        """`state` consumed `tokens` (final streams `hidden`; `prev` the streams before them):
+        write the head's rows that became computable (pairs of real states and tokens)."""
+        if self.head is None or state.mtp is None:
+            return
+        p0 = state.n_tokens - len(tokens)
+        first, last = state.mtp.next_pos, state.n_tokens - 1 - self.spec.offset
+        if last < first:
+            return
+        rows = [prev[None] if i == p0 - 1 else hidden[i - p0][None] for i in range(first, last + 1)]
+        toks = [tokens[i + self.spec.offset - p0] for i in range(first, last + 1)]
+        _, state.mtp = self.head.run(self.model, state.mtp, mx.concatenate(rows), toks)
+
+    def prefill(self, prompt: list[int], progress: bool) -> None:
+        session = self.session
+        if self.head is not None and self.spec.warm_prefill and session.state.mtp is None:
+            first = session.state.n_tokens if session.state.hidden is None else self._expected_next(session.state)
+            session.state.mtp = self.head.empty_state(self.model.config, first)
+        if prompt:
+            prev = [session.state.hidden]
+
+            def warm(ids: list[int], result) -> None:
+                self._advance(session.state, prev[0], result.hidden, ids)
+                prev[0] = result.hidden[-1]
+
+            warming = self.head is not None and self.spec.warm_prefill
+            session.prefill(prompt, progress=progress, on_chunk=warm if warming else None)
+        if self.head is not None and (session.state.mtp is None
+                                      or session.state.mtp.next_pos != self._expected_next(session.state)):
+            session.state.mtp = self.head.empty_state(self.model.config, self._expected_next(session.state))
+
+    # ---- choosing and drafting ----------------------------------------------------------
+    def choose(self, logits) -> int:
+        return sample(np.array(logits, dtype=np.float32), self.sampling, self.rng)
+
+    def _q(self, logits: np.ndarray) -> np.ndarray:
+        if self.spec.draft_sampling == "sample":
+            return distribution(logits, self.sampling)
+        return _one_hot(len(logits), int(np.argmax(logits)))
+
+    def draft(self, f: int, k: int) -> tuple[list[int], list[np.ndarray], list[float], object, bool]:
+        """(drafts, their q, head margins, the head's state to keep, cut by the margin)."""
+        state = self.session.state
+        if self.head is None:
+            drafts = [int(t) for t in self.spec.drafter([*state.tokens, f], k)][:k]
+            n = self.model.config.n_vocab
+            return drafts, [_one_hot(n, d) for d in drafts], [float("nan")] * len(drafts), None, False
+        mtp = state.mtp
+        if self.spec.offset:                       # v3: the row (h_P, f) is a committed one
+            logits, mtp = self.head.run(self.model, mtp, state.hidden[None], [f])
+            keep, logits = mtp, logits[0]
+        else:                                      # ds4: chained from the latest row's output
+            if mtp.out is None:
+                return [], [], [], mtp, False
+            keep, logits = mtp, None
+            logits, mtp = self.head.run(self.model, mtp, mtp.out[None], [f])
+            logits = logits[0]
+        drafts, qs, margins = [], [], []
+        while True:
+            row = np.array(logits, dtype=np.float64)
+            margin = _margin(row)
+            if self.spec.margin is not None and margin < self.spec.margin:
+                return drafts, qs, margins, keep, True
+            q = self._q(row)
+            d = int(np.argmax(row)) if self.spec.draft_sampling == "argmax" else int(self.rng.choice(len(q), p=q))
+            drafts.append(d)
+            qs.append(q)
+            margins.append(margin)
+            if len(drafts) == k:
+                return drafts, qs, margins, keep, False
+            logits, mtp = self.head.run(self.model, mtp, mtp.out[None], [d])
+            logits = logits[0]
+
+    # ---- cycles -----------------------------------------------------------------------
+    def plain(self, f: int, path: str, record: dict) -> tuple[int | None, object]:
+        """Commit f with a one-row pass; the next token from its logits."""
+        state0 = self.session.state
+        t0 = time.perf_counter()
+        result = self.model.forward(state0, [f], last_only=True)
+        self.session.state = result.state
+        self._advance(self.session.state, state0.hidden, result.hidden, [f])
+        record["ms_verify"] += 1e3 * (time.perf_counter() - t0)
+        record["target_passes"] += 1
+        record["path"] = path
+        logits = self.session.state.logits
+        return self.choose(logits), logits
+
+    def standard(self, f: int, record: dict) -> tuple[int | None, object, list[Step]]:
+        """One standard cycle after f was emitted: returns (next f, its logits row, the steps
+        of the accepted drafts)."""
+        spec, model = self.spec, self.model
+        k = min(spec.draft_len, self.emitter.max_tokens - self.emitter.index - 1)
+        if k <= 0 or (self.session.state.hidden is None and self.head is not None):
+            return (*self.plain(f, "fallback", record), [])
+        t0 = time.perf_counter()
+        drafts, qs, margins, keep, cut = self.draft(f, k)
+        record["ms_draft"] += 1e3 * (time.perf_counter() - t0)
+        record.update(drafted=len(drafts), draft_ids=drafts, margins=margins)
+        if not drafts:
+            return (*self.plain(f, "margin-skip" if cut else "fallback", record), [])
+        state0 = self.session.state
+        t0 = time.perf_counter()
+        result = model.forward(state0, [f, *drafts], last_only=False)
+        rows = np.array(result.logits, dtype=np.float32)
+        record["ms_verify"] += 1e3 * (time.perf_counter() - t0)
+        record["target_passes"] += 1
+        accepted, nxt, p_target = 0, None, []
+        eos = self.emitter.eos
+        for j, d in enumerate(drafts):
+            p = distribution(rows[j], self.sampling)
+            p_target.append(float(p[d]))
+            if spec.verify == "greedy":
+                target = int(np.argmax(rows[j]))
+                ok = target == d
+            else:
+                ok, target = accept_or_resample(p, qs[j], d, self.rng)
+            if not ok or d == eos:
+                nxt = target
+                break
+            accepted += 1
+        if nxt is None:
+            nxt = self.choose(rows[accepted])
+        record.update(accepted=accepted, target_ids=[int(t) for t in np.argmax(rows, axis=1)], p_target=p_target,
+                      q_draft=[float(q[d]) for q, d in zip(qs, drafts, strict=True)],
+                      path="full" if accepted == len(drafts) else "partial")
+        consumed = [f, *drafts[:accepted]]
+        t0 = time.perf_counter()
+        if accepted == len(drafts):
+            self.session.state = result.state
+        else:
+            self.session.state = model.forward(state0, consumed, last_only=True).state
+        if self.head is not None:
+            self.session.state.mtp = keep
+            self._advance(self.session.state, state0.hidden, result.hidden[: accepted + 1], consumed)
+        record["ms_rollback"] += 1e3 * (time.perf_counter() - t0)
+        steps = []
+        for j in range(accepted):
+            step = self.emitter.step(drafts[j], rows[j])
+            steps.append(step)
+            if step.finish:          # a stop string inside the accepted drafts: consume only what precedes it
+                self.session.state = model.forward(state0, consumed[: j + 1], last_only=True).state
+                return None, None, steps
+        return nxt, rows[accepted], steps
+
+    def ds4_gate(self, f: int, record: dict) -> tuple[int | None, object, list[Step]]:
+        """ds4's cycle: commit f alone, check the head's guess of the next token, then verify."""
+        nxt, logits = self.plain(f, "miss", record)
+        state = self.session.state
+        if self.head is not None:
+            guess = None if state.mtp.logits is None else int(np.argmax(np.array(state.mtp.logits)))
+        else:
+            guess = int(self.spec.drafter(state.tokens, 1)[0])
+        if self.emitter.index + 1 >= self.emitter.max_tokens:
+            record["path"] = "fallback"
+            return nxt, logits, []
+        if guess != nxt:
+            return nxt, logits, []
+        step = self.emitter.step(nxt, logits)
+        if step.finish:
+            return None, None, [step]
+        after, row, steps = self.standard(nxt, record)
+        return after, row, [step, *steps]
+
+    def run(self, prompt: list[int], progress: bool) -> Iterator[Step]:
+        self.prefill(prompt, progress)
+        f, row = self.choose(self.session.logits), self.session.logits
+        cycle = 0
+        while f is not None:
+            record = {"cycle": cycle, "pos": self.session.state.n_tokens, "path": "fallback", "drafted": 0,
+                      "accepted": 0, "committed": 1, "draft_ids": [], "target_ids": [], "margins": [], "p_target": [],
+                      "q_draft": [], "target_passes": 0, "ms_draft": 0.0, "ms_verify": 0.0, "ms_rollback": 0.0}
+            step = self.emitter.step(f, row)
+            yield step
+            if step.finish:
+                record["committed"] = int(step.finish != "eos")
+                self.records.append(record)
+                return
+            cycle_fn = self.ds4_gate if self.spec.schedule == "ds4" else self.standard
+            f, row, steps = cycle_fn(f, record)
+            record["committed"] += sum(s.finish != "eos" for s in steps)
+            self.records.append(record)
+            yield from steps
+            if steps and steps[-1].finish:
+                return
+            cycle += 1
+
+    def frame(self) -> pd.DataFrame:
+        return pd.DataFrame(self.records, columns=TRACE_COLUMNS)
+
+
+TRACE_COLUMNS = ["cycle", "pos", "path", "drafted", "accepted", "committed", "draft_ids", "target_ids", "margins",
+                 "p_target", "q_draft", "target_passes", "ms_draft", "ms_verify", "ms_rollback"]
+
+
+def speculative_stream(model, session, prompt: list[int], emitter: Emitter, sampling: Sampling, spec: SpecConfig,
+                       progress: bool = False) -> Iterator[Step]:
+    """`ds4lab.generation.stream(..., spec=...)`: the steps plain decoding would yield (greedy:
+    the same tokens; sampled: the same distribution); `session.spec_trace` afterwards."""
+    loop = _Cycles(model, session, emitter, sampling, spec)
+    try:
+        yield from loop.run(prompt, progress)
+    finally:
+        session.spec_trace = loop.frame()
+
+
+def summarize(trace: pd.DataFrame, plain_tok_s: float | None = None) -> dict:
+    """A spec trace in both conventions (cycles that drafted count as proposals):
+
+    - vLLM: mean acceptance length 1 + accepted / proposals, acceptance per position j
+      (proposals whose first j drafts were accepted / proposals), draft acceptance rate;
+    - DeepSpec: accept_len (mean of accepted + 1 per proposal), verify_rate accepted /
+      (drafted + proposals), conditional acceptance at j (accepted past j-1 / reached j) and
+      prefix survival at j (first j accepted / drafted at least j);
+    plus tokens per target forward, tok/s over the cycles' measured time and, given the plain
+    decoding rate measured in the same process, the speedup."""
+    proposals = trace[trace["drafted"] > 0]
+    n_prop = len(proposals)
+    depth = int(trace["drafted"].max()) if len(trace) else 0
+    accepted, drafted = proposals["accepted"].to_numpy(), proposals["drafted"].to_numpy()
+    reached = [int(((accepted >= j - 1) & (drafted >= j)).sum()) for j in range(1, depth + 1)]
+    passed = [int((accepted >= j).sum()) for j in range(1, depth + 1)]
+    seconds = (trace["ms_draft"] + trace["ms_verify"] + trace["ms_rollback"]).sum() / 1e3
+    committed = int(trace["committed"].sum())
+    out = {
+        "cycles": len(trace),
+        "proposals": n_prop,
+        "drafted": int(drafted.sum()),
+        "accepted": int(accepted.sum()),
+        "committed": committed,
+        "target_forwards": int(trace["target_passes"].sum()),
+        "paths": trace["path"].value_counts().to_dict(),
+        "mean_acceptance_length": 1 + accepted.sum() / n_prop if n_prop else float("nan"),
+        "acceptance_per_position": [p / n_prop for p in passed] if n_prop else [],
+        "draft_acceptance_rate": accepted.sum() / drafted.sum() if n_prop else float("nan"),
+        "accept_len": float((accepted + 1).mean()) if n_prop else float("nan"),
+        "verify_rate": accepted.sum() / (drafted.sum() + n_prop) if n_prop else float("nan"),
+        "conditional_acceptance": [p / r if r else float("nan") for p, r in zip(passed, reached, strict=True)],
+        "prefix_survival": [p / max(int((drafted >= j).sum()), 1) for j, p in enumerate(passed, 1)],
+        "tokens_per_target_forward": committed / max(int(trace["target_passes"].sum()), 1),
+        "tok_s": committed / seconds if seconds else float("nan"),
+    }
+    if plain_tok_s:
+        out["plain_tok_s"] = plain_tok_s
+        out["speedup"] = out["tok_s"] / plain_tok_s
+    return out
