@@ -13,28 +13,26 @@ import math
 
 import mlx.core as mx
 
-from .numerics import Schedule, fp8_kv_round, round_f16
+from . import kernels
+from .numerics import Schedule
 from .rope import Rotation
 from .weights import LayerWeights, Q8Matrix
 
 
-def project_q(layer: LayerWeights, xa: mx.array, n_head: int, head_dim: int, eps: float,
+def project_q(layer: LayerWeights, xa: mx.array, rotation: Rotation, n_head: int, head_dim: int, eps: float,
               mm: Schedule) -> tuple[mx.array, mx.array]:
-    """(q [T, H, D] with per-head weightless RMS, qr_n [T, q_lora_rank], which also feeds the indexer)."""
+    """(q [T, H, D] with per-head weightless RMS, rotated; qr_n [T, q_lora_rank], which also feeds the indexer)."""
     qr = mm.q8(layer.q8["attn_q_a.weight"], xa)
     qr_n = mm.rms_norm(qr, layer.dense["attn_q_a_norm.weight"], eps)
     q = mm.q8(layer.q8["attn_q_b.weight"], qr_n).reshape(xa.shape[0], n_head, head_dim)
-    return mm.rms_norm(q, None, eps), qr_n
+    return mm.finish_rows(q, eps=eps, rotation=rotation), qr_n
 
 
-def project_kv(layer: LayerWeights, xa: mx.array, eps: float, mm: Schedule) -> mx.array:
-    """The layer's KV row before RoPE: RMS(attn_kv · xa; kv_norm), [T, D]."""
-    return mm.rms_norm(mm.q8(layer.q8["attn_kv.weight"], xa), layer.dense["attn_kv_a_norm.weight"], eps)
-
-
-def finish_kv_row(kv: mx.array, rotation: Rotation, n_rot: int) -> mx.array:
-    """RoPE at the token's position, ds4's FP8 round trip on the non-RoPE dims, f16 storage."""
-    return round_f16(fp8_kv_round(rotation.apply(kv), kv.shape[-1] - n_rot))
+def kv_row(layer: LayerWeights, xa: mx.array, rotation: Rotation, eps: float, mm: Schedule) -> mx.array:
+    """The layer's KV row as stored, [T, D]: RMS(attn_kv · xa; kv_norm), RoPE at the token's
+    position, ds4's FP8 round trip on the non-RoPE dims, f16 storage."""
+    return mm.finish_rows(mm.q8(layer.q8["attn_kv.weight"], xa), eps=eps,
+                          weight=layer.dense["attn_kv_a_norm.weight"], rotation=rotation, fp8=True, f16=True)
 
 
 def visible_keys(mask: mx.array) -> tuple[mx.array, mx.array]:
@@ -51,6 +49,17 @@ def visible_keys(mask: mx.array) -> tuple[mx.array, mx.array]:
     width = n if mask.shape[0] == 1 else max(int(mask.sum(axis=1).max().item()), 1)
     order = order[:, :width]
     return order, mx.take_along_axis(mask, order, axis=1)
+
+
+def attend_heads(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array, rotation: Rotation,
+                 mm: Schedule) -> mx.array:
+    """Head outputs [T, H, D]: `attend`, then turned back by the query position's angle (ds4's
+    inverse RoPE). One kernel on the fast path (`kernels.attention_heads`), which reads only
+    the visible keys."""
+    if mm.fast:
+        return kernels.attention_heads(q, keys, mask, sinks, (rotation.cos, rotation.sin))
+    heads = attend(q, keys, mask, sinks, ordered=mm.batch_invariant)
+    return rotation.apply(heads, inverse=True)
 
 
 def attend(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array, ordered: bool) -> mx.array:
@@ -116,8 +125,3 @@ def grouped_output(layer: LayerWeights, heads: mx.array, n_out_group: int, mm: S
     rank = out_a.rows // n_out_group
     low = [mm.q8(out_a.rows_slice(g * rank, (g + 1) * rank), groups[:, g]) for g in range(n_out_group)]
     return mm.q8(layer.q8["attn_output_b.weight"], mx.concatenate(low, axis=-1))
-
-
-def output_heads(heads: mx.array, rotation: Rotation) -> mx.array:
-    """Head outputs turned back by the query position's angle (ds4's inverse RoPE)."""
-    return rotation.apply(heads, inverse=True)

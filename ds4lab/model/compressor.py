@@ -19,13 +19,12 @@ KV files agree with ds4.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from ..config import coff, overlaps
-from .numerics import Schedule, fp8_kv_round, indexer_qat, round_f16
+from .numerics import Schedule
 from .rope import Rotation, YarnParams, yarn_for
 from .weights import LayerWeights
 
@@ -62,8 +61,8 @@ class Frontier:
 
 @dataclass
 class Compressor:
-    """One layer's compressor: the attention's (rows of head_dim, FP8-rounded) or the
-    indexer's (rows of indexer_head_dim, Hadamard + FP4), with its weights and RoPE kind."""
+    """One layer's compressor: the attention's (rows of head_dim, FP8-rounded: `fp8`) or the
+    indexer's (rows of indexer_head_dim, Hadamard + FP4: `qat`), with its weights and RoPE kind."""
 
     kv_weight: mx.array
     gate_weight: mx.array
@@ -71,7 +70,8 @@ class Compressor:
     norm: mx.array
     ratio: int
     width: int
-    round_rows: Callable[[mx.array], mx.array]
+    fp8: bool
+    qat: bool
     rope_base: float
     yarn: YarnParams | None
     n_rot: int
@@ -81,13 +81,11 @@ class Compressor:
     def of(cls, layer: LayerWeights, cfg, kind: str) -> Compressor:
         """kind "attn" or "indexer"."""
         d, ratio = layer.dense, layer.ratio
-        if kind == "attn":
-            width, round_rows = cfg.head_dim, (lambda rows: fp8_kv_round(rows, cfg.head_dim - cfg.n_rot))
-        else:
-            width, round_rows = cfg.indexer_head_dim, indexer_qat
+        width = cfg.head_dim if kind == "attn" else cfg.indexer_head_dim
         return cls(d[f"{kind}_compressor_kv.weight"], d[f"{kind}_compressor_gate.weight"],
                    d[f"{kind}_compressor_ape.weight"], d[f"{kind}_compressor_norm.weight"], ratio, width,
-                   round_rows, cfg.rope_base(layer.index), yarn_for(cfg, ratio), cfg.n_rot, cfg.rms_eps)
+                   kind == "attn", kind == "indexer", cfg.rope_base(layer.index), yarn_for(cfg, ratio), cfg.n_rot,
+                   cfg.rms_eps)
 
     def project(self, x: mx.array, positions: mx.array, mm: Schedule) -> tuple[mx.array, mx.array]:
         """Per-token kv and score rows [T, coff·width] (the score with the slot's APE term)."""
@@ -101,12 +99,12 @@ class Compressor:
         pooled, frontier = compress_chunk(frontier, kv, score, p0, self.ratio, self.width)
         if pooled.shape[0] == 0:
             return pooled, frontier
-        rows = mm.rms_norm(pooled, self.norm, self.eps)
         # rotated to each window's first position: p0 // ratio · ratio, then every ratio tokens
         first = Rotation.at(p0 // self.ratio * self.ratio, pooled.shape[0], self.n_rot, self.rope_base, self.yarn,
                             step=self.ratio)
-        rows = first.apply(rows)
-        return round_f16(self.round_rows(rows)), frontier
+        rows = mm.finish_rows(pooled, eps=self.eps, weight=self.norm, rotation=first, qat=self.qat, fp8=self.fp8,
+                              f16=True)
+        return rows, frontier
 
 
 def _pool(kv: mx.array, score: mx.array) -> mx.array:

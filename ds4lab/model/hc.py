@@ -34,12 +34,22 @@ def hc_control(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array,
     """pre/post/comb for one sublayer, from the streams right before it (ds4's order of steps).
 
     The batch-invariant path runs the ~80 small steps of the split one by one so that the
-    float operations stay exactly ds4's; a GPU runs them compiled, the fast path as one
-    CUDA kernel (`kernels/cuda/hc_split.cu`, one thread per token).
+    float operations stay exactly ds4's; a GPU runs them compiled (the fast path fuses them
+    with the collapse and norm: `hc_fused_input`).
     """
     mix = _control_vector(streams, fn, rms_eps, mm)
-    split = _split if mm.batch_invariant else kernels.hc_split if mm.fast else _split_compiled
+    split = _split if mm.batch_invariant else _split_compiled
     return HCControl(*split(mix, scale, base, streams.shape[1], sinkhorn_iters, hc_eps))
+
+
+def hc_fused_input(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array, norm: mx.array,
+                   sinkhorn_iters: int, rms_eps: float, hc_eps: float) -> tuple[mx.array, HCControl]:
+    """The fast path's `hc_control` + `hc_collapse` + the sublayer's RMSNorm: the mixer matvec,
+    then one kernel (`kernels/cuda/hc_pre.cu`, the split of a token in one thread as ds4's
+    `hc_split_sinkhorn`). Returns (sublayer input [T, n_embd], control)."""
+    mix = streams.reshape(streams.shape[0], -1) @ fn.T
+    x, pre, post, comb = kernels.hc_pre(streams, mix, scale, base, norm, sinkhorn_iters, rms_eps, hc_eps)
+    return x, HCControl(pre, post, comb)
 
 
 def _split(mix: mx.array, scale: mx.array, base: mx.array, n: int, sinkhorn_iters: int,
@@ -64,8 +74,10 @@ def hc_collapse(streams: mx.array, weights: mx.array) -> mx.array:
     return (streams * weights[:, :, None]).sum(axis=1)
 
 
-def hc_expand(out: mx.array, streams: mx.array, control: HCControl) -> mx.array:
-    """New streams: stream c gets post[c]·out + Σ_a comb[a, c]·streams[a]."""
+def hc_expand(out: mx.array, streams: mx.array, control: HCControl, mm: Schedule | None = None) -> mx.array:
+    """New streams: stream c gets post[c]·out + Σ_a comb[a, c]·streams[a] (one kernel on the fast path)."""
+    if mm is not None and mm.fast:
+        return kernels.hc_post(out, streams, control.post, control.comb)
     mixed = (control.comb[:, :, :, None] * streams[:, :, None, :]).sum(axis=1)
     return control.post[:, :, None] * out[:, None, :] + mixed
 

@@ -13,7 +13,8 @@ import math
 
 import mlx.core as mx
 
-from .numerics import Schedule, indexer_qat
+from . import kernels
+from .numerics import Schedule
 from .rope import Rotation
 from .weights import LayerWeights
 
@@ -24,10 +25,13 @@ def indexer_scores(layer: LayerWeights, xa: mx.array, qr_n: mx.array, keys: mx.a
 
     On the batch-invariant path the q·k dots are summed in a fixed order outside the BLAS:
     the key count differs between a prefill chunk and a decode step, and so would a GEMM's
-    kernel, and a near-tie in the top-k could then go the other way."""
+    kernel, and a near-tie in the top-k could then go the other way. The fast path scores
+    in one kernel (`kernels.indexer_scores`)."""
     q = mm.linear(qr_n, layer.dense["indexer.attn_q_b.weight"]).reshape(xa.shape[0], n_heads, head_dim)
-    q = indexer_qat(rotation.apply(q))
+    q = mm.finish_rows(q, rotation=rotation, qat=True)
     weights = mm.linear(xa, layer.dense["indexer.proj.weight"]) * (1.0 / math.sqrt(head_dim * n_heads))
+    if mm.fast:
+        return kernels.indexer_scores(q, weights, keys)
     if not mm.batch_invariant:
         dots = q @ keys.T                                               # [T, H, N]
     else:

@@ -1,33 +1,48 @@
 """Fused CUDA kernels of the fast path (sources in `kernels/cuda/`, one small file each).
 
-`hc_split`: the hyper-connection split (pre, post, Sinkhorn comb) of a token in one thread,
-instead of some 80 MLX operations (MLX's compile fuses elementwise chains, not reductions).
+MLX on CUDA pays a few microseconds of host work per operation, and MLX's compile fuses
+elementwise chains, not reductions: the reference composition of a decode step is some
+300 operations per layer. These kernels each replace a chain of them; each repeats the
+reference's steps in the same order, so a Metal port can translate them line by line:
 
-Fused routed-expert matvec: decode the block bytes and multiply in one CUDA kernel.
+- `hc_pre`: the hyper-connection split (pre, post, Sinkhorn comb; one thread per token, as
+  ds4's `hc_split_sinkhorn`), the collapse of the streams and the sublayer's RMSNorm.
+- `hc_post`: the new streams from the sublayer output (`hc.hc_expand`).
+- `row_finish`: per-row RMSNorm, weight, RoPE (or its inverse), Hadamard + FP4, FP8 and f16
+  roundings, each optional: q heads, KV rows, compressed rows, indexer queries and keys.
+- `attention_heads`: softmax attention with sinks over the visible keys (masked ones are not
+  read), online softmax across warps, and the inverse RoPE of the output.
+- `indexer_scores`: the lightning indexer's Σ_h w_h·relu(q_h·k) per key row.
+- `expert_matvec`: routed-expert matvec on the IQ2_XXS, Q2_K or Q4_K block bytes of the
+  selected experts, one warp per output row (the portable path decodes each selected expert
+  to a float32 matrix first: a few dozen kernels and three float32 copies per step).
 
-The portable path (`moe._routed_gathered`) decodes each selected expert to a float32
-matrix with MLX ops and multiplies it: a few dozen kernels and three float32 copies of
-every expert per decode step. On CUDA these kernels (sources in `kernels/cuda/`) read
-the IQ2_XXS, Q2_K or Q4_K bytes of the selected experts once, one warp per output row.
-Their float sums run in a different order from the portable path (same values up to
-float32 reassociation). Elsewhere (CPU, Metal) the portable path runs.
+Float sums run in another order than the reference's (same values up to float32
+reassociation); `bench/check_device.py` checks each kernel against its composition. The
+fast path uses them only on a CUDA GPU (`numerics.Numerics.fast`).
 """
 
 from __future__ import annotations
 
 from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
 
+from ..floats import log2f_carry_table
 from ..quants.formats import row_bytes
 from ..quants.tables import IQ2XXS_GRID
-from .weights import ExpertBlocks
+
+if TYPE_CHECKING:
+    from .weights import ExpertBlocks
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels" / "cuda"
 _TYPES = {"IQ2_XXS": "iq2_xxs", "Q2_K": "q2_k", "Q4_K": "q4_k"}
-_ROWS_PER_BLOCK = 4                      # warps per thread block
+_ROWS_PER_BLOCK = 4                      # warps per thread block of the expert matvec
+_THREADS = 128                           # threads per block of the row and HC kernels
+_ATTENTION_WARPS = 8
 
 
 def cuda_ready() -> bool:
@@ -40,26 +55,107 @@ def available(type_name: str) -> bool:
     return type_name in _TYPES and cuda_ready()
 
 
+# name -> (source file, header files, input names, output names)
+_KERNELS = {
+    "hc_pre": ("hc_pre.cu", ("ds4lab_block.cuh", "hc_split.cuh"),
+               ["streams", "mix", "scale", "base", "norm", "eps", "n_tok"], ["x", "pre", "post", "comb"]),
+    "hc_post": ("hc_post.cu", (), ["out", "streams", "post", "comb", "n_tok"], ["y"]),
+    "row_finish": ("row_finish.cu", ("ds4lab_block.cuh",),
+                   ["x", "weight", "rope_cos", "rope_sin", "eps", "hscale", "carry", "n_rows"], ["y"]),
+    "attention_heads": ("decode_attention.cu", ("ds4lab_block.cuh",),
+                        ["q", "keys", "mask", "sinks", "rope_cos", "rope_sin", "n_keys"], ["out"]),
+    "indexer_scores": ("indexer_scores.cu", ("ds4lab_block.cuh",), ["q", "w", "keys", "n_keys"], ["scores"]),
+}
+
+
 @cache
-def _hc_split_kernel():
-    return mx.fast.cuda_kernel(name="ds4lab_hc_split", input_names=["mix", "scale", "base", "eps", "n_tok"],
-                               output_names=["pre", "post", "comb"], source=(KERNEL_DIR / "hc_split.cu").read_text())
+def _fused(name: str):
+    source, headers, inputs, outputs = _KERNELS[name]
+    return mx.fast.cuda_kernel(name=f"ds4lab_{name}", input_names=inputs, output_names=outputs,
+                               source=(KERNEL_DIR / source).read_text(),
+                               header="\n".join((KERNEL_DIR / h).read_text() for h in headers))
 
 
-def hc_split(mix: mx.array, scale: mx.array, base: mx.array, n: int, sinkhorn_iters: int,
-             hc_eps: float) -> tuple[mx.array, mx.array, mx.array]:
-    """(pre [T, n], post [T, n], comb [T, n, n]) from mix [T, (2 + n)·n]: hc._split in one kernel."""
-    t = mix.shape[0]
-    threads = 64
-    return tuple(_hc_split_kernel()(
-        inputs=[mix.astype(mx.float32), scale.astype(mx.float32), base.astype(mx.float32),
-                mx.array([hc_eps], mx.float32), mx.array([t], mx.int32)],
-        template=[("N", n), ("ITERS", sinkhorn_iters)],
-        grid=(-(-t // threads) * threads, 1, 1),
-        threadgroup=(threads, 1, 1),
-        output_shapes=[(t, n), (t, n), (t, n, n)],
-        output_dtypes=[mx.float32] * 3,
-    ))
+@cache
+def _carry_table() -> mx.array:
+    return mx.array(log2f_carry_table())
+
+
+def _scalar(value, dtype=mx.float32) -> mx.array:
+    return mx.array([value], dtype)
+
+
+def hc_pre(streams: mx.array, mix: mx.array, scale: mx.array, base: mx.array, norm: mx.array, sinkhorn_iters: int,
+           rms_eps: float, hc_eps: float) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """(x [T, E], pre [T, N], post [T, N], comb [T, N, N]) from the streams [T, N, E] and the
+    mixer matvec of the raw flattened streams, mix [T, (2 + N)·N]."""
+    t, n, e = streams.shape
+    return tuple(_fused("hc_pre")(
+        inputs=[streams, mix, scale, base, norm, mx.array([rms_eps, hc_eps], mx.float32), _scalar(t, mx.int32)],
+        template=[("N", n), ("E", e), ("ITERS", sinkhorn_iters)],
+        grid=(t * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+        output_shapes=[(t, e), (t, n), (t, n), (t, n, n)], output_dtypes=[mx.float32] * 4))
+
+
+def hc_post(out: mx.array, streams: mx.array, post: mx.array, comb: mx.array) -> mx.array:
+    """New streams [T, N, E]: stream c gets post[c]·out + Σ_a comb[a, c]·streams[a]."""
+    t, n, e = streams.shape
+    threads = 256
+    (y,) = _fused("hc_post")(
+        inputs=[out, streams, post, comb, _scalar(t, mx.int32)], template=[("N", n), ("E", e)],
+        grid=(-(-t * n * e // threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
+        output_shapes=[streams.shape], output_dtypes=[mx.float32])
+    return y
+
+
+def row_finish(x: mx.array, *, eps: float | None = None, weight: mx.array | None = None,
+               rope: tuple[mx.array, mx.array] | None = None, inverse: bool = False, rows_per_position: int = 1,
+               qat: bool = False, fp8: bool = False, f16: bool = False) -> mx.array:
+    """The chosen per-row steps over x's last axis, in this order: RMSNorm (when `eps` is
+    given), times `weight`, RoPE of the last 2·cos.shape[-1] dims with `rope` = (cos, sin)
+    [positions, n_rot/2] (rows_per_position consecutive rows share a position; `inverse` turns
+    back), Hadamard + FP4 (`qat`), FP8 of the non-RoPE dims (`fp8`), f16 round trip (`f16`)."""
+    d = x.shape[-1]
+    rows = x.size // d
+    one = mx.zeros((1,), mx.float32)
+    cos, sin = rope if rope is not None else (one, one)
+    n_rot = 2 * cos.shape[-1] if rope is not None else 0
+    (y,) = _fused("row_finish")(
+        inputs=[x.astype(mx.float32), one if weight is None else weight, cos, sin, _scalar(eps or 0.0),
+                _scalar(float(np.float32(1.0 / np.sqrt(d)))), _carry_table(), _scalar(rows, mx.int32)],
+        template=[("D", d), ("NORM", eps is not None), ("WEIGHT", weight is not None),
+                  ("ROPE", 0 if rope is None else 2 if inverse else 1), ("NROT", n_rot),
+                  ("POS_DIV", rows_per_position), ("QAT", qat), ("FP8", fp8), ("F16", f16)],
+        grid=(rows * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+        output_shapes=[x.shape], output_dtypes=[mx.float32])
+    return y
+
+
+def attention_heads(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array,
+                    rope: tuple[mx.array, mx.array]) -> mx.array:
+    """Sink softmax attention, K = V, then the inverse RoPE of the query positions: q [T, H, D],
+    keys [N, D], mask [T, N], sinks [H], rope (cos, sin) [T, n_rot/2] -> [T, H, D]."""
+    t, h, d = q.shape
+    cos, sin = rope
+    threads = 32 * _ATTENTION_WARPS
+    (out,) = _fused("attention_heads")(
+        inputs=[q, keys, mask, sinks, cos, sin, _scalar(keys.shape[0], mx.int32)],
+        template=[("D", d), ("NROT", 2 * cos.shape[-1]), ("WARPS", _ATTENTION_WARPS)],
+        grid=(h * threads, t, 1), threadgroup=(threads, 1, 1),
+        output_shapes=[q.shape], output_dtypes=[mx.float32])
+    return out
+
+
+def indexer_scores(q: mx.array, w: mx.array, keys: mx.array) -> mx.array:
+    """Σ_h w[t, h]·relu(q[t, h]·keys[n]): q [T, H, DH], w [T, H], keys [N, DH] -> [T, N]."""
+    t, h, dh = q.shape
+    n = keys.shape[0]
+    warps = 8
+    (scores,) = _fused("indexer_scores")(
+        inputs=[q, w, keys, _scalar(n, mx.int32)], template=[("H", h), ("DH", dh)],
+        grid=(-(-n // warps) * 32 * warps, t, 1), threadgroup=(32 * warps, 1, 1),
+        output_shapes=[(t, n)], output_dtypes=[mx.float32])
+    return scores
 
 
 @cache

@@ -25,12 +25,13 @@ from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
+import pandas as pd
 
 from ..config import ModelConfig, has_indexer
 from ..hooks import ActivationCache, HookFn, HookRegistry, NameFilter, Scope, floats_per_token, hook_names
 from . import attention, indexer, moe
 from .compressor import Compressor, Frontier, row_span
-from .hc import HCControl, hc_collapse, hc_control, hc_expand, hc_head_weights
+from .hc import HCControl, hc_collapse, hc_control, hc_expand, hc_fused_input, hc_head_weights
 from .numerics import MODES, Numerics, Schedule
 from .rope import Rotation, yarn_for
 from .state import LayerCache, SessionState
@@ -41,6 +42,12 @@ if TYPE_CHECKING:
     from .mtp import MTPHead
 
 NUMERICS = MODES
+
+# Hook points the fast path fires, replacements included, at full speed: the block boundaries
+# (and, through them, steering and forced experts). A hook at any other point of a block makes
+# that block run the reference composition for the call (`Model.fast_path_plan` says which).
+FAST_PATH_POINTS = frozenset({"hook_resid_pre", "attn.hook_out", "hook_resid_mid", "ffn.hook_experts",
+                              "ffn.hook_expert_weights", "ffn.hook_out", "hook_resid_post"})
 
 
 # ds4 runs the MTP block as layer 1 (`metal_graph_eval_mtp_draft_from_hc`): its SwiGLU clamp.
@@ -99,6 +106,29 @@ class Model:
             yield self
         finally:
             self._hooks.remove(added)
+
+    def fast_path_plan(self) -> pd.DataFrame:
+        """Which blocks run the fast path with the hooks registered now (ask inside
+        `with model.hooks(...)`): one row per block with its path ("fast" or "reference") and
+        the hook points that put it on the reference path. Hooks at `FAST_PATH_POINTS` keep a
+        block fast; off a CUDA GPU, and in "ds4-cpu" numerics, every block is "reference"."""
+        fast = self.numerics.fast
+        slow = self._reference_blocks()
+        return pd.DataFrame({
+            "block": np.arange(self.config.n_layer, dtype=np.int64),
+            "path": pd.Categorical([("reference" if not fast or f"blocks.{il}" in slow else "fast")
+                                    for il in range(self.config.n_layer)], categories=["fast", "reference"]),
+            "hooks": [", ".join(slow.get(f"blocks.{il}", [])) for il in range(self.config.n_layer)],
+        })
+
+    def _reference_blocks(self) -> dict[str, list[str]]:
+        """Blocks whose hooks need the reference composition: `blocks.L` -> those points."""
+        slow: dict[str, list[str]] = {}
+        for name in self._hooks.by_name:
+            parts = name.split(".", 2)
+            if parts[0] == "blocks" and parts[2] not in FAST_PATH_POINTS:
+                slow.setdefault(f"blocks.{parts[1]}", []).append(name)
+        return slow
 
     def run_with_hooks(self, tokens, fwd_hooks: list[tuple[NameFilter, HookFn]]) -> mx.array:
         """Logits of every position with `fwd_hooks` applied; `fn(act, hook)` may return a replacement."""
@@ -166,6 +196,7 @@ class Model:
         p0 = state.n_tokens
         self._hooks.positions = np.arange(p0, p0 + len(tokens))
         mm = self.numerics.schedule(self._hooks.positions)
+        on_reference = self._reference_blocks() if mm.fast else {}
         positions = mx.arange(p0, p0 + len(tokens))
         token_ids = mx.array(tokens, dtype=mx.int32)
         x = self._hooks.fire("hook_embed", self.weights.token_embd[token_ids].astype(mx.float32))
@@ -178,10 +209,11 @@ class Model:
             if kind not in rotations:
                 rotations[kind] = Rotation.at(p0, len(tokens), cfg.n_rot, *kind)
             h = self._hooks.scope(f"blocks.{il}")
+            block_mm = mm.reference() if f"blocks.{il}" in on_reference else mm
             streams = h("hook_resid_pre", streams)
-            streams = self._attention_block(layer, new.layers[il], streams, positions, p0, rotations[kind], mm)
+            streams = self._attention_block(layer, new.layers[il], streams, positions, p0, rotations[kind], block_mm)
             streams = h("hook_resid_mid", streams)
-            streams, chosen = self._ffn_block(layer, streams, token_ids, mm)
+            streams, chosen = self._ffn_block(layer, streams, token_ids, block_mm)
             streams = h("hook_resid_post", streams)
             if len(tokens) > 1:
                 mx.eval(streams)     # bounds a prefill chunk's graph; a decode step stays one graph
@@ -200,12 +232,10 @@ class Model:
         """Attention over the raw window and the compressed rows; extends `cache`."""
         cfg, d = self.config, layer.dense
         h = self._hooks.scope(f"{_prefix(layer)}.attn")
-        control = self._control(h, streams, "attn", d, mm)
-        xa = h("hook_in", mm.rms_norm(hc_collapse(streams, control.pre), d["attn_norm.weight"], cfg.rms_eps))
-        q, qr_n = attention.project_q(layer, xa, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm)
-        q = h("hook_q", rotation.apply(q))
-        kv = attention.finish_kv_row(attention.project_kv(layer, xa, cfg.rms_eps, mm), rotation, cfg.n_rot)
-        kv = h("hook_kv", kv)
+        xa, control = self._sublayer_input(h, streams, "attn", d, mm)
+        q, qr_n = attention.project_q(layer, xa, rotation, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm)
+        q = h("hook_q", q)
+        kv = h("hook_kv", attention.kv_row(layer, xa, rotation, cfg.rms_eps, mm))
         n_kept = cache.raw.shape[0]
         keys = cache.update_window(kv, cfg.n_swa)
         raw_pos = mx.arange(p0 - n_kept, p0 + kv.shape[0])
@@ -217,10 +247,9 @@ class Model:
             mask = mx.concatenate([mask, comp_mask], axis=1)
         if h.wants("hook_pattern") or h.wants("hook_key_span"):
             self._read_pattern(h, q, keys, mask, d["attn_sinks.weight"], raw_pos, layer.ratio)
-        heads = attention.attend(q, keys, mask, d["attn_sinks.weight"], ordered=mm.batch_invariant)
-        heads = h("hook_z", attention.output_heads(heads, rotation))
+        heads = h("hook_z", attention.attend_heads(q, keys, mask, d["attn_sinks.weight"], rotation, mm))
         out = h("hook_out", attention.grouped_output(layer, heads, cfg.n_out_group, mm))
-        return hc_expand(out, streams, control)
+        return hc_expand(out, streams, control, mm)
 
     def _compressed_keys(self, layer: LayerWeights, cache: LayerCache, h: Scope, xa: mx.array, qr_n: mx.array,
                          positions: mx.array, p0: int, rotation: Rotation, mm: Schedule) -> tuple[mx.array, mx.array]:
@@ -267,11 +296,20 @@ class Model:
         h("hook_pattern", weights)
         h("hook_key_span", mx.where((index >= 0)[..., None], span, -1))
 
-    def _control(self, h: Scope, streams: mx.array, sub: str, d: dict, mm: Schedule) -> HCControl:
+    def _sublayer_input(self, h: Scope, streams: mx.array, sub: str, d: dict,
+                        mm: Schedule) -> tuple[mx.array, HCControl]:
+        """A sublayer's HC control (pre, post, comb; hooked) and its input: the streams collapsed
+        by `pre` and RMS-normed (`hook_in`). One kernel on the fast path."""
         cfg = self.config
-        c = hc_control(streams, d[f"hc_{sub}_fn.weight"], d[f"hc_{sub}_scale.weight"], d[f"hc_{sub}_base.weight"],
-                       cfg.hc_sinkhorn_iter, cfg.rms_eps, cfg.hc_eps, mm)
-        return HCControl(h("hook_hc_pre", c.pre), h("hook_hc_post", c.post), h("hook_hc_comb", c.comb))
+        mixer = (d[f"hc_{sub}_fn.weight"], d[f"hc_{sub}_scale.weight"], d[f"hc_{sub}_base.weight"])
+        norm = d[f"{sub}_norm.weight"]
+        if mm.fast:
+            x, control = hc_fused_input(streams, *mixer, norm, cfg.hc_sinkhorn_iter, cfg.rms_eps, cfg.hc_eps)
+        else:
+            c = hc_control(streams, *mixer, cfg.hc_sinkhorn_iter, cfg.rms_eps, cfg.hc_eps, mm)
+            control = HCControl(h("hook_hc_pre", c.pre), h("hook_hc_post", c.post), h("hook_hc_comb", c.comb))
+            x = mm.rms_norm(hc_collapse(streams, control.pre), norm, cfg.rms_eps)
+        return h("hook_in", x), control
 
     def _ffn_block(self, layer: LayerWeights, streams: mx.array, token_ids: mx.array,
                    mm: Schedule) -> tuple[mx.array, mx.array]:
@@ -279,8 +317,7 @@ class Model:
         step), routed and shared experts; returns the new streams and the experts used."""
         cfg, d = self.config, layer.dense
         h = self._hooks.scope(f"{_prefix(layer)}.ffn")
-        control = self._control(h, streams, "ffn", d, mm)
-        xf = h("hook_in", mm.rms_norm(hc_collapse(streams, control.pre), d["ffn_norm.weight"], cfg.rms_eps))
+        xf, control = self._sublayer_input(h, streams, "ffn", d, mm)
         probs = h("hook_router_probs", moe.router_probs(layer, xf, mm))
         experts = h("hook_experts", moe.select_experts(layer, probs, token_ids, cfg.n_expert_used))
         weights = h("hook_expert_weights", moe.route_weights(probs, experts, cfg.expert_weight_scale))
@@ -288,7 +325,7 @@ class Model:
         on_mid = (lambda mid: h("hook_routed_mid", mid)) if h.wants("hook_routed_mid") else None
         routed = h("hook_routed_out", moe.routed_experts(layer, xf, experts, weights, clamp, mm, on_mid))
         shared = h("hook_shared_out", moe.shared_expert(layer, xf, clamp, mm))
-        return hc_expand(h("hook_out", routed + shared), streams, control), experts
+        return hc_expand(h("hook_out", routed + shared), streams, control, mm), experts
 
     def _head(self, streams: mx.array, mm: Schedule, prefix: str = "") -> mx.array:
         """Collapse, norm and output matrix; with prefix "mtp." the MTP head's own collapse and

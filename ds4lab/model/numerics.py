@@ -16,23 +16,23 @@ varies between backends.
 from __future__ import annotations
 
 import math
-from bisect import bisect_left
 from functools import cache
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
 
-from ..floats import f32
+from ..floats import log2f_carry_table
+from . import kernels
 from .linalg import slots_of, slotted_linear
 
 if TYPE_CHECKING:
+    from .rope import Rotation
     from .weights import Q8Matrix
 
 _MANT_BITS = 23
 _EXP_BIAS = 127
 _MIN_NORMAL_EXP = -126
-_MAX_EXP = 127
 
 
 def round_f16(x: mx.array) -> mx.array:
@@ -45,21 +45,8 @@ def round_f16(x: mx.array) -> mx.array:
 
 
 @cache
-def _log2f_carry_table() -> mx.array:
-    """For each exponent e of a normal float32 q = 2^e * (1 + j*2^-23): the smallest j > 0
-    for which float32(log2(q)) is above e, so that ceil(log2f(q)) = e + 1.
-
-    Near a power of two log2(q) = e + tiny, and for |e| >= 4 the float32 result rounds back
-    to exactly e for the first few j; ds4's `ceilf(log2f(.))` then keeps the scale 2^e (the
-    clamp to the format's maximum absorbs the excess). A correctly rounded log2 decides
-    this; glibc's log2f agrees for every normal float32 (checked exhaustively).
-    """
-    def carries(e: int, j: int) -> bool:
-        return f32(e + math.log2(1.0 + j * 2.0**-_MANT_BITS)) > e
-
-    first = [1 + bisect_left(range(1, 1 << _MANT_BITS), True, key=lambda j, e=e: carries(e, j))
-             for e in range(_MIN_NORMAL_EXP, _MAX_EXP + 1)]
-    return mx.array(first, dtype=mx.int32)
+def _carry_table() -> mx.array:
+    return mx.array(log2f_carry_table(), dtype=mx.int32)
 
 
 def _exponent(x: mx.array) -> mx.array:
@@ -76,7 +63,7 @@ def _ceil_log2f(q: mx.array) -> mx.array:
     """`ceilf(log2f(q))` for positive normal float32 q, exactly as ds4 computes it on glibc."""
     e = _exponent(q)
     mant = mx.view(q, mx.int32) & ((1 << _MANT_BITS) - 1)
-    carry = mant >= _log2f_carry_table()[e - _MIN_NORMAL_EXP]
+    carry = mant >= _carry_table()[e - _MIN_NORMAL_EXP]
     return e + carry.astype(mx.int32)
 
 
@@ -293,11 +280,7 @@ class Numerics:
         """The fast path: fused CUDA kernels where they exist ("float" numerics on a CUDA GPU).
         It computes the same function in another float order (checked against the reference
         compositions by bench/check_device.py); the CPU and "ds4-cpu" keep the reference."""
-        if self.emulate or self.batch_invariant or not self.allow_fast:
-            return False
-        from .kernels import cuda_ready
-
-        return cuda_ready()
+        return not (self.emulate or self.batch_invariant or not self.allow_fast) and kernels.cuda_ready()
 
     def schedule(self, positions: np.ndarray) -> Schedule:
         """How the products of a chunk of tokens at these absolute positions are computed."""
@@ -321,9 +304,35 @@ class Schedule:
     def rows(self, index: np.ndarray) -> Schedule:
         return Schedule(self.numerics, None if self.slots is None else self.slots[index], self.fast)
 
+    def reference(self) -> Schedule:
+        """The same chunk on the reference composition (a block whose hooks need it)."""
+        return Schedule(self.numerics, self.slots, False)
+
     def rms_norm(self, x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
-        """ds4's RMSNorm (`rms_norm`), compiled into a few fused kernels on the fast path."""
-        return _rms_norm_compiled(x, weight, eps) if self.fast else rms_norm(x, weight, eps)
+        """ds4's RMSNorm (`rms_norm`); one kernel per call on the fast path."""
+        return kernels.row_finish(x, eps=eps, weight=weight) if self.fast else rms_norm(x, weight, eps)
+
+    def finish_rows(self, x: mx.array, *, eps: float | None = None, weight: mx.array | None = None,
+                    rotation: Rotation | None = None, inverse: bool = False, qat: bool = False,
+                    fp8: bool = False, f16: bool = False) -> mx.array:
+        """The per-row steps ds4 chains on q heads, KV rows, compressed rows and indexer rows,
+        each optional, in this order: RMSNorm (`eps`, times `weight`), RoPE at `rotation`'s
+        positions (`inverse` turns back), Hadamard + FP4 (`qat`), FP8 of the non-RoPE dims
+        (`fp8`), f16 storage rounding (`f16`). One kernel on the fast path, which repeats the
+        reference's float steps (only the norm's sum runs in another order)."""
+        if self.fast:
+            rope = None if rotation is None else (rotation.cos, rotation.sin)
+            return kernels.row_finish(x, eps=eps, weight=weight, rope=rope, inverse=inverse, qat=qat, fp8=fp8,
+                                      f16=f16)
+        if eps is not None:
+            x = rms_norm(x, weight, eps)
+        if rotation is not None:
+            x = rotation.apply(x, inverse)
+        if qat:
+            x = indexer_qat(x)
+        if fp8:
+            x = fp8_kv_round(x, x.shape[-1] - (0 if rotation is None else 2 * rotation.cos.shape[-1]))
+        return round_f16(x) if f16 else x
 
     def linear(self, x: mx.array, w: mx.array) -> mx.array:
         """x [T, ..., in] @ w[out, in].T; on the invariant path every token through its tile slot.
@@ -358,5 +367,3 @@ class Schedule:
     def experts_in(self, x: mx.array) -> mx.array:
         return q8_k_act_round(x) if self.numerics.emulate else x
 
-
-_rms_norm_compiled = mx.compile(rms_norm)

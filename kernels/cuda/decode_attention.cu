@@ -1,0 +1,61 @@
+// Attention of one (token, head) per thread block over the keys the token may see, with the
+// head's sink logit in the denominator, K = V, then the inverse RoPE of the query position
+// on the output's last NROT dims (model/attention.py `attend` + `output_heads`).
+//   q [T, H, D]; keys [n_keys, D] (raw window rows, then compressed rows); mask [T, n_keys];
+//   sinks [H]; rope_cos/rope_sin [T, NROT/2] of the query positions. Output [T, H, D].
+// Each of the WARPS warps runs an online softmax over every WARPS-th key (a lane holds D/32
+// dims); the warps' partial sums are then combined with the sink. Masked keys are skipped,
+// so only the selected compressed rows are read.
+constexpr int PER = D / 32;
+const int h = blockIdx.x, t = blockIdx.y, n_head = gridDim.x;
+const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+const int nk = n_keys[0];
+const float scale = 1.0f / sqrtf((float)D);
+const float* qh = q + ((size_t)t * n_head + h) * D;
+const bool* visible = mask + (size_t)t * nk;
+float qv[PER], acc[PER];
+for (int k = 0; k < PER; ++k) { qv[k] = qh[lane + 32 * k]; acc[k] = 0.0f; }
+float m = -INFINITY, l = 0.0f;
+for (int n = warp; n < nk; n += WARPS) {
+    if (!visible[n]) continue;
+    const float* kr = keys + (size_t)n * D;
+    float kv[PER];
+    float dot = 0.0f;
+    for (int k = 0; k < PER; ++k) { kv[k] = kr[lane + 32 * k]; dot += qv[k] * kv[k]; }
+    dot = ds4lab_warp_sum_all(dot) * scale;
+    const float m_new = fmaxf(m, dot);
+    const float corr = expf(m - m_new);
+    const float p = expf(dot - m_new);
+    l = l * corr + p;
+    for (int k = 0; k < PER; ++k) acc[k] = acc[k] * corr + p * kv[k];
+    m = m_new;
+}
+__shared__ float part_m[WARPS], part_l[WARPS], part_w[WARPS];
+__shared__ float part_acc[WARPS * D];
+if (lane == 0) { part_m[warp] = m; part_l[warp] = l; }
+for (int k = 0; k < PER; ++k) part_acc[warp * D + lane + 32 * k] = acc[k];
+__syncthreads();
+float top = sinks[h];
+for (int w = 0; w < WARPS; ++w) top = fmaxf(top, part_m[w]);
+float denom = expf(sinks[h] - top);
+for (int w = 0; w < WARPS; ++w) denom += part_l[w] * expf(part_m[w] - top);
+if (threadIdx.x < WARPS) part_w[threadIdx.x] = expf(part_m[threadIdx.x] - top) / denom;
+__syncthreads();
+float* oh = out + ((size_t)t * n_head + h) * D;
+for (int j = threadIdx.x; j < D / 2; j += blockDim.x) {
+    float o0 = 0.0f, o1 = 0.0f;
+    for (int w = 0; w < WARPS; ++w) {
+        o0 += part_acc[w * D + 2 * j] * part_w[w];
+        o1 += part_acc[w * D + 2 * j + 1] * part_w[w];
+    }
+    const int tail = 2 * j - (D - NROT);
+    if (tail >= 0) {
+        const float c = rope_cos[t * (NROT / 2) + tail / 2];
+        const float sn = -rope_sin[t * (NROT / 2) + tail / 2];
+        const float r0 = __fsub_rn(__fmul_rn(o0, c), __fmul_rn(o1, sn));
+        o1 = __fadd_rn(__fmul_rn(o0, sn), __fmul_rn(o1, c));
+        o0 = r0;
+    }
+    oh[2 * j] = o0;
+    oh[2 * j + 1] = o1;
+}

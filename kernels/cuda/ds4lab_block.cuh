@@ -1,0 +1,64 @@
+// Shared device helpers of the fast-path kernels (ds4lab/model/kernels.py): warp and
+// thread-block reductions, and ds4's scaled small-float round trip (FP8 E4M3FN, FP4 E2M1).
+// Passed as the `header` of every kernel that includes this file's functions.
+
+__device__ __forceinline__ float ds4lab_warp_sum_all(float v) {
+    for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
+}
+
+__device__ __forceinline__ float ds4lab_warp_max_all(float v) {
+    for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+    return v;
+}
+
+// Sum of v over the thread block (blockDim.x a multiple of 32, at most 1024); every thread
+// gets the result. `scratch` is __shared__ float[32]; the call synchronises the block.
+__device__ float ds4lab_block_sum(float v, float* scratch) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    v = ds4lab_warp_sum_all(v);
+    if (lane == 0) scratch[warp] = v;
+    __syncthreads();
+    float total = 0.0f;
+    for (int w = 0; w < n_warps; ++w) total += scratch[w];
+    __syncthreads();
+    return total;
+}
+
+// 2^k for integer k in [-126, 127], from the bits (exact).
+__device__ __forceinline__ float ds4lab_pow2(int k) { return __int_as_float((k + 127) << 23); }
+
+// Unbiased exponent of a non-negative float (-127 for zero and subnormals).
+__device__ __forceinline__ int ds4lab_exponent(float a) { return (__float_as_int(a) >> 23) - 127; }
+
+// ceilf(log2f(q)) for a positive normal q as ds4 computes it on glibc: the exponent, plus
+// one when the mantissa reaches carry[e + 126] (model/numerics.py `log2f_carry_table`).
+__device__ __forceinline__ int ds4lab_ceil_log2f(float q, const int* carry) {
+    const int bits = __float_as_int(q);
+    const int e = (bits >> 23) - 127;
+    return e + ((bits & 0x7fffff) >= carry[e + 126] ? 1 : 0);
+}
+
+// One warp rounds the BLOCK values at p in place (model/numerics.py `_block_minifloat_round`):
+// scale = 2^ceil(log2f(max(amax, floor) / fmax)), v = clamp(x / scale), then the nearest
+// value of the format (MANT mantissa bits, smallest exponent MIN_EXP), ties to the even code.
+template <int BLOCK, int MANT, int MIN_EXP>
+__device__ void ds4lab_block_minifloat(float* p, float fmax, float amax_floor, const int* carry) {
+    constexpr int PER = BLOCK / 32;
+    const int lane = threadIdx.x & 31;
+    float v[PER];
+    float amax = 0.0f;
+    for (int k = 0; k < PER; ++k) {
+        v[k] = p[lane + 32 * k];
+        amax = fmaxf(amax, fabsf(v[k]));
+    }
+    amax = fmaxf(ds4lab_warp_max_all(amax), amax_floor);
+    const float scale = ds4lab_pow2(ds4lab_ceil_log2f(amax / fmax, carry));
+    for (int k = 0; k < PER; ++k) {
+        const float c = fminf(fmaxf(v[k] / scale, -fmax), fmax);
+        const float a = fabsf(c);
+        const float step = ds4lab_pow2(max(ds4lab_exponent(a), MIN_EXP) - MANT);
+        const float r = rintf(a / step) * step;
+        p[lane + 32 * k] = (c < 0.0f ? -r : r) * scale;
+    }
+}

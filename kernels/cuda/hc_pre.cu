@@ -1,0 +1,34 @@
+// HC pre-sublayer (ds4's hc_split_weighted_sum_norm) for one token per thread block: the
+// control (pre, post, comb) and the sublayer input x = RMSNorm(sum_a pre[a] * streams[a]) * weight.
+// Replaces model/hc.py `hc_control` + `hc_collapse` + the sublayer norm (some 20 MLX ops).
+//   mix: the mixer matvec of the raw flattened streams, [T, (2 + N) * N]; RMSNorm of the
+//        flat streams is a per-token scale, applied here (inv_rms * mix) rather than before
+//        the matvec as the reference does (same value up to float rounding).
+//   eps[0]: the RMS epsilon, eps[1]: the HC epsilon. Templates: N (streams), E (width), ITERS.
+const int t = blockIdx.x;
+if (t >= n_tok[0]) return;
+const float* s = streams + (size_t)t * N * E;
+__shared__ float scratch[32];
+__shared__ float weights[N];
+float ss = 0.0f;
+for (int i = threadIdx.x; i < N * E; i += blockDim.x) ss += s[i] * s[i];
+ss = ds4lab_block_sum(ss, scratch);
+if (threadIdx.x == 0) {
+    const float inv = 1.0f / sqrtf(ss / (float)(N * E) + eps[0]);
+    float m[(2 + N) * N];
+    for (int i = 0; i < (2 + N) * N; ++i) m[i] = mix[(size_t)t * (2 + N) * N + i] * inv;
+    ds4lab_hc_split<N, ITERS>(m, scale, base, eps[1], pre + t * N, post + t * N, comb + (size_t)t * N * N);
+    for (int i = 0; i < N; ++i) weights[i] = pre[t * N + i];
+}
+__syncthreads();
+float* xt = x + (size_t)t * E;
+float ss2 = 0.0f;
+for (int d = threadIdx.x; d < E; d += blockDim.x) {
+    float v = 0.0f;
+    for (int a = 0; a < N; ++a) v += s[a * E + d] * weights[a];
+    xt[d] = v;
+    ss2 += v * v;
+}
+ss2 = ds4lab_block_sum(ss2, scratch);
+const float inv2 = 1.0f / sqrtf(ss2 / (float)E + eps[0]);
+for (int d = threadIdx.x; d < E; d += blockDim.x) xt[d] = xt[d] * inv2 * norm[d];

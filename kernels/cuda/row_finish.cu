@@ -1,0 +1,69 @@
+// One row per thread block, in place in the output: the per-row steps the model chains on
+// q heads, KV rows, compressed rows and indexer queries/keys, each optional (templates):
+//   NORM    RMSNorm: x * (1 / sqrt(mean(x^2) + eps[0]))         (model/numerics.py `rms_norm`)
+//   WEIGHT  times weight[d]
+//   ROPE    0 none, 1 RoPE, 2 inverse RoPE on the last NROT dims, GPT-J pairs, with the
+//           (rope_cos, rope_sin) row of the row's position: row / POS_DIV (heads share a position)
+//   QAT     Hadamard over the row (butterflies with stride 1, 2, ...; times hscale[0] = 1/sqrt(D)),
+//           then FP4 E2M1 in blocks of 32                       (`indexer_qat`)
+//   FP8     FP8 E4M3FN in blocks of 64 over the first D - NROT dims  (`fp8_kv_round`)
+//   F16     f16 round trip                                       (`round_f16`)
+// RoPE, Hadamard and the roundings repeat the reference's float operations (explicitly
+// rounded multiplies, no fused multiply-add), so from the same input they give the same bits;
+// the norm's sum runs in another order.
+const int r = blockIdx.x;
+if (r >= n_rows[0]) return;
+const float* xr = x + (size_t)r * D;
+float* yr = y + (size_t)r * D;
+__shared__ float scratch[32];
+float inv = 1.0f;
+if (NORM) {
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = ds4lab_block_sum(ss, scratch);
+    inv = 1.0f / sqrtf(ss / (float)D + eps[0]);
+}
+for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    float v = xr[i];
+    if (NORM) v = __fmul_rn(v, inv);
+    if (WEIGHT) v = __fmul_rn(v, weight[i]);
+    yr[i] = v;
+}
+__syncthreads();
+if (ROPE) {
+    const int pos = r / POS_DIV;
+    for (int j = threadIdx.x; j < NROT / 2; j += blockDim.x) {
+        const float c = rope_cos[pos * (NROT / 2) + j];
+        const float sn = ROPE == 2 ? -rope_sin[pos * (NROT / 2) + j] : rope_sin[pos * (NROT / 2) + j];
+        float* p = yr + (D - NROT) + 2 * j;
+        const float x0 = p[0], x1 = p[1];
+        p[0] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn));
+        p[1] = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, c));
+    }
+    __syncthreads();
+}
+const int lane_warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+if (QAT) {
+    for (int stride = 1; stride < D; stride *= 2) {
+        for (int j = threadIdx.x; j < D / 2; j += blockDim.x) {
+            const int i = (j / stride) * 2 * stride + j % stride;
+            const float a = yr[i], b = yr[i + stride];
+            yr[i] = __fadd_rn(a, b);
+            yr[i + stride] = __fsub_rn(a, b);
+        }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < D; i += blockDim.x) yr[i] = __fmul_rn(yr[i], hscale[0]);
+    __syncthreads();
+    for (int b = lane_warp; b < D / 32; b += n_warps)
+        ds4lab_block_minifloat<32, 1, 0>(yr + 32 * b, 6.0f, 7.052966104933725e-38f, carry);
+    __syncthreads();
+}
+if (FP8) {
+    for (int b = lane_warp; b < (D - NROT) / 64; b += n_warps)
+        ds4lab_block_minifloat<64, 3, -6>(yr + 64 * b, 448.0f, 1.0e-4f, carry);
+    __syncthreads();
+}
+if (F16) {
+    for (int i = threadIdx.x; i < D; i += blockDim.x) yr[i] = __half2float(__float2half_rn(yr[i]));
+}
