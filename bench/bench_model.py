@@ -15,6 +15,7 @@ import ds4lab  # first: OpenBLAS before MLX on Linux
 
 # isort: split
 import argparse
+import re
 import tempfile
 import time
 from pathlib import Path
@@ -49,6 +50,22 @@ def decode_bytes(w: ModelWeights) -> int:
     return int(rest + experts * cfg.n_expert_used / cfg.n_expert + cfg.n_embd * 2)
 
 
+# Primitives that only describe a view of their input: they launch no kernel.
+_VIEWS = {"Broadcast", "BroadcastAxes", "Reshape", "Slice", "Squeeze", "ExpandDims", "Transpose", "AsStrided",
+          "View", "Unflatten", "Flatten", "Copy"}
+
+
+def ops_per_layer(model: Model, state) -> tuple[float, float]:
+    """(kernel ops, all primitives) per layer in the graph of one decode step from `state`."""
+    logits = model.forward(state, [1234], last_only=True).logits
+    with tempfile.TemporaryDirectory() as tmp:
+        dot = Path(tmp) / "step.dot"
+        mx.export_to_dot(str(dot), logits)
+        ops = re.findall(r'label ?="?([A-Za-z0-9_]+)', dot.read_text())
+    layers = model.config.n_layer
+    return sum(op not in _VIEWS for op in ops) / layers, len(ops) / layers
+
+
 def bench(name: str, model: Model, contexts: list[int], steps: int, bw: float) -> None:
     """Per context length: prefill tok/s of that prompt, then decode tok/s of `steps` greedy steps."""
     session = model.session()                              # warm-up (not timed): a chunk's and a decode
@@ -67,8 +84,10 @@ def bench(name: str, model: Model, contexts: list[int], steps: int, bw: float) -
             logits = session.decode(int(mx.argmax(logits).item()))
             mx.eval(logits)
         decode = steps / (time.perf_counter() - t)
+        kernel_ops, primitives = ops_per_layer(model, session.state)
         print(f"{name:30s} context {context:6d}: prefill {prefill:8.1f} tok/s   decode {decode:7.2f} tok/s   "
-              f"{per_token / 2**20:8.1f} MiB/token   roofline ratio {decode * per_token / bw:6.1%}")
+              f"{per_token / 2**20:8.1f} MiB/token   roofline ratio {decode * per_token / bw:6.1%}   "
+              f"per layer {kernel_ops:.0f} kernel ops ({primitives:.0f} primitives)")
 
 
 def main() -> None:

@@ -17,9 +17,11 @@ import mlx.core as mx
 import numpy as np
 
 from ds4lab.config import preset
-from ds4lab.model import Model, hc, kernels
+from ds4lab.model import Model, attention, hc, kernels
 from ds4lab.model.moe import _decode
+from ds4lab.model.numerics import Numerics
 from ds4lab.model.random_weights import _expert_blocks, random_weights
+from ds4lab.model.rope import Rotation
 
 
 def logits_on(device, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -47,18 +49,68 @@ def check_fused_experts() -> None:
               f"{np.abs(fused - ref).max() / np.abs(ref).max():.2e}")
 
 
+def _rel(a: mx.array, b: mx.array) -> float:
+    return float(mx.abs(a - b).max() / mx.maximum(mx.abs(b).max(), 1e-30))
+
+
 def check_fused_kernels() -> None:
-    """Each fast-path kernel against the reference composition it replaces, on the device."""
+    """Each fast-path kernel against the reference composition it replaces, on the device.
+    Steps whose float operations the kernel repeats exactly (RoPE, Hadamard, FP4/FP8, f16) are
+    also checked for equal bits when they run without the norm."""
     if not kernels.cuda_ready():
         print(f"no CUDA kernels on {mx.default_device()}")
         return
-    for n, t in ((4, 1), (4, 300), (2, 17)):
-        mix = mx.random.normal((t, (2 + n) * n))
+    reference = Numerics("float")
+    reference.allow_fast = False
+    ref_mm = reference.schedule(np.arange(4))
+    for name, shape, steps in (
+            ("q heads", (3, 8, 512), "norm rope"),
+            ("KV row", (3, 512), "norm weight rope fp8 f16"),
+            ("compressed indexer row", (3, 128), "norm weight rope qat f16"),
+            ("indexer q", (3, 64, 128), "rope qat"),
+            ("small-shape KV row without norm", (3, 192), "rope fp8 f16"),
+            ("head outputs", (3, 6, 256), "rope inverse"),
+            ("HC-width norm", (2, 16384), "norm")):
+        on = set(steps.split())
+        x = mx.random.normal(shape) * 3.0
+        weight = mx.random.uniform(0.5, 1.5, (shape[-1],)) if "weight" in on else None
+        rotation = Rotation.at(100, shape[0], 64, 160000.0, None) if "rope" in on else None
+        args = {"eps": 1e-6 if "norm" in on else None, "weight": weight, "inverse": "inverse" in on,
+                "qat": "qat" in on, "fp8": "fp8" in on, "f16": "f16" in on}
+        fused = kernels.row_finish(x, rope=None if rotation is None else (rotation.cos, rotation.sin), **args)
+        ref = ref_mm.finish_rows(x, rotation=rotation, **args)
+        exact = "" if "norm" in on else f", equal bits {bool(mx.array_equal(fused, ref))}"
+        print(f"row_finish {name} {shape} ({steps}): max rel err {_rel(fused, ref):.2e}{exact}")
+    for n, t, e in ((4, 1, 4096), (4, 300, 256), (2, 17, 192)):
+        streams = mx.random.normal((t, n, e))
+        fn = mx.random.normal(((2 + n) * n, n * e)) * 0.01
         scale, base = mx.random.uniform(0.5, 2.0, (3,)), mx.random.normal(((2 + n) * n,))
-        fused = kernels.hc_split(mix, scale, base, n, 20, 1e-6)
-        ref = hc._split(mix, scale, base, n, 20, 1e-6)
-        err = max(float(mx.abs(a - b).max() / mx.abs(b).max()) for a, b in zip(fused, ref, strict=True))
-        print(f"hc_split kernel (n_hc {n}, {t} tokens) vs hc._split: max rel err {err:.2e}")
+        norm = mx.random.uniform(0.5, 1.5, (e,))
+        x, control = hc.hc_fused_input(streams, fn, scale, base, norm, 20, 1e-6, 1e-6)
+        ref_control = hc.hc_control(streams, fn, scale, base, 20, 1e-6, 1e-6, ref_mm)
+        ref_x = ref_mm.rms_norm(hc.hc_collapse(streams, ref_control.pre), norm, 1e-6)
+        err = max(_rel(a, b) for a, b in zip((x, control.pre, control.post, control.comb),
+                                             (ref_x, ref_control.pre, ref_control.post, ref_control.comb), strict=True))
+        out = mx.random.normal((t, e))
+        expand = _rel(kernels.hc_post(out, streams, control.post, control.comb),
+                      hc.hc_expand(out, streams, control))
+        print(f"hc_pre (n_hc {n}, {t} tokens, width {e}) vs control + collapse + norm: max rel err {err:.2e}; "
+              f"hc_post vs hc_expand {expand:.2e}")
+    for t, h, d, n_keys in ((1, 64, 512, 640), (5, 8, 256, 300), (2, 6, 192, 40)):
+        q = mx.random.normal((t, h, d))
+        keys = mx.random.normal((n_keys, d))
+        mask = mx.random.uniform(shape=(t, n_keys)) < 0.6
+        sinks = mx.random.normal((h,))
+        rotation = Rotation.at(700, t, 64, 10000.0, None)
+        fused = kernels.attention_heads(q, keys, mask, sinks, (rotation.cos, rotation.sin))
+        ref = attention.attend_heads(q, keys, mask, sinks, rotation, ref_mm)
+        print(f"attention_heads ({t} tokens, {h} heads, dim {d}, {n_keys} keys) vs attend + inverse RoPE: "
+              f"max rel err {_rel(fused, ref):.2e}")
+    for t, h, dh, n_keys in ((1, 64, 128, 1024), (3, 4, 64, 50)):
+        q, w, keys = mx.random.normal((t, h, dh)), mx.random.normal((t, h)), mx.random.normal((n_keys, dh))
+        ref = (mx.maximum(q @ keys.T, 0.0) * w[:, :, None]).sum(axis=1)
+        print(f"indexer_scores ({t} tokens, {h} heads, dim {dh}, {n_keys} keys) vs dots: "
+              f"max rel err {_rel(kernels.indexer_scores(q, w, keys), ref):.2e}")
 
 
 def fast_vs_reference(shape: str, tokens: list[int]) -> None:
