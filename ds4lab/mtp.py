@@ -27,16 +27,24 @@ against that pass's choice (a "miss" ends the cycle), then verifies [that token,
 
 from __future__ import annotations
 
+import dataclasses
+import os
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
 import pandas as pd
 
+from . import gguf
+from .config import ModelConfig
 from .generation import Emitter, Sampling, Step, distribution, sample
+from .model.mtp import PREFIX, MTPHead
 from .model.state import SessionState
+from .model.weights import Q8Matrix, keep_decoded
+from .quants import quantize_q8_0
 
 PATHS = ("miss", "margin-skip", "full", "partial", "fallback")
 PAIRINGS = ("v3", "ds4")
@@ -371,3 +379,196 @@ def summarize(trace: pd.DataFrame, plain_tok_s: float | None = None) -> dict:
         out["plain_tok_s"] = plain_tok_s
         out["speedup"] = out["tok_s"] / plain_tok_s
     return out
+
+
+def teacher_forced(model, tokens: Sequence[int], pairing: str = "v3", depth: int = 1,
+                   chunk: int = 512) -> pd.DataFrame:
+    """Greedy acceptance of the head over a token stream, offline: the target runs the tokens
+    once, the head runs its rows (warm window, real states) in one pass per chunk.
+
+    One row per (pos, depth): the head's row position, the token it read, its draft, the
+    target's greedy choice there (`target`), `accepted` (draft == target), `prefix_accepted`
+    (every draft up to this depth accepted), the head's top-1 minus top-2 logit `margin`,
+    `p_target` (target softmax probability of the draft) and `q_draft` (the head's). Depth 1
+    is vectorised; deeper drafts chain from the head's own output as online (a row at a time).
+    With the same pairing, a warm window and the standard schedule, this is the acceptance
+    the online loop measures (on the CPU, exactly)."""
+    if model.mtp is None:
+        raise ValueError("teacher_forced needs an MTP head: ds4lab.load(..., mtp=FILE)")
+    ids = [int(t) for t in tokens]
+    return _head_rows(model, ids, model.session().prefill_all(ids, chunk=chunk), pairing, depth, chunk)
+
+
+def _head_rows(model, ids: list[int], full, pairing: str, depth: int, chunk: int = 512) -> pd.DataFrame:
+    """`teacher_forced` from the target's pass over `ids` (logits and final streams)."""
+    s = SpecConfig(pairing=pairing).offset
+    target_logits = np.array(full.logits, dtype=np.float32)
+    state = model.mtp.empty_state(model.config, 0)
+    step = 1 if depth > 1 else chunk
+    rows, states = [], []
+    for start in range(0, len(ids) - s, step):
+        stop = min(start + step, len(ids) - s)
+        logits, state = model.mtp.run(model, state, full.hidden[start:stop], ids[start + s:stop + s])
+        rows.append(np.array(logits, dtype=np.float32))
+        states.append(state)
+    head = np.concatenate(rows)
+    fed = np.array(ids[s:], dtype=np.int64)
+    frames = []
+    for j in range(1, depth + 1):
+        frames.append(_tf_frame(head, fed, target_logits, s, j))
+        if j < depth:                        # the next depth: each row's chain fed its own draft
+            n = len(frames[-1])
+            fed = head[:n].argmax(axis=1)
+            chained = [model.mtp.run(model, states[i], states[i].out[None], [int(fed[i])]) for i in range(n)]
+            states = [st for _, st in chained]
+            head = np.stack([np.array(lg[0], dtype=np.float32) for lg, _ in chained])
+    out = pd.concat(frames, ignore_index=True)
+    survived = out["accepted"].to_numpy().copy()
+    for j in range(2, depth + 1):
+        this, before = np.flatnonzero(out["depth"] == j), np.flatnonzero(out["depth"] == j - 1)
+        survived[this] &= survived[before[: len(this)]]
+    out["prefix_accepted"] = survived
+    return out
+
+
+def _tf_frame(head: np.ndarray, fed: np.ndarray, target_logits: np.ndarray, s: int, depth: int) -> pd.DataFrame:
+    """Rows i = 0.. at one depth: the head read `fed[i]` and guesses t_{i+s+depth}; the target's
+    choice for that token is the argmax of its logits after t_{i+s+depth-1}."""
+    n = min(len(head), len(target_logits) - s - depth + 1)
+    head, target = head[:n], target_logits[s + depth - 1: s + depth - 1 + n]
+    draft, choice = head.argmax(axis=1), target.argmax(axis=1)
+    top2 = np.partition(head, -2, axis=1)[:, -2:]
+    return pd.DataFrame({"pos": np.arange(n) + depth - 1, "depth": depth, "token": fed[:n], "draft": draft,
+                         "target": choice, "accepted": draft == choice, "margin": top2[:, 1] - top2[:, 0],
+                         "p_target": _softmax_at(target, draft), "q_draft": _softmax_at(head, draft)})
+
+
+def _softmax_at(logits: np.ndarray, at: np.ndarray) -> np.ndarray:
+    z = logits.astype(np.float64) - logits.max(axis=1, keepdims=True)
+    return np.exp(z[np.arange(len(at)), at]) / np.exp(z).sum(axis=1)
+
+
+# ---- a fitted head ------------------------------------------------------------------------
+@dataclass
+class FittedHead:
+    """A head whose e_proj / h_proj were fitted (`fit`): `head` (Q8_0-rounded, as saved),
+    `curve` (step, loss, and teacher-forced acceptance on held-out tokens where measured)."""
+
+    head: MTPHead
+    source: Path
+    curve: pd.DataFrame
+    pairing: str
+    config: ModelConfig         # the main model's shape the head belongs to
+
+    def save(self, path: str | os.PathLike[str]) -> Path:
+        """Write an MTP GGUF: the source file's metadata and tensors byte for byte, e_proj and
+        h_proj replaced by the fitted Q8_0 ones (ds4's layout rules; checked by loading it back
+        against the main model's shape). Atomic."""
+        source = gguf.open(self.source, config=self.config)
+        fitted = {f"{PREFIX}.e_proj.weight": self.head.e_proj, f"{PREFIX}.h_proj.weight": self.head.h_proj}
+        meta = [(k, source.header.value_types[k], v) for k, v in source.metadata.items()]
+
+        def produce(name: str):
+            if name in fitted:
+                return lambda: _q8_blocks(fitted[name])
+            return lambda: np.asarray(source.raw(name))
+
+        tensors = [gguf.TensorOut(t.name, t.type_name, t.dims, produce(t.name)) for t in source.tensors.values()]
+        out = gguf.write_gguf(path, meta, tensors, alignment=source.header.alignment)
+        from .model.mtp import load_mtp
+
+        load_mtp(out, self.config)
+        return out
+
+
+def _q8_blocks(matrix: Q8Matrix) -> np.ndarray:
+    """A Q8Matrix back to its Q8_0 bytes [rows, cols/32 * 34] (exact: the codes and scales are Q8_0's)."""
+    codes = (np.array(matrix.codes).view(np.uint8).reshape(matrix.rows, -1, 32).astype(np.int16) - 128).astype(np.int8)
+    d = np.array(matrix.scales).astype(np.float16).reshape(matrix.rows, -1, 1)
+    return np.concatenate([d.view(np.uint8), codes.view(np.uint8)], axis=-1).reshape(matrix.rows, -1)
+
+
+def _q8(values: np.ndarray) -> Q8Matrix:
+    rows, cols = values.shape
+    matrix = Q8Matrix.from_blocks(quantize_q8_0(values), rows, cols)
+    keep_decoded([matrix])
+    return matrix
+
+
+def fit(model, sequences: Sequence[Sequence[int]], steps: int = 300, seed: int = 0, pairing: str = "v3",
+        lr: float = 3e-3, gain: float = 30.0, held_out: Sequence[int] | None = None,
+        eval_every: int = 100) -> FittedHead:
+    """Fit the head's e_proj and h_proj to the target's own behaviour on `sequences` (token
+    ids, e.g. the model's greedy continuations), the rest of the head as loaded.
+
+    The objective is the head's residual path: the block's sublayers read RMS-normalised
+    inputs, so their outputs have a fixed size, and streams `gain` times larger pass the
+    block almost unchanged; the HC collapse and RMSNorm(norm) then give the direction of
+    e_proj·a + h_proj·b (a, b the normed embedding and the stream-mean of the normed HC
+    state). Adam fits that direction to the target's own final normed vector where the draft
+    is checked (divided by the head's norm weights), by mean squared error on unit-RMS
+    targets; the head is then evaluated by its real forward (`curve`: teacher-forced
+    acceptance on `held_out` every `eval_every` steps)."""
+    import mlx.optimizers as optim
+
+    if model.mtp is None:
+        raise ValueError("fit starts from a loaded MTP head: ds4lab.load(..., mtp=FILE)")
+    cfg, head0, s = model.config, model.mtp, SpecConfig(pairing=pairing).offset
+    last = f"blocks.{cfg.n_layer - 1}.hook_resid_post"
+    a_rows, b_rows, targets = [], [], []
+    for seq in sequences:
+        ids = [int(t) for t in seq]
+        _, cache = model.run_with_cache(ids, [last, "hook_final_norm"])
+        n = len(ids) - s
+        emb = model.weights.token_embd[mx.array(ids[s:])].astype(mx.float32)
+        a_rows.append(_rms(emb, head0.enorm, cfg.rms_eps))
+        b_rows.append(_rms(mx.array(cache[last][:n]), head0.hnorm, cfg.rms_eps).mean(axis=1))
+        y = mx.array(cache["hook_final_norm"][s: s + n]) / head0.head["output_norm"]
+        targets.append(y / mx.sqrt(mx.mean(y * y, axis=1, keepdims=True)))
+    a, b, y = (mx.concatenate(x) for x in (a_rows, b_rows, targets))
+    key = mx.random.key(seed)
+    k1, k2 = mx.random.split(key)
+    d = cfg.n_embd
+    params = {"e": mx.random.normal((d, d), key=k1) * (0.01 / d ** 0.5),
+              "h": mx.random.normal((d, d), key=k2) * (0.01 / d ** 0.5)}
+
+    def loss_fn(p):
+        return mx.mean(mx.square(a @ p["e"].T + b @ p["h"].T - y))
+
+    grad = mx.value_and_grad(loss_fn)
+    opt = optim.Adam(learning_rate=lr)
+    held = None if held_out is None else [int(t) for t in held_out]
+    full = None if held is None else model.session().prefill_all(held)
+    curve = []
+    for step in range(steps + 1):
+        if step:
+            loss, g = grad(params)
+            opt.update(params, g)
+            mx.eval(params, opt.state)
+        else:
+            loss = loss_fn(params)
+        row = {"step": step, "loss": float(loss)}
+        if full is not None and (step % eval_every == 0 or step == steps):
+            head = _with_projections(head0, params, gain)
+            row["acceptance"] = float(_evaluate(model, head, held, full, pairing))
+        curve.append(row)
+    return FittedHead(_with_projections(head0, params, gain), Path(head0.source), pd.DataFrame(curve), pairing, cfg)
+
+
+def _rms(x: mx.array, weight: mx.array, eps: float) -> mx.array:
+    from .model.numerics import rms_norm
+
+    return rms_norm(x, weight, eps)
+
+
+def _with_projections(head: MTPHead, params: dict, gain: float) -> MTPHead:
+    return dataclasses.replace(head, e_proj=_q8(np.array(params["e"] * gain)), h_proj=_q8(np.array(params["h"] * gain)))
+
+
+def _evaluate(model, head: MTPHead, ids: list[int], full, pairing: str) -> float:
+    """Teacher-forced greedy acceptance of `head` in place of the model's (restored after)."""
+    before, model.mtp = model.mtp, head
+    try:
+        return float(_head_rows(model, ids, full, pairing, 1)["accepted"].mean())
+    finally:
+        model.mtp = before

@@ -43,8 +43,9 @@ class Session:
         return self.state.logits
 
     def prefill_all(self, tokens, chunk: int = DEFAULT_PREFILL_CHUNK, progress: bool = False) -> ChunkResult:
-        """`prefill` keeping every position's logits [T, n_vocab] and the experts each layer
-        routed to (per layer [T, n_expert_used]): teacher-forced scoring of a prompt."""
+        """`prefill` keeping every position's logits [T, n_vocab], the experts each layer
+        routed to (per layer [T, n_expert_used]) and the final HC streams [T, n_hc, n_embd]:
+        teacher-forced scoring of a prompt."""
         return self._run(tokens, chunk, progress, last_only=False)
 
     def _run(self, tokens, chunk: int, progress: bool, last_only: bool,
@@ -57,7 +58,7 @@ class Session:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(ids), unit="tok", desc="prefill")
-        logits, experts = [], []            # only what the caller gets back: not each chunk's state
+        logits, experts, hidden = [], [], []    # only what the caller gets back: not each chunk's state
         for start in range(0, len(ids), chunk):
             part = ids[start:start + chunk]
             result = self.model.forward(self.state, part, last_only=last_only)
@@ -67,6 +68,7 @@ class Session:
             if not last_only:
                 logits.append(result.logits)
                 experts.append(result.experts)
+                hidden.append(result.hidden)
             if bar is not None:
                 bar.update(len(part))
         if bar is not None:
@@ -80,9 +82,9 @@ class Session:
         if last_only:
             return ChunkResult(self.state.logits[None], result.experts, self.state)
         if len(logits) == 1:
-            return ChunkResult(logits[0], experts[0], self.state)
+            return ChunkResult(logits[0], experts[0], self.state, hidden[0])
         return ChunkResult(mx.concatenate(logits), [mx.concatenate(layer) for layer in zip(*experts, strict=True)],
-                           self.state)
+                           self.state, mx.concatenate(hidden))
 
     def decode(self, token: int) -> mx.array:
         """Consume one token; return the logits that predict the next one."""

@@ -1,0 +1,238 @@
+"""MTP: the head loads and drafts, speculative decoding is lossless with exact rollback, the
+offline acceptance is the online one, sampled verification follows p, a fitted head saves."""
+
+from __future__ import annotations
+
+import itertools
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+import ds4lab
+from ds4lab import gguf, mtp
+from ds4lab.errors import ModelFileError
+from ds4lab.mtp import SpecConfig, accept_or_resample
+from ds4lab.synth import make_model
+
+N_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def tiny_mtp(synth_dir):
+    """4 layers of `tiny` (raw, raw, ratio 4, ratio 128), 128 random vocabulary rows, its MTP file."""
+    main, head = make_model(synth_dir / "tiny4-mtp.gguf", "tiny", "q2", mtp=True, seed=5, n_layer=4, vocab_rows=128)
+    rows = np.flatnonzero(np.abs(gguf.open(main).dequantize("token_embd.weight")).sum(axis=1))
+    return main, head, rows
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_mtp, tmp_path_factory):
+    """The model, a prompt, plain greedy decoding's tokens and the .kv bytes it leaves."""
+    mx.set_default_device(mx.cpu)
+    main, head, rows = tiny_mtp
+    model = ds4lab.load(main, mtp=head)
+    prompt = [int(t) for t in np.random.default_rng(0).choice(rows, 12)]
+    session = model.session()
+    tokens = ds4lab.generate(model, prompt, N_TOKENS, session=session).tokens
+    kv = session.save_kv(tmp_path_factory.mktemp("kv") / "plain.kv", now=0).read_bytes()
+    return model, prompt, tokens, kv
+
+
+def _run(model, prompt, spec, tmp_path, n=N_TOKENS):
+    session = model.session()
+    out = ds4lab.generate(model, prompt, n, spec=spec, session=session)
+    return out, session.save_kv(tmp_path / "spec.kv", now=0).read_bytes()
+
+
+def _scripted(prompt, tokens, right: float, seed: int = 0):
+    """A drafter proposing plain decoding's next tokens, each replaced by a wrong one with 1 - right."""
+    rng = np.random.default_rng(seed)
+
+    def drafter(context, k):
+        start = len(context) - len(prompt)
+        truth = (list(tokens[start:start + k]) + [0] * k)[:k]
+        return [t if rng.random() < right else (t + 1) % 129280 for t in truth]
+
+    return drafter
+
+
+def test_head_loads_with_its_points_and_refuses_another_models(tiny_mtp, small_q4_mtp):
+    main, head, _ = tiny_mtp
+    model = ds4lab.load(main, mtp=head)
+    names = model.hook_names()
+    assert ds4lab.load(main).mtp is None and "mtp.hook_e" not in ds4lab.load(main).hook_names()
+    for name in ("mtp.hook_e", "mtp.hook_h", "mtp.hook_in", "mtp.attn.hook_q", "mtp.ffn.hook_experts",
+                 "mtp.hook_resid_post", "mtp.hook_logits"):
+        assert name in names
+    assert not [n for n in names if n.startswith("mtp.attn.compressor") or n.startswith("mtp.attn.indexer")]
+    with pytest.raises(ModelFileError) as err:
+        ds4lab.load(main, mtp=small_q4_mtp[1])          # the `small` shape's head
+    assert str(small_q4_mtp[1]) in str(err.value) and "mtp.0.attn_q_a.weight" in str(err.value)
+    with pytest.raises(ModelFileError, match="not an MTP file"):
+        ds4lab.load(main, mtp=main)
+
+
+def test_draft_forward_is_the_formula(plain):
+    # e and h as the formula computes them from the weights decoded by hand; the logits from
+    # the head's final norm through the shared output matrix.
+    model, prompt, _, _ = plain
+    session = model.session()
+    session.prefill(prompt)
+    names = ["mtp.hook_e", "mtp.hook_h", "mtp.hook_in", "mtp.hook_final_norm", "mtp.hook_logits"]
+    seen = {}
+    with model.hooks([(n, lambda act, hook: seen.__setitem__(hook.name, np.array(act))) for n in names]):
+        model.mtp.run(model, model.mtp.empty_state(model.config, len(prompt) - 1), session.state.hidden[None], [7])
+    cfg, head = model.config, model.mtp
+
+    def rms(x, w):
+        x = x.astype(np.float64)
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.rms_eps) * np.array(w)
+
+    emb = np.array(model.weights.token_embd[7]).astype(np.float32)
+    e = rms(emb, head.enorm) @ np.array(head.e_proj.dense()).T
+    h = rms(np.array(session.state.hidden), head.hnorm) @ np.array(head.h_proj.dense()).T
+    assert np.allclose(seen["mtp.hook_e"][0], e, rtol=1e-4, atol=1e-4)
+    assert np.allclose(seen["mtp.hook_h"][0], h, rtol=1e-4, atol=1e-4)
+    assert np.allclose(seen["mtp.hook_in"][0], e[None] + h, rtol=1e-4, atol=1e-4)
+    logits = seen["mtp.hook_final_norm"] @ np.array(model.weights.output.dense()).T
+    assert np.allclose(logits, seen["mtp.hook_logits"], rtol=1e-4, atol=1e-4)
+
+
+HEAD_CONFIGS = [SpecConfig(draft_len=k, pairing=p, schedule=s, margin=m)
+                for k, p, s, m in itertools.product((1, 2, 3, 4), ("v3", "ds4"), ("standard", "ds4"), (None, 3.0))]
+
+
+def test_lossless_greedy_with_the_head(plain, tmp_path):
+    # Every draft length x pairing x schedule x margin gate: plain greedy's tokens and .kv bytes
+    # (4 tokens: the random head is rejected almost always, so each cycle also replays).
+    model, prompt, _, _ = plain
+    session = model.session()
+    tokens = ds4lab.generate(model, prompt, 4, session=session).tokens
+    kv = session.save_kv(tmp_path / "plain.kv", now=0).read_bytes()
+    paths = set()
+    for spec in HEAD_CONFIGS:
+        out, got = _run(model, prompt, spec, tmp_path, n=4)
+        assert out.tokens == tokens, spec
+        assert got == kv, spec
+        assert out.spec_trace["committed"].sum() == len(tokens)
+        paths |= set(out.spec_trace["path"])
+    assert {"partial", "margin-skip", "miss"} <= paths
+
+
+@pytest.mark.parametrize("right", [1.0, 0.0, 0.6])
+@pytest.mark.parametrize("schedule", ["standard", "ds4"])
+def test_lossless_greedy_with_scripted_drafters(plain, tmp_path, right, schedule):
+    model, prompt, tokens, kv = plain
+    spec = SpecConfig(draft_len=3, schedule=schedule, drafter=_scripted(prompt, tokens, right))
+    out, got = _run(model, prompt, spec, tmp_path)
+    assert out.tokens == tokens and got == kv
+    trace = out.spec_trace
+    assert trace["committed"].sum() == len(tokens)
+    if right == 1.0:
+        assert set(trace["path"]) <= {"full", "fallback"} and (trace["accepted"] == trace["drafted"]).all()
+        assert out.spec_summary["tokens_per_target_forward"] > 1.5
+    if right == 0.0:
+        assert trace["accepted"].sum() == 0 and out.spec_summary["target_forwards"] >= len(tokens) - 1
+
+
+def test_snapshot_restore_carries_the_head_state(plain):
+    model, prompt, _, _ = plain
+    session = model.session()
+    list(ds4lab.stream(model, prompt, 4, spec=SpecConfig(), session=session))
+    snap = session.snapshot()
+    assert snap.mtp is not None and snap.mtp.next_pos == session.state.n_tokens - 1
+    after = ds4lab.generate(model, [], 3, spec=SpecConfig(), session=session).tokens
+    session.restore(snap)
+    assert ds4lab.generate(model, [], 3, spec=SpecConfig(), session=session).tokens == after
+
+
+def test_interventions_at_mtp_points_cannot_leak(plain, tmp_path):
+    # Zeroed h-branch and random head logits change the drafts, never the tokens or the state.
+    model, prompt, tokens, kv = plain
+    base, _ = _run(model, prompt, SpecConfig(draft_len=2), tmp_path)
+    noise = np.random.default_rng(1)
+    edits = [("mtp.hook_h", lambda act, hook: mx.zeros_like(act)),
+             ("mtp.hook_logits", lambda act, hook: mx.array(noise.normal(size=act.shape).astype(np.float32)))]
+    for edit in edits:
+        with model.hooks([edit]):
+            out, got = _run(model, prompt, SpecConfig(draft_len=2), tmp_path)
+        assert out.tokens == tokens and got == kv
+        assert list(out.spec_trace["draft_ids"]) != list(base.spec_trace["draft_ids"])
+
+
+def test_teacher_forced_equals_online(plain):
+    # Same stream, v3 pairing, warm window, standard schedule: the drafts, margins and
+    # acceptance of every online cycle are teacher_forced's rows at those positions.
+    model, prompt, tokens, _ = plain
+    out = ds4lab.generate(model, prompt, N_TOKENS, spec=SpecConfig(draft_len=1))
+    offline = mtp.teacher_forced(model, prompt + tokens).set_index("pos")
+    cycles = out.spec_trace[out.spec_trace["drafted"] > 0]
+    assert len(cycles) >= 3
+    for row in cycles.itertuples():
+        tf = offline.loc[row.pos - 1]          # the head's row for (h_P, f) sits at P = pos - 1
+        assert row.draft_ids[0] == tf["draft"] and row.margins[0] == pytest.approx(tf["margin"], abs=0)
+        assert bool(row.accepted) == bool(tf["accepted"])
+    # The control: drafts against the target one position later match no more than chance.
+    shifted = (offline["draft"].to_numpy()[:-1] == offline["target"].to_numpy()[1:]).mean()
+    assert shifted <= 0.2
+
+
+def _tv(a, b):
+    return 0.5 * np.abs(a - b).sum()
+
+
+def test_sampled_verification_follows_p():
+    rng = np.random.default_rng(0)
+    v, n = 64, 100_000
+    p = np.exp(rng.normal(size=v) * 1.5)
+    p /= p.sum()
+    q_far = np.exp(rng.normal(size=v) * 1.5)
+    q_far /= q_far.sum()
+
+    def broken(p, q, draft, rng):            # emits the target's own sample on rejection
+        if rng.random() * q[draft] < p[draft]:
+            return True, draft
+        return False, int(rng.choice(len(p), p=p))
+
+    for q in (q_far, np.eye(v)[int(np.argmax(p))]):          # far from p; an argmax draft
+        for step, ok in ((accept_or_resample, True), (broken, False)):
+            drafts = rng.choice(v, size=n, p=q)
+            results = [step(p, q, int(d), rng) for d in drafts]
+            counts = np.bincount([t for _, t in results], minlength=v) / n
+            assert (_tv(counts, p) < 0.01) == ok
+            if ok:
+                rate, expected = np.mean([a for a, _ in results]), 1 - _tv(p, q)
+                assert abs(rate - expected) < 4 * np.sqrt(expected * (1 - expected) / n) + 1e-9
+
+
+def test_sampled_spec_decoding_runs_and_repeats(plain):
+    model, prompt, _, _ = plain
+    sampling = ds4lab.generation.Sampling(temperature=0.8, seed=3)
+    spec = SpecConfig(draft_len=2, verify="sample", draft_sampling="sample")
+    a = ds4lab.generate(model, prompt, 6, sampling=sampling, spec=spec)
+    b = ds4lab.generate(model, prompt, 6, sampling=sampling, spec=spec)
+    assert a.tokens == b.tokens and len(a.tokens) == 6
+    with pytest.raises(ValueError, match="temperature 0"):
+        ds4lab.generate(model, prompt, 2, sampling=sampling, spec=SpecConfig())
+
+
+def test_fit_raises_acceptance_and_saves_a_loadable_head(tiny_mtp, tmp_path):
+    main, head, rows = tiny_mtp
+    model = ds4lab.load(main, mtp=head)
+    rng = np.random.default_rng(2)
+    train = [[int(t) for t in rng.choice(rows, 256)] for _ in range(4)]
+    held = [int(t) for t in rng.choice(rows, 64)]
+    before = mtp.teacher_forced(model, held, pairing="ds4")["accepted"].mean()
+    fitted = mtp.fit(model, train, steps=300, pairing="ds4", held_out=held, eval_every=300)
+    path = fitted.save(tmp_path / "fitted-mtp.gguf")
+    loaded = ds4lab.load(main, mtp=path)
+    after = mtp.teacher_forced(loaded, held, pairing="ds4")["accepted"].mean()
+    assert before < 0.1 and after >= 0.5
+    assert after == pytest.approx(fitted.curve["acceptance"].dropna().iloc[-1])
+    types = {t.name: t.type_name for t in gguf.open(path, config=model.config).tensors.values()}
+    assert types["mtp.0.e_proj.weight"] == "Q8_0" and types["mtp.0.h_proj.weight"] == "Q8_0"
+    original = gguf.open(head, config=model.config)
+    saved = gguf.open(path, config=model.config)
+    assert np.array_equal(saved.raw("mtp.0.attn_q_a.weight"), original.raw("mtp.0.attn_q_a.weight"))
+    assert not np.array_equal(saved.raw("mtp.0.e_proj.weight"), original.raw("mtp.0.e_proj.weight"))
