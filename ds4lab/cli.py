@@ -191,13 +191,26 @@ def _args_generate(p: argparse.ArgumentParser) -> None:
     p.add_argument("--numerics", default="float", choices=MODES)
     p.add_argument("--dump-logprobs", help="write ds4's --dump-logprobs JSON (greedy) instead of text")
     p.add_argument("--top-logprobs", type=int, default=20, help="alternatives per step in the dump")
+    from .mtp import PAIRINGS, SCHEDULES
+
+    mtp = p.add_argument_group("speculative decoding (ds4lab.mtp): the summary goes to stderr")
+    mtp.add_argument("--mtp", help="ds4's MTP GGUF for this model: decode speculatively with it")
+    mtp.add_argument("--draft-len", type=int, default=1,
+                     help="speculative tokens per cycle (ds4's --mtp-draft N is N-1)")
+    mtp.add_argument("--pairing", default="v3", choices=PAIRINGS, help="v3: (h_i, t_i+1); ds4: (h_i, t_i)")
+    mtp.add_argument("--schedule", default="standard", choices=SCHEDULES,
+                     help="ds4: commit f alone, gate on the head's guess, then verify")
+    mtp.add_argument("--margin", type=float, default=None,
+                     help="draft only while the head's top-1 - top-2 logit >= this (ds4: 3.0)")
+    mtp.add_argument("--cold", action="store_true", help="empty head window after prefill (ds4) instead of warm")
+    mtp.add_argument("--compare-plain", action="store_true", help="also decode plainly first: speedup in the summary")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
     from . import load
     from .generation import dump_logprobs, stream
 
-    model = load(args.model, numerics=args.numerics)
+    model = load(args.model, numerics=args.numerics, mtp=args.mtp)
     if args.request:
         from .chat import render
         from .tokenizer import load as load_tokenizer
@@ -209,10 +222,39 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     if args.dump_logprobs:
         print(dump_logprobs(model, ids, args.dump_logprobs, max_tokens=args.max_tokens, top_k=args.top_logprobs))
         return 0
+    if args.mtp:
+        return _generate_speculative(model, ids, args)
     for step in stream(model, ids, args.max_tokens, _sampling(args), args.stop, progress=len(ids) > 2048):
         sys.stdout.write(step.text)
         sys.stdout.flush()
     print()
+    return 0
+
+
+def _generate_speculative(model, ids: list[int], args: argparse.Namespace) -> int:
+    import time
+
+    from .generation import generate, stream
+    from .mtp import SpecConfig, summarize
+
+    sampling = _sampling(args)
+    spec = SpecConfig(draft_len=args.draft_len, pairing=args.pairing, schedule=args.schedule, margin=args.margin,
+                      warm_prefill=not args.cold, verify="sample" if sampling.temperature > 0 else "greedy")
+    plain_tok_s = None
+    if args.compare_plain:
+        session = model.session()
+        session.prefill(ids)
+        start = time.perf_counter()
+        plain = generate(model, [], args.max_tokens, sampling, args.stop, session=session)
+        plain_tok_s = len(plain.tokens) / (time.perf_counter() - start)
+    session = model.session()
+    for step in stream(model, ids, args.max_tokens, sampling, args.stop, session=session, spec=spec):
+        sys.stdout.write(step.text)
+        sys.stdout.flush()
+    print()
+    for key, value in summarize(session.spec_trace, plain_tok_s).items():
+        shown = [round(v, 3) for v in value] if isinstance(value, list) else value
+        print(f"{key}: {round(shown, 3) if isinstance(shown, float) else shown}", file=sys.stderr)
     return 0
 
 

@@ -236,3 +236,14 @@ def test_fit_raises_acceptance_and_saves_a_loadable_head(tiny_mtp, tmp_path):
     saved = gguf.open(path, config=model.config)
     assert np.array_equal(saved.raw("mtp.0.attn_q_a.weight"), original.raw("mtp.0.attn_q_a.weight"))
     assert not np.array_equal(saved.raw("mtp.0.e_proj.weight"), original.raw("mtp.0.e_proj.weight"))
+
+
+def test_cli_generate_with_mtp_prints_the_summary(tiny_mtp, capsys):
+    from ds4lab.cli import main
+
+    model_path, head, _ = tiny_mtp
+    assert main(["generate", str(model_path), "--mtp", str(head), "--draft-len", "2", "--pairing", "ds4",
+                 "--schedule", "ds4", "--prompt", "Hello", "--max-tokens", "4"]) == 0
+    err = capsys.readouterr().err
+    summary = dict(line.split(": ", 1) for line in err.strip().splitlines())
+    assert int(summary["committed"]) == 4 and "tokens_per_target_forward" in summary
