@@ -1,0 +1,177 @@
+# ---
+# jupyter:
+#   jupytext:
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # MTP: the draft head, speculative decoding, acceptance
+#
+# ds4's MTP GGUF holds one extra block (`mtp.0.*`) that drafts the token after next from the
+# target's final HC streams. ds4lab runs it with hooks, decodes speculatively without loss
+# (greedy tokens and the session state are plain decoding's), and measures acceptance online
+# (`spec_trace`) and offline (`teacher_forced`). This runs on a 4-layer tiny synthetic model
+# with 128 vocabulary rows; its random MTP head never agrees with the target, so we first fit
+# one (`mtp.fit`). Point `DS4LAB_MODEL` / `DS4LAB_MTP` at ds4flash.gguf and its MTP file to run
+# the studies for real.
+
+# %%
+import ds4lab  # first: on Linux it loads OpenBLAS before MLX starts
+
+# isort: split
+import os
+
+import matplotlib.pyplot as plt
+import mlx.core as mx
+import numpy as np
+import pandas as pd
+
+from ds4lab import gguf, mtp
+from ds4lab.mtp import DS4_MARGIN, SpecConfig
+from ds4lab.paths import synthetic_model
+from ds4lab.quants import dequantize, quantize
+from ds4lab.synth import mtp_path
+
+mx.set_default_device(mx.cpu)
+path = os.environ.get("DS4LAB_MODEL") or synthetic_model("tiny", "q2", seed=5, mtp=True, n_layer=4, vocab_rows=128)
+head_path = os.environ.get("DS4LAB_MTP") or mtp_path(path)
+model = ds4lab.load(path, mtp=head_path)
+rows = np.flatnonzero(np.abs(gguf.open(path).dequantize("token_embd.weight")).sum(axis=1))
+rng = np.random.default_rng(2)
+train = [[int(t) for t in rng.choice(rows, 256)] for _ in range(4)]
+held = [int(t) for t in rng.choice(rows, 64)]
+print(f"{model.config.n_layer} layers, MTP head from {head_path}")
+
+# %% [markdown]
+# ## Fitting a head, and what a pairing mismatch costs
+# `fit` adjusts e_proj / h_proj (the head's block as loaded); the curve is the head's real teacher-forced acceptance on
+# held-out tokens. A random target's token two steps ahead (v3 pairing) is nearly
+# unpredictable; ds4's pairing guesses the token the target is about to emit, which its own
+# HC state already decides.
+
+# %%
+fits = {p: mtp.fit(model, train, steps=240, pairing=p, held_out=held, eval_every=80) for p in ("ds4", "v3")}
+fig, ax = plt.subplots(figsize=(5, 3.2))
+for p, f in fits.items():
+    c = f.curve.dropna()
+    ax.plot(c["step"], 100 * c["acceptance"], marker="o", label=f"fitted under {p}")
+ax.set_xlabel("Adam step")
+ax.set_ylabel("teacher-forced acceptance (%)")
+ax.legend()
+plt.show()
+cross = pd.DataFrame(index=["ds4", "v3"], columns=list(fits), dtype=float)
+for fitted, f in fits.items():
+    model.mtp = f.head
+    for p in ("ds4", "v3"):
+        cross.loc[p, fitted] = mtp.teacher_forced(model, held, pairing=p)["accepted"].mean()
+cross.index.name, cross.columns.name = "evaluated under", "fitted under"
+cross
+
+# %% [markdown]
+# ## Pairing × schedule × draft length, online
+# The ds4-fitted head drafts for speculative decoding of a greedy continuation. Acceptance
+# per position, mean accepted length, tokens per target forward, and time per token against
+# plain decoding measured here (CPU, tiny model: a target pass is cheap, so the head's own
+# cost weighs more than on Flash).
+
+# %%
+model.mtp = fits["ds4"].head
+prompt = held[:12]
+session = model.session()
+session.prefill(prompt)
+t0 = pd.Timestamp.now()
+plain = ds4lab.generate(model, [], 10, session=session)
+plain_tok_s = len(plain.tokens) / (pd.Timestamp.now() - t0).total_seconds()
+runs = []
+for pairing in ("ds4", "v3"):
+    for schedule in ("standard", "ds4"):
+        for k in (1, 2) if schedule == "standard" else (1,):
+            g = ds4lab.generate(model, prompt, 10, spec=SpecConfig(draft_len=k, pairing=pairing, schedule=schedule))
+            s = mtp.summarize(g.spec_trace, plain_tok_s)
+            runs.append({"pairing": pairing, "schedule": schedule, "draft_len": k,
+                         "acc@1": s["acceptance_per_position"][0] if s["acceptance_per_position"] else np.nan,
+                         "mean_acc_len": s["mean_acceptance_length"],
+                         "tokens/target fwd": s["tokens_per_target_forward"], "speedup": s["speedup"]})
+study = pd.DataFrame(runs)
+fig, ax = plt.subplots(figsize=(6, 3.2))
+labels = [f"{r.pairing}/{r.schedule}/k={r.draft_len}" for r in study.itertuples()]
+ax.bar(labels, study["tokens/target fwd"])
+ax.axhline(1.0, color="grey", lw=0.8)
+ax.set_ylabel("tokens per target forward")
+ax.set_xlabel("pairing / schedule / draft length")
+ax.tick_params(axis="x", rotation=60)
+plt.show()
+study
+
+# %% [markdown]
+# ## Margin-gate calibration
+# ds4 verifies a draft only when the head's top-1 minus top-2 logit is at least 3.0. The
+# reliability table bins that margin against teacher-forced acceptance; ECE and AUROC say how
+# well it predicts acceptance.
+
+# %%
+tf = mtp.teacher_forced(model, held + train[0][:64], pairing="ds4")
+bins = pd.cut(tf["margin"], [0, 1, 2, 3, 5, 8, np.inf], right=False)
+table = tf.groupby(bins, observed=True).agg(n=("accepted", "size"), acceptance=("accepted", "mean"),
+                                            confidence=("q_draft", "mean"))
+ece = float((table["n"] / table["n"].sum() * (table["acceptance"] - table["confidence"]).abs()).sum())
+pos, neg = tf.loc[tf["accepted"], "margin"].to_numpy(), tf.loc[~tf["accepted"], "margin"].to_numpy()
+auroc = float((pos[:, None] > neg[None, :]).mean() + 0.5 * (pos[:, None] == neg[None, :]).mean()) if len(neg) else 1.0
+gate = tf["margin"] >= DS4_MARGIN
+print(f"ECE (head softmax as confidence) {ece:.3f}, AUROC of the margin {auroc:.3f}; ds4's gate at {DS4_MARGIN}: "
+      f"passes {gate.mean():.0%}, acceptance {tf.loc[gate, 'accepted'].mean():.0%} vs {tf['accepted'].mean():.0%}")
+fig, ax = plt.subplots(figsize=(4.6, 3.2))
+ax.plot(table["confidence"], table["acceptance"], marker="o")
+ax.plot([0, 1], [0, 1], color="grey", lw=0.8)
+ax.set_xlabel("head softmax probability of its draft")
+ax.set_ylabel("empirical acceptance")
+plt.show()
+table
+
+# %% [markdown]
+# ## Argmax vs sampled drafts at T = 0.8
+# With sampled verification, an argmax draft (one-hot q) is accepted with probability p(d);
+# a sampled draft with 1 − TV(p, q).
+
+# %%
+sampling = ds4lab.generation.Sampling(temperature=0.8, seed=4)
+rates = {}
+for how in ("argmax", "sample"):
+    g = ds4lab.generate(model, prompt, 10, sampling=sampling,
+                        spec=SpecConfig(draft_len=2, verify="sample", draft_sampling=how))
+    rates[how] = g.spec_summary["draft_acceptance_rate"]
+pd.Series(rates, name="draft acceptance rate at T=0.8")
+
+# %% [markdown]
+# ## Acceptance vs the quantization of the fitted projections
+# ds4's layout stores e_proj / h_proj as Q8_0; F32 (exact) and Q4_K show what the type costs.
+
+# %%
+fitted = fits["ds4"].head
+quant_rows = {}
+for type_name in ("F32", "Q8_0", "Q4_K"):
+    head = fitted
+    if type_name != "Q8_0":
+        mats = {}
+        for name in ("e_proj", "h_proj"):
+            dense = np.array(getattr(fitted, name).dense())
+            if type_name == "Q4_K":
+                dense = dequantize(np.frombuffer(quantize(dense, "Q4_K"), np.uint8), "Q4_K", dense.shape)
+            matrix = getattr(fitted, name)
+            mats[name] = type(matrix)(matrix.codes, matrix.scales, matrix.biases, matrix.rows, matrix.cols,
+                                      mx.array(dense.astype(np.float32)))
+        head = type(fitted)(**{**fitted.__dict__, **mats})
+    model.mtp = head
+    quant_rows[type_name] = mtp.teacher_forced(model, held, pairing="ds4")["accepted"].mean()
+model.mtp = fitted
+fig, ax = plt.subplots(figsize=(4, 3))
+ax.bar(list(quant_rows), [100 * v for v in quant_rows.values()])
+ax.set_xlabel("e_proj / h_proj type")
+ax.set_ylabel("teacher-forced acceptance (%)")
+plt.show()
