@@ -1,11 +1,11 @@
 """The fast path's wiring and plan, on the CPU.
 
 The CUDA kernels themselves only run on a GPU (bench/check_device.py checks each against the
-composition it replaces). Here each kernel is replaced by a stand-in that follows the
-kernel's documented contract with plain MLX ops (flattened rows, rows sharing a position,
-masked keys never read); the model then takes its fast-path branches on the CPU. That checks
-what the GPU check cannot isolate: which kernel each step calls, with which arguments and
-shapes, and which blocks hooks send to the reference path.
+composition it replaces). Here each compiled kernel is replaced by a stand-in that does what
+its `.cu` source documents, from the same inputs, templates and launch geometry, with plain
+MLX ops; the Python wrappers in `kernels.py` and the model's fast-path branches run as on a
+GPU. That checks what the device check cannot isolate: which kernel each step calls, with
+which arguments, shapes, templates and grid, and which blocks hooks send to the reference path.
 """
 
 from __future__ import annotations
@@ -17,62 +17,101 @@ import numpy as np
 import pytest
 
 from ds4lab.config import preset
-from ds4lab.model import Model, hc, kernels, moe
+from ds4lab.model import Model, hc, kernels
 from ds4lab.model import numerics as nm
 from ds4lab.model.random_weights import random_weights
 from ds4lab.model.rope import apply_rope_tail
+from ds4lab.quants import gather_experts
 
 
-def _row_finish(x, *, eps=None, weight=None, rope=None, inverse=False, qat=False, fp8=False, f16=False):
-    d = x.shape[-1]
-    rows = x.reshape(-1, d)
-    if eps is not None:
-        rows = nm.rms_norm(rows, weight, eps)
-    n_rot = 0
-    if rope is not None:
-        cos, sin = rope
-        per = rows.shape[0] // cos.shape[0]           # consecutive rows share a position
-        rows = apply_rope_tail(rows, mx.repeat(cos, per, axis=0), mx.repeat(sin, per, axis=0), inverse)
-        n_rot = 2 * cos.shape[-1]
-    if qat:
-        rows = nm.indexer_qat(rows)
-    if fp8:
-        rows = nm.fp8_kv_round(rows, d - n_rot)
-    if f16:
-        rows = nm.round_f16(rows)
-    return rows.reshape(x.shape)
+def _blocks(grid, threadgroup) -> tuple[int, int]:
+    assert grid[0] % threadgroup[0] == 0, "grid x is not whole thread blocks"
+    return grid[0] // threadgroup[0], grid[1] // threadgroup[1]
 
 
-def _hc_pre(streams, mix, scale, base, norm, iters, rms_eps, hc_eps):
-    t, n, e = streams.shape
-    inv = 1.0 / mx.sqrt(mx.mean(mx.square(streams.reshape(t, -1)), axis=-1, keepdims=True) + rms_eps)
-    pre, post, comb = hc._split(mix * inv, scale, base, n, iters, hc_eps)
-    return nm.rms_norm((streams * pre[:, :, None]).sum(axis=1), norm, rms_eps), pre, post, comb
+def _row_finish(inputs, t, grid, threadgroup):
+    x, weight, cos, sin, eps, hscale, carry, n_rows = inputs
+    d, rows = t["D"], int(n_rows.item())
+    assert carry.shape == (254,)                                   # one entry per normal exponent
+    assert x.shape[-1] == d and x.size == rows * d and _blocks(grid, threadgroup)[0] == rows
+    y = x.reshape(rows, d)
+    if t["NORM"]:
+        y = nm.rms_norm(y, None, float(eps.item()))
+    if t["WEIGHT"]:
+        y = y * weight
+    if t["ROPE"]:
+        assert cos.shape[-1] * 2 == t["NROT"]
+        at = mx.arange(rows) // t["POS_DIV"]
+        assert int(at.max().item()) < cos.shape[0], "a row reads a position past the (cos, sin) rows"
+        y = apply_rope_tail(y, cos[at], sin[at], inverse=t["ROPE"] == 2)
+    if t["QAT"]:
+        assert abs(float(hscale.item()) - 1 / math.sqrt(d)) < 1e-7
+        y = nm.indexer_qat(y)
+    if t["FP8"]:
+        y = nm.fp8_kv_round(y, d - t["NROT"])
+    if t["F16"]:
+        y = nm.round_f16(y)
+    return [y.reshape(x.shape)]
 
 
-def _hc_post(out, streams, post, comb):
-    return post[:, :, None] * out[:, None, :] + (comb[:, :, :, None] * streams[:, :, None, :]).sum(axis=1)
+def _hc_pre(inputs, t, grid, threadgroup):
+    streams, mix, scale, base, norm, eps, n_tok = inputs
+    n, e, tokens = t["N"], t["E"], int(n_tok.item())
+    assert streams.shape == (tokens, n, e) and _blocks(grid, threadgroup)[0] == tokens
+    rms_eps, hc_eps = (float(v) for v in eps.tolist())
+    flat = streams.reshape(tokens, -1)
+    inv = 1.0 / mx.sqrt(mx.mean(mx.square(flat), axis=-1, keepdims=True) + rms_eps)
+    pre, post, comb = hc._split(mix * inv, scale, base, n, t["ITERS"], hc_eps)
+    return [nm.rms_norm((streams * pre[:, :, None]).sum(axis=1), norm, rms_eps), pre, post, comb]
 
 
-def _attention_heads(q, keys, mask, sinks, rope):
-    scores = (q @ keys.T) / math.sqrt(q.shape[-1])                               # [T, H, N]
+def _hc_post(inputs, t, grid, threadgroup):
+    out, streams, post, comb, n_tok = inputs
+    assert grid[0] >= streams.size and streams.shape == (int(n_tok.item()), t["N"], t["E"])
+    return [post[:, :, None] * out[:, None, :] + (comb[:, :, :, None] * streams[:, :, None, :]).sum(axis=1)]
+
+
+def _attention_heads(inputs, t, grid, threadgroup):
+    q, keys, mask, sinks, cos, sin, n_keys = inputs
+    heads, tokens = _blocks(grid, threadgroup)
+    assert q.shape == (tokens, heads, t["D"]) and keys.shape[0] == int(n_keys.item()) == mask.shape[1]
+    assert threadgroup[0] == 32 * t["WARPS"] and cos.shape == (tokens, t["NROT"] // 2)
+    scores = (q @ keys.T) / math.sqrt(t["D"])
     scores = mx.where(mask[:, None, :], scores, -mx.inf)
     sink = mx.broadcast_to(sinks[None, :, None], (*scores.shape[:2], 1))
     weights = mx.softmax(mx.concatenate([sink, scores], axis=-1), axis=-1)[..., 1:]
-    heads = mx.where(mask[:, None, :], weights, 0.0) @ mx.where(mx.any(mask, axis=0)[:, None], keys, 0.0)
-    return apply_rope_tail(heads, *rope, inverse=True)
+    # masked keys are never read: their rows may hold anything
+    out = mx.where(mask[:, None, :], weights, 0.0) @ mx.where(mx.any(mask, axis=0)[:, None], keys, 0.0)
+    return [apply_rope_tail(out, cos, sin, inverse=True)]
 
 
-def _indexer_scores(q, w, keys):
-    return (mx.maximum(q @ keys.T, 0.0) * w[:, :, None]).sum(axis=1)
-
-
-def _expert_matvec(tensor, ids, x):
-    return (moe._decode(tensor, ids) @ x[:, :, None])[..., 0]
+def _indexer_scores(inputs, t, grid, threadgroup):
+    q, w, keys, n_keys = inputs
+    n = int(n_keys.item())
+    assert q.shape[1:] == (t["H"], t["DH"]) and keys.shape == (n, t["DH"])
+    assert _blocks(grid, threadgroup)[0] * threadgroup[0] // 32 >= n and grid[1] == q.shape[0]
+    return [(mx.maximum(q @ keys.T, 0.0) * w[:, :, None]).sum(axis=1)]
 
 
 STAND_INS = {"row_finish": _row_finish, "hc_pre": _hc_pre, "hc_post": _hc_post,
-             "attention_heads": _attention_heads, "indexer_scores": _indexer_scores, "expert_matvec": _expert_matvec}
+             "attention_heads": _attention_heads, "indexer_scores": _indexer_scores}
+
+
+def _expert_matvec(type_name):
+    def run(inputs, t, grid, threadgroup):
+        raw, ids, x = inputs[:3]
+        assert grid[1] == ids.size and x.shape == (ids.size, t["COLS"])
+        return [(gather_experts(raw, ids, type_name, t["ROWS"], t["COLS"]) @ x[:, :, None])[..., 0]]
+    return run
+
+
+def _launcher(name, emulate, calls):
+    def launch(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+        calls[name] = calls.get(name, 0) + 1
+        outs = emulate(inputs, dict(template), grid, threadgroup)
+        assert [tuple(o.shape) for o in outs] == [tuple(s) for s in output_shapes], name
+        return [o.astype(dt) for o, dt in zip(outs, output_dtypes, strict=True)]
+    return launch
 
 
 @pytest.fixture
@@ -83,18 +122,12 @@ def batched(monkeypatch):
 
 @pytest.fixture
 def stand_in_kernels(monkeypatch, batched):
-    """CUDA 'ready', every kernel replaced by its stand-in; returns the calls made, by kernel."""
+    """CUDA 'ready', every compiled kernel replaced by its stand-in; returns the launches, by kernel."""
     calls: dict[str, int] = {}
-
-    def counted(name, fn):
-        def call(*args, **kwargs):
-            calls[name] = calls.get(name, 0) + 1
-            return fn(*args, **kwargs)
-        return call
-
     monkeypatch.setattr(kernels, "cuda_ready", lambda: True)
-    for name, fn in STAND_INS.items():
-        monkeypatch.setattr(kernels, name, counted(name, fn))
+    monkeypatch.setattr(kernels, "_fused", lambda name: _launcher(name, STAND_INS[name], calls))
+    monkeypatch.setattr(kernels, "_kernel", lambda type_name: _launcher("expert_matvec", _expert_matvec(type_name),
+                                                                         calls))
     return calls
 
 
@@ -123,7 +156,8 @@ def test_fast_path_wiring_matches_the_reference(request, weights_fixture, stand_
     tokens = [(37 * i + 11) % 1000 + 100 for i in range(80)]
     assert model.numerics.fast
     fast_full, fast_decoded = _prefill_and_decode(model, tokens)
-    assert set(stand_in_kernels) == set(STAND_INS), f"kernels never called: {set(STAND_INS) - set(stand_in_kernels)}"
+    every = set(STAND_INS) | {"expert_matvec"}
+    assert set(stand_in_kernels) == every, f"kernels never called: {every - set(stand_in_kernels)}"
     model.numerics.allow_fast = False
     ref_full, ref_decoded = _prefill_and_decode(model, tokens)
     scale = ref_full.std()

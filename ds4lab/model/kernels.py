@@ -109,12 +109,12 @@ def hc_post(out: mx.array, streams: mx.array, post: mx.array, comb: mx.array) ->
 
 
 def row_finish(x: mx.array, *, eps: float | None = None, weight: mx.array | None = None,
-               rope: tuple[mx.array, mx.array] | None = None, inverse: bool = False, rows_per_position: int = 1,
-               qat: bool = False, fp8: bool = False, f16: bool = False) -> mx.array:
+               rope: tuple[mx.array, mx.array] | None = None, inverse: bool = False, qat: bool = False,
+               fp8: bool = False, f16: bool = False) -> mx.array:
     """The chosen per-row steps over x's last axis, in this order: RMSNorm (when `eps` is
     given), times `weight`, RoPE of the last 2·cos.shape[-1] dims with `rope` = (cos, sin)
-    [positions, n_rot/2] (rows_per_position consecutive rows share a position; `inverse` turns
-    back), Hadamard + FP4 (`qat`), FP8 of the non-RoPE dims (`fp8`), f16 round trip (`f16`)."""
+    [positions, n_rot/2] (x's rows split evenly over the positions, in order: the heads of a
+    token share its position; `inverse` turns back), Hadamard + FP4 (`qat`), FP8 of the non-RoPE dims (`fp8`), f16 round trip (`f16`)."""
     d = x.shape[-1]
     rows = x.size // d
     one = mx.zeros((1,), mx.float32)
@@ -125,7 +125,7 @@ def row_finish(x: mx.array, *, eps: float | None = None, weight: mx.array | None
                 _scalar(float(np.float32(1.0 / np.sqrt(d)))), _carry_table(), _scalar(rows, mx.int32)],
         template=[("D", d), ("NORM", eps is not None), ("WEIGHT", weight is not None),
                   ("ROPE", 0 if rope is None else 2 if inverse else 1), ("NROT", n_rot),
-                  ("POS_DIV", rows_per_position), ("QAT", qat), ("FP8", fp8), ("F16", f16)],
+                  ("POS_DIV", rows // cos.shape[0] if rope is not None else 1), ("QAT", qat), ("FP8", fp8), ("F16", f16)],
         grid=(rows * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[x.shape], output_dtypes=[mx.float32])
     return y
