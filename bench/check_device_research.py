@@ -8,8 +8,10 @@ an H200), so the checks ask that the new paths add no error of their own:
 - `ffn.hook_routed_mid` (route-weighted SwiGLU activations): its GPU-CPU rms difference is at
   most twice the shared expert's, which reads the same input;
 - steering at scale 1 leaves no component along the direction at the hooked output;
-- imatrix collection: the same counts, and sums of squares within four times the input's
-  rms difference;
+- imatrix collection: the same counts, and each layer's sums of squares within four times
+  that layer's input rms difference;
+- a replacement at a block boundary (`attn.hook_out`) keeps every block on the fast path and
+  changes the logits as on the reference path (within 1e-3 of their std);
 - a session saved to .kv on the GPU and loaded again on the GPU continues exactly as the
   uninterrupted GPU session; the file loads and runs on the CPU.
 
@@ -96,8 +98,34 @@ def main() -> None:
     counts_equal = all(np.array_equal(gpu_m[k].counts, cpu_m[k].counts) for k in cpu_m)
     print(f"{'imatrix counts equal':52s} {counts_equal}")
     results.append(counts_equal)
-    worst = max(rms_rel(gpu_m[k].sum2, cpu_m[k].sum2) for k in cpu_m)
-    results.append(report("imatrix sums of squares, worst tensor rms diff", worst, 4 * err["hook_in"] + 1e-6))
+
+    def ffn_inputs():
+        with model.hooks(pin):
+            _, cache = model.run_with_cache(tokens, lambda n: n.endswith("ffn.hook_in"))
+        return cache
+
+    # Each layer's sums against that layer's own input difference (the devices drift apart
+    # layer by layer, most after near-tied indexer choices).
+    gpu_in, cpu_in = on(GPU, ffn_inputs), on(mx.cpu, ffn_inputs)
+    excess = max(rms_rel(gpu_m[k].sum2, cpu_m[k].sum2)
+                 / (4 * rms_rel(gpu_in[f"blocks.{k.split('.')[1]}.ffn.hook_in"],
+                                cpu_in[f"blocks.{k.split('.')[1]}.ffn.hook_in"]) + 1e-6) for k in cpu_m)
+    results.append(report("imatrix sum2 rms diff / 4x its layer's input diff", excess, 1.0))
+
+    def edited(fast: bool):
+        model.numerics.allow_fast = fast
+        try:
+            with model.hooks([(f"blocks.{layer}.attn.hook_out", lambda act, hook: act * 1.5)]):
+                return model.fast_path_plan(), np.array(model(tokens[:48]))
+        finally:
+            model.numerics.allow_fast = True
+
+    plain = on(GPU, lambda: np.array(model(tokens[:48])))
+    (plan, fast_edit), (_, ref_edit) = on(GPU, lambda: edited(True)), on(GPU, lambda: edited(False))
+    print(f"{'boundary hook: blocks on the fast path':52s} {int((plan.path == 'fast').sum())} of {len(plan)}")
+    print(f"{'boundary hook: effect on the logits / std':52s} {np.abs(ref_edit - plain).max() / plain.std():.2e}")
+    results.append(report("boundary hook: fast vs reference edited logits / std",
+                          float(np.abs(fast_edit - ref_edit).max() / plain.std()), 1e-3))
 
     folder = tempfile.mkdtemp()
 

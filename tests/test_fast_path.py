@@ -141,28 +141,31 @@ def tiny_weights():
     return random_weights(preset("tiny"), "q2", seed=5)
 
 
-def _prefill_and_decode(model: Model, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
+def _prefill_and_decode(model: Model, tokens: list[int], decoded: int) -> tuple[np.ndarray, np.ndarray]:
+    """Logits of a prefill of every token, and of the last `decoded` tokens decoded one by one."""
     full = np.array(model(tokens))
     session = model.session()
-    decoded = np.stack([np.array(session.decode(t)) for t in tokens])
-    return full, decoded
+    session.prefill(tokens[:-decoded])
+    return full, np.stack([np.array(session.decode(t)) for t in tokens[-decoded:]])
 
 
 @pytest.mark.parametrize("weights_fixture", ["small_weights", "tiny_weights"])
 def test_fast_path_wiring_matches_the_reference(request, weights_fixture, stand_in_kernels):
-    """Every kernel called, with arguments that reproduce the reference composition: prefill and
-    decode (the tiny shape's indexer selects once more rows than top-k are visible)."""
+    """Every kernel called, with arguments that reproduce the reference composition, in a
+    prefill and in decode steps; 76 tokens: the tiny shape's indexer (top-k 16 of ratio-4
+    rows) selects from position 68 on."""
     model = Model(request.getfixturevalue(weights_fixture))
-    tokens = [(37 * i + 11) % 1000 + 100 for i in range(80)]
+    tokens = [(37 * i + 11) % 1000 + 100 for i in range(76)]
     assert model.numerics.fast
-    fast_full, fast_decoded = _prefill_and_decode(model, tokens)
+    fast_full, fast_decoded = _prefill_and_decode(model, tokens, 6)
     every = set(STAND_INS) | {"expert_matvec"}
     assert set(stand_in_kernels) == every, f"kernels never called: {every - set(stand_in_kernels)}"
     model.numerics.allow_fast = False
-    ref_full, ref_decoded = _prefill_and_decode(model, tokens)
+    ref_full, ref_decoded = _prefill_and_decode(model, tokens, 6)
     scale = ref_full.std()
     assert np.abs(fast_full - ref_full).max() / scale < 1e-4
     assert np.abs(fast_decoded - ref_decoded).max() / scale < 1e-4
+    assert np.abs(fast_decoded - fast_full[-6:]).max() / scale < 1e-4
 
 
 def test_a_hook_off_the_boundaries_sends_only_its_block_to_the_reference(small_weights, stand_in_kernels):
