@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from ds4lab.config import preset
-from ds4lab.model import Model, hc, kernels
+from ds4lab.model import Model, hc, kernels, moe
 from ds4lab.model import numerics as nm
 from ds4lab.model.random_weights import random_weights
 from ds4lab.model.rope import apply_rope_tail
@@ -93,7 +93,17 @@ def _indexer_scores(inputs, t, grid, threadgroup):
     return [(mx.maximum(q @ keys.T, 0.0) * w[:, :, None]).sum(axis=1)]
 
 
-STAND_INS = {"row_finish": _row_finish, "hc_pre": _hc_pre, "hc_post": _hc_post,
+def _router(inputs, t, grid, threadgroup):
+    logits, bias, scale = inputs
+    assert logits.shape[1] == t["E"] and grid[0] // threadgroup[0] == logits.shape[0] >= 1
+    assert threadgroup[0] >= t["E"] and threadgroup[0] % 32 == 0
+    sp = mx.where(logits > 20, logits, mx.where(logits < -20, mx.exp(logits), mx.log1p(mx.exp(logits))))
+    probs = mx.sqrt(sp)
+    experts = mx.argsort(-(probs + bias if t["HAS_BIAS"] else probs), axis=-1)[:, :t["K"]].astype(mx.int32)
+    return [probs, experts, moe.route_weights(probs, experts, float(scale.item()))]
+
+
+STAND_INS = {"router": _router, "row_finish": _row_finish, "hc_pre": _hc_pre, "hc_post": _hc_post,
              "attention_heads": _attention_heads, "indexer_scores": _indexer_scores}
 
 
@@ -215,3 +225,18 @@ def test_plan_is_reference_everywhere_off_cuda_and_in_ds4_cpu(small_weights, bat
 def test_plan_in_ds4_cpu_numerics_is_reference(small_weights, stand_in_kernels):
     assert (Model(small_weights, numerics="ds4-cpu").fast_path_plan().path == "reference").all()
     assert (Model(small_weights).fast_path_plan().path == "fast").all()
+
+
+def test_forced_experts_on_the_fast_path_reweight_as_the_reference(small_weights, stand_in_kernels):
+    """A replacement at `ffn.hook_experts` (here: forced experts) keeps the fast path; the route
+    weights then follow the router's scores of the forced experts, as on the reference path."""
+    model = Model(small_weights)
+    cfg = model.config
+    tokens = [5, 6, 7, 8, 9]
+    forced = np.random.default_rng(0).integers(0, cfg.n_expert, (len(tokens), cfg.n_layer, cfg.n_expert_used))
+    fast = np.array(model(tokens, experts=forced))
+    model.numerics.allow_fast = False
+    reference = np.array(model(tokens, experts=forced))
+    free = np.array(model(tokens))
+    assert np.abs(fast - reference).max() < 1e-4 * reference.std()
+    assert np.abs(free - reference).max() > 1e-2 * reference.std()

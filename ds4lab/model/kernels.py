@@ -13,6 +13,7 @@ reference's steps in the same order, so a Metal port can translate them line by 
 - `attention_heads`: softmax attention with sinks over the visible keys (masked ones are not
   read), online softmax across warps, and the inverse RoPE of the output.
 - `indexer_scores`: the lightning indexer's Σ_h w_h·relu(q_h·k) per key row.
+- `router`: router scores, biased top-k selection and route weights of a token in one block.
 - `expert_matvec`: routed-expert matvec on the IQ2_XXS, Q2_K or Q4_K block bytes of the
   selected experts, one warp per output row (the portable path decodes each selected expert
   to a float32 matrix first: a few dozen kernels and three float32 copies per step).
@@ -65,6 +66,7 @@ _KERNELS = {
     "attention_heads": ("decode_attention.cu", ("ds4lab_block.cuh",),
                         ["q", "keys", "mask", "sinks", "rope_cos", "rope_sin", "n_keys"], ["out"]),
     "indexer_scores": ("indexer_scores.cu", ("ds4lab_block.cuh",), ["q", "w", "keys", "n_keys"], ["scores"]),
+    "router": ("router.cu", (), ["logits", "bias", "scale"], ["probs", "experts", "weights"]),
 }
 
 
@@ -114,7 +116,8 @@ def row_finish(x: mx.array, *, eps: float | None = None, weight: mx.array | None
     """The chosen per-row steps over x's last axis, in this order: RMSNorm (when `eps` is
     given), times `weight`, RoPE of the last 2·cos.shape[-1] dims with `rope` = (cos, sin)
     [positions, n_rot/2] (x's rows split evenly over the positions, in order: the heads of a
-    token share its position; `inverse` turns back), Hadamard + FP4 (`qat`), FP8 of the non-RoPE dims (`fp8`), f16 round trip (`f16`)."""
+    token share its position; `inverse` turns back), Hadamard + FP4 (`qat`), FP8 of the
+    non-RoPE dims (`fp8`), f16 round trip (`f16`)."""
     d = x.shape[-1]
     rows = x.size // d
     one = mx.zeros((1,), mx.float32)
@@ -125,7 +128,8 @@ def row_finish(x: mx.array, *, eps: float | None = None, weight: mx.array | None
                 _scalar(float(np.float32(1.0 / np.sqrt(d)))), _carry_table(), _scalar(rows, mx.int32)],
         template=[("D", d), ("NORM", eps is not None), ("WEIGHT", weight is not None),
                   ("ROPE", 0 if rope is None else 2 if inverse else 1), ("NROT", n_rot),
-                  ("POS_DIV", rows // cos.shape[0] if rope is not None else 1), ("QAT", qat), ("FP8", fp8), ("F16", f16)],
+                  ("POS_DIV", rows // cos.shape[0] if rope is not None else 1), ("QAT", qat), ("FP8", fp8),
+                  ("F16", f16)],
         grid=(rows * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[x.shape], output_dtypes=[mx.float32])
     return y
@@ -156,6 +160,20 @@ def indexer_scores(q: mx.array, w: mx.array, keys: mx.array) -> mx.array:
         grid=(-(-n // warps) * 32 * warps, t, 1), threadgroup=(32 * warps, 1, 1),
         output_shapes=[(t, n)], output_dtypes=[mx.float32])
     return scores
+
+
+def router(logits: mx.array, bias: mx.array | None, n_used: int, scale: float) -> tuple[mx.array, mx.array, mx.array]:
+    """(probs [T, E], experts [T, n_used] int32 best first, weights [T, n_used]) from the router
+    logits [T, E]: sqrt(softplus), the best n_used of probs + bias, normalised chosen probs x scale."""
+    t, e = logits.shape
+    threads = -(-e // 32) * 32
+    if threads > 1024:
+        raise ValueError(f"the router kernel takes at most 1024 experts, not {e}")
+    return tuple(_fused("router")(
+        inputs=[logits, mx.zeros((1,), mx.float32) if bias is None else bias, _scalar(scale)],
+        template=[("E", e), ("K", n_used), ("HAS_BIAS", bias is not None)],
+        grid=(t * threads, 1, 1), threadgroup=(threads, 1, 1),
+        output_shapes=[(t, e), (t, n_used), (t, n_used)], output_dtypes=[mx.float32, mx.int32, mx.float32]))
 
 
 @cache

@@ -318,9 +318,16 @@ class Model:
         cfg, d = self.config, layer.dense
         h = self._hooks.scope(f"{_prefix(layer)}.ffn")
         xf, control = self._sublayer_input(h, streams, "ffn", d, mm)
-        probs = h("hook_router_probs", moe.router_probs(layer, xf, mm))
-        experts = h("hook_experts", moe.select_experts(layer, probs, token_ids, cfg.n_expert_used))
-        weights = h("hook_expert_weights", moe.route_weights(probs, experts, cfg.expert_weight_scale))
+        if mm.fast and layer.tid2eid is None:
+            probs, chosen, weights = moe.route_fused(layer, xf, cfg.n_expert_used, cfg.expert_weight_scale)
+            experts = h("hook_experts", chosen)
+            if experts is not chosen:
+                weights = moe.route_weights(probs, experts, cfg.expert_weight_scale)
+        else:
+            probs = h("hook_router_probs", moe.router_probs(layer, xf, mm))
+            experts = h("hook_experts", moe.select_experts(layer, probs, token_ids, cfg.n_expert_used))
+            weights = moe.route_weights(probs, experts, cfg.expert_weight_scale)
+        weights = h("hook_expert_weights", weights)
         clamp = cfg.swiglu_clamp[MTP_LAYER if layer.index is None else layer.index]
         on_mid = (lambda mid: h("hook_routed_mid", mid)) if h.wants("hook_routed_mid") else None
         routed = h("hook_routed_out", moe.routed_experts(layer, xf, experts, weights, clamp, mm, on_mid))

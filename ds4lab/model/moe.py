@@ -54,11 +54,37 @@ def route_weights(probs: mx.array, experts: mx.array, scale: float) -> mx.array:
     return chosen / denom * scale
 
 
+def route_fused(layer: LayerWeights, xf: mx.array, n_used: int, scale: float) -> tuple[mx.array, mx.array, mx.array]:
+    """The fast path's router on biased top-k layers: the logits matvec, then one kernel for
+    `router_probs`, `select_experts` and `route_weights`: (probs, experts, weights)."""
+    logits = xf @ layer.dense["ffn_gate_inp.weight"].T
+    return kernels.router(logits, layer.dense.get("exp_probs_b.bias"), n_used, scale)
+
+
 def swiglu(gate: mx.array, up: mx.array, clamp: float) -> mx.array:
     if clamp > 1e-6:
         gate = mx.minimum(gate, clamp)
         up = mx.clip(up, -clamp, clamp)
     return gate * mx.sigmoid(gate) * up
+
+
+def _swiglu_clamped(gate: mx.array, up: mx.array, clamp: mx.array) -> mx.array:
+    gate = mx.minimum(gate, clamp)
+    return gate * mx.sigmoid(gate) * mx.clip(up, -clamp, clamp)
+
+
+def _swiglu_unclamped(gate: mx.array, up: mx.array, clamp: mx.array) -> mx.array:
+    return gate * mx.sigmoid(gate) * up
+
+
+_swiglu_fused = {True: mx.compile(_swiglu_clamped), False: mx.compile(_swiglu_unclamped)}
+
+
+def _swiglu(gate: mx.array, up: mx.array, clamp: float, fast: bool) -> mx.array:
+    """`swiglu`, compiled into one kernel on the fast path."""
+    if not fast:
+        return swiglu(gate, up, clamp)
+    return _swiglu_fused[clamp > 1e-6](gate, up, mx.array(clamp, mx.float32))
 
 
 def routed_experts(layer: LayerWeights, xf: mx.array, experts: mx.array, weights: mx.array, clamp: float,
@@ -125,7 +151,7 @@ def _routed_gathered(gate_t: ExpertBlocks, up_t: ExpertBlocks, down_t: ExpertBlo
     x = mx.repeat(x_in, u, axis=0)                                      # [T*U, d]
     gate = _matvec(gate_t, ids, x, fast)
     up = _matvec(up_t, ids, x, fast)
-    mid = act_round(swiglu(gate, up, clamp) * weights.reshape(-1, 1))
+    mid = act_round(_swiglu(gate, up, clamp, fast) * weights.reshape(-1, 1))
     if on_mid is not None:
         on_mid(mid.reshape(t, u, -1))
     return _matvec(down_t, ids, mid, fast).reshape(t, u, -1).sum(axis=1)
@@ -145,4 +171,4 @@ def _decode(tensor: ExpertBlocks, ids: mx.array) -> mx.array:
 def shared_expert(layer: LayerWeights, xf: mx.array, clamp: float, mm: Schedule) -> mx.array:
     gate = mm.q8(layer.q8["ffn_gate_shexp.weight"], xf)
     up = mm.q8(layer.q8["ffn_up_shexp.weight"], xf)
-    return mm.q8(layer.q8["ffn_down_shexp.weight"], swiglu(gate, up, clamp))
+    return mm.q8(layer.q8["ffn_down_shexp.weight"], _swiglu(gate, up, clamp, mm.fast))

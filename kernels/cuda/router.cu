@@ -1,0 +1,50 @@
+// The router of one token per thread block, one thread per expert (model/moe.py
+// `router_probs`, `select_experts`, `route_weights` for biased top-k layers):
+//   probs   = sqrt(softplus(logit)), softplus as the reference writes it (exp below -20,
+//             identity above 20);
+//   experts = the K best of probs + bias (the bias only selects), best first, ties to the
+//             lower expert id;
+//   weights = the chosen probs / max(their sum, 2^-14) * scale[0].
+// Templates: E (experts, at most the block size), K, HAS_BIAS.
+const int t = blockIdx.x, e = threadIdx.x;
+const int lane = e & 31, warp = e >> 5, n_warps = blockDim.x >> 5;
+__shared__ float best_v[32];
+__shared__ int best_i[32];
+__shared__ int chosen[K];
+float p = 0.0f, sel = -INFINITY;
+if (e < E) {
+    const float l = logits[(size_t)t * E + e];
+    const float sp = l > 20.0f ? l : (l < -20.0f ? expf(l) : log1pf(expf(l)));
+    p = sqrtf(sp);
+    probs[(size_t)t * E + e] = p;
+    sel = HAS_BIAS ? p + bias[e] : p;
+}
+for (int k = 0; k < K; ++k) {
+    float v = sel;
+    int i = e;
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const float v2 = __shfl_xor_sync(0xffffffffu, v, offset);
+        const int i2 = __shfl_xor_sync(0xffffffffu, i, offset);
+        if (v2 > v || (v2 == v && i2 < i)) { v = v2; i = i2; }
+    }
+    if (lane == 0) { best_v[warp] = v; best_i[warp] = i; }
+    __syncthreads();
+    if (e == 0) {
+        float bv = best_v[0];
+        int bi = best_i[0];
+        for (int w = 1; w < n_warps; ++w)
+            if (best_v[w] > bv || (best_v[w] == bv && best_i[w] < bi)) { bv = best_v[w]; bi = best_i[w]; }
+        chosen[k] = bi;
+    }
+    __syncthreads();
+    if (e == chosen[k]) sel = -INFINITY;
+}
+if (e == 0) {
+    float sum = 0.0f;
+    for (int k = 0; k < K; ++k) sum += probs[(size_t)t * E + chosen[k]];
+    const float denom = fmaxf(sum, 6.103515625e-05f);
+    for (int k = 0; k < K; ++k) {
+        experts[t * K + k] = chosen[k];
+        weights[t * K + k] = probs[(size_t)t * E + chosen[k]] / denom * scale[0];
+    }
+}
