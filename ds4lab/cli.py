@@ -362,7 +362,7 @@ def _cmd_tour(args: argparse.Namespace) -> int:
 
 
 def _args_lab(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="GGUF the notebooks use (default: $DS4LAB_MODEL, else the built-in tiny model)")
+    p.add_argument("--model", help="GGUF the notebooks use (default: $DS4LAB_MODEL, else the built-in tiny models)")
     p.add_argument("--port", type=int, default=0, help="port on 127.0.0.1 (default: a free one)")
     p.add_argument("--dir", help="folder to serve (default: ds4lab's notebooks)")
 

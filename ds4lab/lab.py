@@ -4,7 +4,8 @@ The server runs as a child process with its own JupyterLab defaults (in a tempor
 folder named by JUPYTER_CONFIG_PATH, so a user's own settings still apply on top): the
 notebooks' `.py` files (jupytext percent format) open as notebooks on a plain click, and
 JupyterLab does not fetch news or updates (the machine may have no network). The kernels
-inherit `DS4LAB_MODEL`, which the notebooks read for their model.
+inherit `DS4LAB_MODEL`, which the notebooks read for their model; without it each notebook
+uses its built-in tiny synthetic model.
 """
 
 from __future__ import annotations
@@ -56,13 +57,6 @@ def server_command(directory: Path, port: int) -> list[str]:
             "--ServerApp.port_retries=0", f"--ServerApp.root_dir={directory}", *as_root]
 
 
-def default_model() -> Path:
-    """The built-in tiny synthetic model (written to $DS4LAB_CACHE on first use)."""
-    from .paths import synthetic_model
-
-    return synthetic_model("tiny", "q2", seed=0)
-
-
 def _write_settings(config_dir: Path) -> None:
     labconfig = config_dir / "labconfig"
     labconfig.mkdir()
@@ -100,7 +94,7 @@ def serve(model: str | os.PathLike[str] | None = None, port: int = 0, directory:
     """Run JupyterLab until interrupted (Ctrl-C or SIGTERM); print its URL once it answers.
 
     `model`: the GGUF the notebooks use (as DS4LAB_MODEL; default: $DS4LAB_MODEL if set,
-    else the built-in tiny model).
+    else each notebook's built-in tiny synthetic model).
     `port`: 0 for a free one. `directory`: the folder served (default ds4lab's notebooks).
     Returns the server's exit status (0 when stopped by a signal).
     """
@@ -110,8 +104,8 @@ def serve(model: str | os.PathLike[str] | None = None, port: int = 0, directory:
     if not folder.is_dir():
         raise LabError(f"{folder}: not a folder")
     model = model or os.environ.get("DS4LAB_MODEL")
-    model_path = Path(model).resolve() if model else default_model()
-    if not model_path.is_file():
+    model_path = Path(model).resolve() if model else None
+    if model_path is not None and not model_path.is_file():
         raise LabError(f"{model_path}: no such model file")
     port = port or free_port()
     token = secrets.token_urlsafe(32)
@@ -119,13 +113,14 @@ def serve(model: str | os.PathLike[str] | None = None, port: int = 0, directory:
     with tempfile.TemporaryDirectory(prefix="ds4lab-lab-") as config_dir:
         _write_settings(Path(config_dir))
         config_path = os.pathsep.join(p for p in (config_dir, os.environ.get("JUPYTER_CONFIG_PATH")) if p)
-        env = {**os.environ, "DS4LAB_MODEL": str(model_path), "JUPYTER_TOKEN": token,
-               "JUPYTER_CONFIG_PATH": config_path}
+        env = {**os.environ, "JUPYTER_TOKEN": token, "JUPYTER_CONFIG_PATH": config_path}
+        if model_path is not None:
+            env["DS4LAB_MODEL"] = str(model_path)
         # Its own session: a terminal's Ctrl-C reaches only this process, which then stops the server.
         process = subprocess.Popen(server_command(folder, port), env=env, start_new_session=True)
         try:
             _wait_ready(process, port, token, ready_timeout)
-            print(f"ds4lab lab: {folder}, DS4LAB_MODEL={model_path}", flush=True)
+            print(f"ds4lab lab: {folder}, model {model_path or 'built-in tiny (synthetic)'}", flush=True)
             print(lab_url(port, token), flush=True)
             return process.wait()
         except KeyboardInterrupt:

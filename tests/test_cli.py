@@ -111,3 +111,9 @@ def test_tokenize_and_chat_commands(tmp_path, tiny_q2):
                           input="Hello\nAgain\n", capture_output=True, text=True, timeout=300)
     assert chat.returncode == 0, chat.stderr
     assert chat.stdout.count("\n") >= 2 and chat.stdout.strip()
+
+
+def test_lab_refuses_a_missing_model(tmp_path):
+    result = _run("lab", "--model", str(tmp_path / "absent.gguf"))
+    assert result.returncode == 2
+    assert result.stderr == f"ds4lab: {tmp_path / 'absent.gguf'}: no such model file\n"

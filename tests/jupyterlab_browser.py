@@ -1,0 +1,230 @@
+"""Driving `ds4lab lab` from headless Chromium (Playwright on Debian's chromium): start and stop
+the server, open a notebook by double-clicking it, run every cell, read what the outputs show,
+move a widget and check that the output it drives changes. Every wait has a timeout."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+# Debian's chromium on a closed network: without the background-networking flags it stalls on
+# connections that are refused.
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+# Interactive ipywidgets controls (a progress bar is a widget too, but not one to move).
+CONTROLS = ".widget-slider, .widget-dropdown, .widget-checkbox, .widget-text, .widget-button, .widget-toggle-buttons"
+
+# What an output shows when it failed: an exception or stderr (JupyterLab renders both as
+# stderr), a widget that never rendered, an output no renderer took.
+_ERROR_OUTPUTS = '[data-mime-type="application/vnd.jupyter.stderr"]'
+_WIDGET_FAILURES = ("Loading widget...", "Error displaying widget", "No renderer could be found")
+
+_ACTIVE_NOTEBOOK = ".jp-NotebookPanel:not(.lm-mod-hidden)"
+
+
+def chromium_executable() -> str | None:
+    """$DS4LAB_CHROMIUM, else Debian's /usr/bin/chromium, else `chromium` on PATH."""
+    for candidate in (os.environ.get("DS4LAB_CHROMIUM"), "/usr/bin/chromium", shutil.which("chromium")):
+        if candidate and Path(candidate).is_file():
+            return candidate
+    return None
+
+
+@dataclass
+class LabServer:
+    """A running `ds4lab lab`: its process, URL and token."""
+
+    process: subprocess.Popen
+    base_url: str
+    token: str
+    port: int
+
+    def request(self, path: str, token: str | None = None) -> tuple[int, str]:
+        """GET `path` (redirects not followed) with `token` in the Authorization header, if given:
+        (status, location header or body start)."""
+
+        class NoRedirect(urllib.request.HTTPRedirectHandler):
+            def redirect_request(self, *args, **kwargs):
+                return None
+
+        headers = {"Authorization": f"token {token}"} if token else {}
+        opener = urllib.request.build_opener(NoRedirect)
+        try:
+            with opener.open(urllib.request.Request(self.base_url + path, headers=headers), timeout=10) as response:
+                return response.status, response.read(2000).decode("utf-8", "replace")
+        except urllib.error.HTTPError as exc:
+            return exc.code, exc.headers.get("Location") or exc.read(2000).decode("utf-8", "replace")
+
+    def shut_down_kernels(self) -> None:
+        """Every running kernel, through the REST API (the page's notebook stays dirty and open)."""
+        _, body = self.request("/api/kernels", self.token)
+        for kernel in json.loads(body):
+            request = urllib.request.Request(f"{self.base_url}/api/kernels/{kernel['id']}", method="DELETE",
+                                             headers={"Authorization": f"token {self.token}"})
+            urllib.request.urlopen(request, timeout=30).close()
+
+
+def start_lab(directory: Path, env: dict[str, str], log: Path, *options: str, timeout: float = 180) -> LabServer:
+    """`ds4lab lab --dir DIRECTORY [OPTIONS]` on a free port; returns once it printed its URL
+    (stderr to `log`)."""
+    process = subprocess.Popen([sys.executable, "-m", "ds4lab.cli", "lab", "--dir", str(directory), *options], env=env,
+                               stdout=subprocess.PIPE, stderr=log.open("wb"), text=True, start_new_session=True)
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in process.stdout], daemon=True).start()
+    deadline = time.monotonic() + timeout
+    try:
+        while time.monotonic() < deadline:
+            try:
+                line = lines.get(timeout=1).strip()
+            except queue.Empty:
+                if process.poll() is not None:
+                    break
+                continue
+            match = re.fullmatch(r"(http://127\.0\.0\.1:(\d+))/lab\?token=(\S+)", line)
+            if match:
+                return LabServer(process, match[1], match[3], int(match[2]))
+    except BaseException:
+        stop_lab(process)
+        raise
+    stop_lab(process)
+    raise RuntimeError(f"ds4lab lab printed no URL within {timeout:.0f} s (status {process.returncode}); "
+                       f"its log:\n{log.read_text(errors='replace')[-3000:]}")
+
+
+def stop_lab(process: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGTERM to `ds4lab lab` (it stops the server, which stops its kernels); SIGKILL after
+    `timeout` s."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+
+
+def open_notebook(page, server: LabServer, name: str, timeout_ms: int = 120_000):
+    """Load JupyterLab (a fresh workspace), double-click `name` in the file browser and wait
+    for its kernel to be ready; the notebook panel."""
+    page.goto(f"{server.base_url}/lab?reset&token={server.token}", timeout=timeout_ms)
+    page.locator(".jp-DirListing-item", has=page.locator(".jp-DirListing-itemText", has_text=name)).dblclick(
+        timeout=timeout_ms)
+    panel = page.locator(_ACTIVE_NOTEBOOK)
+    panel.locator(".jp-Cell").first.wait_for(timeout=timeout_ms)
+    page.locator(f'.jp-StatusBar-TextItem[title="Change kernel for {name}"]', has_text="| Idle").wait_for(
+        timeout=timeout_ms)
+    return panel
+
+
+def run_all_cells(page, timeout_ms: int) -> None:
+    """Run → Run All Cells, then wait until every code cell shows an execution count, or until
+    none is queued or running and one shows an error (Run All stops there). A dialog (a kernel
+    to choose, say) fails at once with its text."""
+    page.locator(".lm-MenuBar-item", has_text="Run").click()
+    page.get_by_role("menuitem", name="Run All Cells", exact=True).click()
+    page.wait_for_function(f"""() => {{
+        if (document.querySelector('.jp-Dialog')) return true;
+        const notebook = document.querySelector('{_ACTIVE_NOTEBOOK}');
+        const prompts = [...notebook.querySelectorAll('.jp-CodeCell .jp-InputArea-prompt')].map(p => p.textContent);
+        if (prompts.some(p => p.includes('*'))) return false;
+        return prompts.every(p => /\\[\\d+\\]/.test(p))
+            || notebook.querySelector('.jp-OutputArea-output{_ERROR_OUTPUTS}') !== null;
+    }}""", timeout=timeout_ms, polling=500)
+    dialog = page.locator(".jp-Dialog")
+    if dialog.count():
+        raise AssertionError(f"JupyterLab asks: {' '.join(dialog.first.inner_text().split())}")
+
+
+def output_problems(panel) -> list[str]:
+    """What the notebook's outputs show that a reader should not see: errors, stderr, widgets
+    that did not render. Empty when clean."""
+    problems = [f"error/stderr output: {text.strip()[:500]}"
+                for text in panel.locator(f".jp-OutputArea-output{_ERROR_OUTPUTS}").all_text_contents()]
+    text = "\n".join(panel.locator(".jp-OutputArea-output").all_text_contents())
+    problems += [f"an output reads {failure!r}" for failure in _WIDGET_FAILURES if failure in text]
+    return problems
+
+
+def move_slider(slider) -> None:
+    """One step right on an ipywidgets slider, by keyboard on its handle; checks the readout moved."""
+    readout = slider.locator(".widget-readout")
+    before = readout.inner_text()
+    slider.locator(".noUi-handle").focus()
+    slider.page.keyboard.press("ArrowRight")
+    deadline = time.monotonic() + 10
+    while readout.inner_text() == before:
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the slider did not move (readout stays {before!r})")
+        time.sleep(0.1)
+
+
+def choose_option(dropdown, label: str) -> None:
+    """Pick `label` in an ipywidgets dropdown."""
+    dropdown.locator("select").select_option(label=label)
+
+
+def shown(output) -> list[str]:
+    """What an output area shows: per output its text and its images' data."""
+    return output.evaluate("""area => [...area.querySelectorAll('.jp-OutputArea-output')].map(
+        o => o.textContent + [...o.querySelectorAll('img')].map(image => ' ' + image.src).join(''))""")
+
+
+def assert_widget_drives_output(output, move: Callable[[], None], timeout: float = 60, settle: float = 1.0) -> None:
+    """`move()` a widget; the `output` it drives must then show something else, and keep
+    showing it for `settle` s (a redraw of the same thing passes through other states)."""
+    before = shown(output)
+    move()
+    deadline = time.monotonic() + timeout
+    showing, since = before, time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.25)
+        now = shown(output)
+        if now != showing:
+            showing, since = now, time.monotonic()
+        elif showing != before and time.monotonic() - since >= settle:
+            return
+    raise AssertionError(f"moving the widget did not change the output it drives within {timeout:.0f} s")
+
+
+def bring_into_view(locator, timeout: float = 20) -> None:
+    """Scroll until `locator` is on screen and painted: the notebook renders cells lazily, so
+    the first scroll lands on estimated heights."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        locator.scroll_into_view_if_needed()
+        time.sleep(0.5)
+        if locator.evaluate("""node => {
+                const box = node.getBoundingClientRect();
+                return box.height > 0 && box.top >= 0 && box.top < window.innerHeight;
+            }"""):
+            return
+    raise AssertionError(f"{locator} did not come into view within {timeout:.0f} s")
+
+
+def save_screenshot(page, path: Path, timeout: float = 10) -> Path:
+    """The page as PNG at `path`, written atomically, once two shots `timeout` s at most
+    apart agree (large figures are painted in tiles)."""
+    deadline = time.monotonic() + timeout
+    shot, previous = page.screenshot(), None
+    while shot != previous and time.monotonic() < deadline:
+        time.sleep(0.5)
+        shot, previous = page.screenshot(), shot
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_bytes(shot)
+    partial.replace(path)
+    return path
