@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from ..config import coff, overlaps
 from .numerics import Schedule
@@ -87,15 +88,15 @@ class Compressor:
                    kind == "attn", kind == "indexer", cfg.rope_base(layer.index), yarn_for(cfg, ratio), cfg.n_rot,
                    cfg.rms_eps)
 
-    def project(self, x: mx.array, positions: mx.array, mm: Schedule) -> tuple[mx.array, mx.array]:
-        """Per-token kv and score rows [T, coff·width] (the score with the slot's APE term)."""
-        return mm.linear(x, self.kv_weight), mm.linear(x, self.gate_weight) + self.ape[positions % self.ratio]
+    def project(self, x: mx.array, p0: int, mm: Schedule) -> tuple[mx.array, mx.array]:
+        """Per-token kv and score rows [T, coff·width] of tokens at p0.. (the score with the slot's APE term)."""
+        slots = mx.array(np.arange(p0, p0 + x.shape[0]) % self.ratio)
+        return mm.linear(x, self.kv_weight), mm.linear(x, self.gate_weight) + self.ape[slots]
 
-    def step(self, frontier: Frontier, x: mx.array, positions: mx.array, p0: int,
-             mm: Schedule) -> tuple[mx.array, Frontier]:
-        """Feed a chunk: the rows it completes, [E, width], normed, rotated to each window's
+    def step(self, frontier: Frontier, x: mx.array, p0: int, mm: Schedule) -> tuple[mx.array, Frontier]:
+        """Feed a chunk of tokens at positions p0..: the rows it completes, [E, width], normed, rotated to each window's
         first position, rounded and stored as f16; and the new frontier."""
-        kv, score = self.project(x, positions, mm)
+        kv, score = self.project(x, p0, mm)
         pooled, frontier = compress_chunk(frontier, kv, score, p0, self.ratio, self.width)
         if pooled.shape[0] == 0:
             return pooled, frontier

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import numpy as np
 
 from . import kernels
 from .numerics import Schedule
@@ -45,14 +46,15 @@ def indexer_scores(layer: LayerWeights, xa: mx.array, qr_n: mx.array, keys: mx.a
 _ORDERED_BUDGET = 1 << 25
 
 
-def select_rows(scores: mx.array, visible: mx.array, n_visible: mx.array, top_k: int) -> mx.array:
-    """Mask [T, N] of the rows each token attends: all visible rows, or the top_k best when more are visible."""
+def select_rows(scores: mx.array, visible: mx.array, n_visible: np.ndarray, top_k: int) -> mx.array:
+    """Mask [T, N] of the rows each token attends: all visible rows, or the top_k best when more
+    are visible (`n_visible`, per token, known on the host)."""
     n = scores.shape[1]
     if n <= top_k:
         return visible
     masked = mx.where(visible, scores, -mx.inf)
     # ds4 takes the best rows one by one, ties to the lowest index; a stable descending sort does the same.
     order = mx.argsort(-masked, axis=1)[:, :top_k]
-    chosen = mx.zeros(scores.shape, dtype=mx.bool_)
-    chosen = mx.put_along_axis(chosen, order, mx.array(True), axis=1)
-    return mx.where((n_visible > top_k)[:, None], chosen & visible, visible)
+    chosen = mx.put_along_axis(mx.zeros(scores.shape, dtype=mx.bool_), order, mx.array(True), axis=1) & visible
+    choosing = n_visible > top_k
+    return chosen if choosing.all() else mx.where(mx.array(choosing)[:, None], chosen, visible)

@@ -197,7 +197,6 @@ class Model:
         self._hooks.positions = np.arange(p0, p0 + len(tokens))
         mm = self.numerics.schedule(self._hooks.positions)
         on_reference = self._reference_blocks() if mm.fast else {}
-        positions = mx.arange(p0, p0 + len(tokens))
         token_ids = mx.array(tokens, dtype=mx.int32)
         x = self._hooks.fire("hook_embed", self.weights.token_embd[token_ids].astype(mx.float32))
         streams = mx.broadcast_to(x[:, None, :], (x.shape[0], cfg.n_hc, cfg.n_embd))
@@ -211,7 +210,7 @@ class Model:
             h = self._hooks.scope(f"blocks.{il}")
             block_mm = mm.reference() if f"blocks.{il}" in on_reference else mm
             streams = h("hook_resid_pre", streams)
-            streams = self._attention_block(layer, new.layers[il], streams, positions, p0, rotations[kind], block_mm)
+            streams = self._attention_block(layer, new.layers[il], streams, p0, rotations[kind], block_mm)
             streams = h("hook_resid_mid", streams)
             streams, chosen = self._ffn_block(layer, streams, token_ids, block_mm)
             streams = h("hook_resid_post", streams)
@@ -227,52 +226,54 @@ class Model:
         new.hidden = hidden[-1]
         return ChunkResult(logits, experts, new, hidden)
 
-    def _attention_block(self, layer: LayerWeights, cache: LayerCache, streams: mx.array, positions: mx.array,
-                         p0: int, rotation: Rotation, mm: Schedule) -> mx.array:
-        """Attention over the raw window and the compressed rows; extends `cache`."""
+    def _attention_block(self, layer: LayerWeights, cache: LayerCache, streams: mx.array, p0: int,
+                         rotation: Rotation, mm: Schedule) -> mx.array:
+        """Attention of the chunk's tokens (positions p0..) over the raw window and the
+        compressed rows; extends `cache`. Masks are built on the host: positions are known."""
         cfg, d = self.config, layer.dense
         h = self._hooks.scope(f"{_prefix(layer)}.attn")
         xa, control = self._sublayer_input(h, streams, "attn", d, mm)
         q, qr_n = attention.project_q(layer, xa, rotation, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm)
         q = h("hook_q", q)
         kv = h("hook_kv", attention.kv_row(layer, xa, rotation, cfg.rms_eps, mm))
-        n_kept = cache.raw.shape[0]
+        positions = np.arange(p0, p0 + kv.shape[0])
+        raw_pos = np.arange(p0 - cache.raw.shape[0], p0 + kv.shape[0])
         keys = cache.update_window(kv, cfg.n_swa)
-        raw_pos = mx.arange(p0 - n_kept, p0 + kv.shape[0])
         offset = positions[:, None] - raw_pos[None, :]
-        mask = (offset >= 0) & (offset < cfg.n_swa)
+        mask = mx.array((offset >= 0) & (offset < cfg.n_swa))
         if layer.ratio:
-            comp, comp_mask = self._compressed_keys(layer, cache, h, xa, qr_n, positions, p0, rotation, mm)
+            comp, comp_mask = self._compressed_keys(layer, cache, h, xa, qr_n, positions, rotation, mm)
             keys = mx.concatenate([keys, comp])
             mask = mx.concatenate([mask, comp_mask], axis=1)
         if h.wants("hook_pattern") or h.wants("hook_key_span"):
-            self._read_pattern(h, q, keys, mask, d["attn_sinks.weight"], raw_pos, layer.ratio)
+            self._read_pattern(h, q, keys, mask, d["attn_sinks.weight"], mx.array(raw_pos), layer.ratio)
         heads = h("hook_z", attention.attend_heads(q, keys, mask, d["attn_sinks.weight"], rotation, mm))
         out = h("hook_out", attention.grouped_output(layer, heads, cfg.n_out_group, mm))
         return hc_expand(out, streams, control, mm)
 
     def _compressed_keys(self, layer: LayerWeights, cache: LayerCache, h: Scope, xa: mx.array, qr_n: mx.array,
-                         positions: mx.array, p0: int, rotation: Rotation, mm: Schedule) -> tuple[mx.array, mx.array]:
+                         positions: np.ndarray, rotation: Rotation, mm: Schedule) -> tuple[mx.array, mx.array]:
         """The compressed rows after this chunk and the mask of those each token attends
         (rows of windows it has completed; on ratio-4 layers the indexer's top-k of them)."""
         cfg, comps = self.config, self._compressors[layer.index]
-        rows, cache.frontier = comps["attn"].step(cache.frontier, xa, positions, p0, mm)
+        p0 = int(positions[0])
+        rows, cache.frontier = comps["attn"].step(cache.frontier, xa, p0, mm)
         comp = cache.append_compressed(h("compressor.hook_rows", rows))
         cache.frontier = self._hook_frontier(h, "compressor.hook_frontier", cache.frontier)
-        visible = mx.arange(comp.shape[0])[None, :] < ((positions + 1) // layer.ratio)[:, None]
-        comp_mask = visible
+        seen = np.arange(comp.shape[0])[None, :] < ((positions + 1) // layer.ratio)[:, None]
+        visible = comp_mask = mx.array(seen)
         if has_indexer(layer.ratio):
-            rows, cache.index_frontier = comps["indexer"].step(cache.index_frontier, xa, positions, p0, mm)
+            rows, cache.index_frontier = comps["indexer"].step(cache.index_frontier, xa, p0, mm)
             index_keys = cache.append_index_keys(h("indexer.hook_rows", rows))
             cache.index_frontier = self._hook_frontier(h, "indexer.hook_frontier", cache.index_frontier)
             if index_keys.shape[0] > cfg.indexer_top_k:
                 scores = indexer.indexer_scores(layer, xa, qr_n, index_keys, rotation, cfg.indexer_heads,
                                                 cfg.indexer_head_dim, mm)
                 scores = h("indexer.hook_scores", scores)
-                comp_mask = indexer.select_rows(scores, visible, visible.sum(axis=1), cfg.indexer_top_k)
+                comp_mask = indexer.select_rows(scores, visible, seen.sum(axis=1), cfg.indexer_top_k)
             # A hook may choose other rows, never ones the token cannot see yet.
-            comp_mask = h("indexer.hook_selected", comp_mask) & visible
-        return comp, h("hook_comp_mask", comp_mask) & visible
+            comp_mask = _within(h, "indexer.hook_selected", comp_mask, visible)
+        return comp, _within(h, "hook_comp_mask", comp_mask, visible)
 
     def _hook_frontier(self, h: Scope, suffix: str, frontier: Frontier) -> Frontier:
         """The frontier after the chunk as [2 (kv, score), rows, width]; a replacement becomes the state."""
@@ -343,6 +344,11 @@ class Model:
                                                                   w["output_hc_base"], cfg.rms_eps, cfg.hc_eps, mm))
         z = fire(prefix + "hook_final_norm", mm.rms_norm(hc_collapse(streams, mix), w["output_norm"], cfg.rms_eps))
         return fire(prefix + "hook_logits", mm.q8(self.weights.output, z))
+
+
+def _within(h: Scope, suffix: str, mask: mx.array, visible: mx.array) -> mx.array:
+    """Fire a row-mask point; a replacement is limited to the visible rows."""
+    return h(suffix, mask) & visible if h.wants(suffix) else mask
 
 
 def _prefix(layer: LayerWeights) -> str:

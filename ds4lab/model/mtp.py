@@ -72,7 +72,7 @@ class MTPHead:
         new = state.copy()
         rotation = Rotation.at(p0, n, cfg.n_rot, cfg.rope_freq_base, None)
         streams = h("hook_resid_pre", streams)
-        streams = model._attention_block(self.block, new.ring, streams, mx.arange(p0, p0 + n), p0, rotation, mm)
+        streams = model._attention_block(self.block, new.ring, streams, p0, rotation, mm)
         streams = h("hook_resid_mid", streams)
         streams, _ = model._ffn_block(self.block, streams, mx.array(tokens, dtype=mx.int32), mm)
         streams = h("hook_resid_post", streams)
