@@ -13,6 +13,8 @@ from __future__ import annotations
 import ds4lab  # noqa: F401  (first: OpenBLAS before MLX on Linux)
 
 # isort: split
+import time
+
 import mlx.core as mx
 import numpy as np
 
@@ -22,6 +24,7 @@ from ds4lab.model.moe import _decode
 from ds4lab.model.numerics import Numerics
 from ds4lab.model.random_weights import _expert_blocks, random_weights
 from ds4lab.model.rope import Rotation
+from ds4lab.model.weights import Q8Matrix
 
 
 def logits_on(device, tokens: list[int]) -> tuple[np.ndarray, np.ndarray]:
@@ -113,6 +116,42 @@ def check_fused_kernels() -> None:
               f"max rel err {_rel(kernels.indexer_scores(q, w, keys), ref):.2e}")
 
 
+def _q8_matrix(rows: int, cols: int) -> Q8Matrix:
+    codes = mx.random.randint(0, 256, (rows, cols)).astype(mx.uint8)
+    scales = mx.random.uniform(1e-3, 1e-2, (rows, cols // 32))
+    return Q8Matrix(mx.view(codes, mx.uint32).reshape(rows, cols // 4), scales, -128.0 * scales, rows, cols)
+
+
+def _seconds(fn, x: mx.array, repeat: int = 50) -> float:
+    mx.eval(fn(x))
+    t = time.perf_counter()
+    for _ in range(repeat):
+        mx.eval(fn(x))
+    return (time.perf_counter() - t) / repeat
+
+
+def check_q8_matvec() -> None:
+    """The Q8_0 matvec kernel against MLX's 8-bit quantized matmul: values, and the bytes per
+    second of each on the decode shapes of Flash (one token)."""
+    if not kernels.cuda_ready():
+        return
+    out_a = _q8_matrix(8192, 4096)
+    groups = mx.random.normal((1, 8, 4096))
+    ref = mx.concatenate([out_a.rows_slice(g * 1024, (g + 1) * 1024).quantized(groups[:, g]) for g in range(8)], -1)
+    print(f"q8_matvec grouped (8 x 1024 rows of 4096) vs per-group quantized_matmul: "
+          f"max rel err {_rel(kernels.q8_matvec(out_a, groups), ref):.2e}")
+    for rows, cols, what in ((1024, 4096, "q_a"), (32768, 1024, "q_b"), (4096, 8192, "output_b"),
+                             (2048, 4096, "shared gate"), (4096, 2048, "shared down")):
+        w = _q8_matrix(rows, cols)
+        x = mx.random.normal((1, cols))
+        nbytes = rows * cols * 34 / 32
+        mlx_s = _seconds(w.quantized, x)
+        ours_s = _seconds(lambda v, w=w: kernels.q8_matvec(w, v[:, None, :]), x)
+        print(f"Q8_0 matvec {what} {rows}x{cols}: quantized_matmul {mlx_s * 1e6:7.1f} us "
+              f"({nbytes / mlx_s / 1e9:6.0f} GB/s of Q8_0), q8_matvec {ours_s * 1e6:7.1f} us "
+              f"({nbytes / ours_s / 1e9:6.0f} GB/s)")
+
+
 def fast_vs_reference(shape: str, tokens: list[int]) -> None:
     """The fast path against the reference composition on the default device."""
     model = Model(random_weights(preset(shape), "q2", seed=2))
@@ -130,6 +169,7 @@ def fast_vs_reference(shape: str, tokens: list[int]) -> None:
 def main() -> None:
     check_fused_experts()
     check_fused_kernels()
+    check_q8_matvec()
     for shape in ("small", "tiny"):
         fast_vs_reference(shape, list(range(2000, 2048)))
     gpu = mx.default_device()

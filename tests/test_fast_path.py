@@ -103,7 +103,17 @@ def _router(inputs, t, grid, threadgroup):
     return [probs, experts, moe.route_weights(probs, experts, float(scale.item()))]
 
 
-STAND_INS = {"router": _router, "row_finish": _row_finish, "hc_pre": _hc_pre, "hc_post": _hc_post,
+def _q8_matvec(inputs, t, grid, threadgroup):
+    codes, scales, x = inputs
+    rows, cols, group_rows = t["ROWS"], t["COLS"], t["GROUP_ROWS"]
+    assert codes.shape == (rows, cols // 4) and x.shape[1:] == (rows // group_rows, cols)
+    assert grid[1] == x.shape[0] and grid[0] // 32 >= rows
+    w = mx.dequantize(codes, scales, -128.0 * scales, group_size=32, bits=8).reshape(-1, group_rows, cols)
+    return [(x[:, :, None, :] * w[None]).sum(axis=-1).reshape(x.shape[0], rows)]
+
+
+STAND_INS = {"q8_matvec": _q8_matvec, "router": _router, "row_finish": _row_finish, "hc_pre": _hc_pre,
+             "hc_post": _hc_post,
              "attention_heads": _attention_heads, "indexer_scores": _indexer_scores}
 
 

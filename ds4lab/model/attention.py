@@ -122,6 +122,15 @@ def grouped_output(layer: LayerWeights, heads: mx.array, n_out_group: int, mm: S
     t = heads.shape[0]
     groups = heads.reshape(t, n_out_group, -1)                         # heads of a group side by side
     out_a: Q8Matrix = layer.q8["attn_output_a.weight"]
-    rank = out_a.rows // n_out_group
-    low = [mm.q8(out_a.rows_slice(g * rank, (g + 1) * rank), groups[:, g]) for g in range(n_out_group)]
-    return mm.q8(layer.q8["attn_output_b.weight"], mx.concatenate(low, axis=-1))
+    if mm.fast and t <= _GROUPED_KERNEL_MAX_TOKENS:
+        low = kernels.q8_matvec(out_a, groups)                           # every group in one kernel
+    else:
+        rank = out_a.rows // n_out_group
+        low = mx.concatenate([mm.q8(out_a.rows_slice(g * rank, (g + 1) * rank), groups[:, g])
+                              for g in range(n_out_group)], axis=-1)
+    return mm.q8(layer.q8["attn_output_b.weight"], low)
+
+
+# Up to this many tokens (decode, MTP verification) the fast path's grouped projection is one
+# matvec kernel; a prefill chunk is a GEMM per group.
+_GROUPED_KERNEL_MAX_TOKENS = 8

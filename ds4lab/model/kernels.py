@@ -13,6 +13,8 @@ reference's steps in the same order, so a Metal port can translate them line by 
 - `attention_heads`: softmax attention with sinks over the visible keys (masked ones are not
   read), online softmax across warps, and the inverse RoPE of the output.
 - `indexer_scores`: the lightning indexer's Σ_h w_h·relu(q_h·k) per key row.
+- `q8_matvec`: a Q8_0 matrix (the model's 8-bit codes) times a few vectors, one warp per row;
+  rows may come in groups that each read their own vector (the grouped output projection).
 - `router`: router scores, biased top-k selection and route weights of a token in one block.
 - `expert_matvec`: routed-expert matvec on the IQ2_XXS, Q2_K or Q4_K block bytes of the
   selected experts, one warp per output row (the portable path decodes each selected expert
@@ -37,7 +39,7 @@ from ..quants.formats import row_bytes
 from ..quants.tables import IQ2XXS_GRID
 
 if TYPE_CHECKING:
-    from .weights import ExpertBlocks
+    from .weights import ExpertBlocks, Q8Matrix
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels" / "cuda"
 _TYPES = {"IQ2_XXS": "iq2_xxs", "Q2_K": "q2_k", "Q4_K": "q4_k"}
@@ -67,6 +69,7 @@ _KERNELS = {
                         ["q", "keys", "mask", "sinks", "rope_cos", "rope_sin", "n_keys"], ["out"]),
     "indexer_scores": ("indexer_scores.cu", ("ds4lab_block.cuh",), ["q", "w", "keys", "n_keys"], ["scores"]),
     "router": ("router.cu", (), ["logits", "bias", "scale"], ["probs", "experts", "weights"]),
+    "q8_matvec": ("q8_matvec.cu", ("ds4lab_block.cuh",), ["codes", "scales", "x"], ["y"]),
 }
 
 
@@ -160,6 +163,21 @@ def indexer_scores(q: mx.array, w: mx.array, keys: mx.array) -> mx.array:
         grid=(-(-n // warps) * 32 * warps, t, 1), threadgroup=(32 * warps, 1, 1),
         output_shapes=[(t, n)], output_dtypes=[mx.float32])
     return scores
+
+
+def q8_matvec(matrix: Q8Matrix, x: mx.array) -> mx.array:
+    """y [T, rows] = W·x[t, g(row)] from x [T, G, cols]: the rows in G equal groups, group g
+    multiplied by its own vector (G = 1: a plain matvec)."""
+    t, groups, cols = x.shape
+    if matrix.cols != cols or matrix.rows % groups:
+        raise ValueError(f"q8_matvec: {matrix.rows}x{matrix.cols} matrix, input {tuple(x.shape)}")
+    warps = 4
+    (y,) = _fused("q8_matvec")(
+        inputs=[matrix.codes, matrix.scales, x.astype(mx.float32)],
+        template=[("ROWS", matrix.rows), ("COLS", cols), ("GROUP_ROWS", matrix.rows // groups)],
+        grid=(-(-matrix.rows // warps) * 32 * warps, t, 1), threadgroup=(32 * warps, 1, 1),
+        output_shapes=[(t, matrix.rows)], output_dtypes=[mx.float32])
+    return y
 
 
 def router(logits: mx.array, bias: mx.array | None, n_used: int, scale: float) -> tuple[mx.array, mx.array, mx.array]:
