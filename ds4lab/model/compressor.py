@@ -20,6 +20,7 @@ KV files agree with ds4.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
@@ -90,8 +91,8 @@ class Compressor:
 
     def project(self, x: mx.array, p0: int, mm: Schedule) -> tuple[mx.array, mx.array]:
         """Per-token kv and score rows [T, coff·width] of tokens at p0.. (the score with the slot's APE term)."""
-        slots = mx.array(np.arange(p0, p0 + x.shape[0]) % self.ratio)
-        return mm.linear(x, self.kv_weight), mm.linear(x, self.gate_weight) + self.ape[slots]
+        ape = self.ape[_slots(p0 % self.ratio, x.shape[0], self.ratio)]
+        return mm.linear(x, self.kv_weight), mm.linear(x, self.gate_weight) + ape
 
     def step(self, frontier: Frontier, x: mx.array, p0: int, mm: Schedule) -> tuple[mx.array, Frontier]:
         """Feed a chunk of tokens at positions p0..: the rows it completes, [E, width], normed, rotated to each window's
@@ -106,6 +107,12 @@ class Compressor:
         rows = mm.finish_rows(pooled, eps=self.eps, weight=self.norm, rotation=first, qat=self.qat, fp8=self.fp8,
                               f16=True)
         return rows, frontier
+
+
+@lru_cache(maxsize=16)
+def _slots(first: int, t: int, ratio: int) -> mx.array:
+    """The window slots of t consecutive tokens, the first at slot `first`."""
+    return mx.array((first + np.arange(t)) % ratio)
 
 
 def _pool(kv: mx.array, score: mx.array) -> mx.array:

@@ -86,8 +86,14 @@ def _carry_table() -> mx.array:
     return mx.array(log2f_carry_table())
 
 
+@cache
+def _constant(values: tuple, dtype=mx.float32) -> mx.array:
+    """A small input array; kept, so that a decode step does not upload hundreds of copies."""
+    return mx.array(values, dtype)
+
+
 def _scalar(value, dtype=mx.float32) -> mx.array:
-    return mx.array([value], dtype)
+    return _constant((value,), dtype)
 
 
 def hc_pre(streams: mx.array, mix: mx.array, scale: mx.array, base: mx.array, norm: mx.array, sinkhorn_iters: int,
@@ -96,7 +102,7 @@ def hc_pre(streams: mx.array, mix: mx.array, scale: mx.array, base: mx.array, no
     mixer matvec of the raw flattened streams, mix [T, (2 + N)·N]."""
     t, n, e = streams.shape
     return tuple(_fused("hc_pre")(
-        inputs=[streams, mix, scale, base, norm, mx.array([rms_eps, hc_eps], mx.float32), _scalar(t, mx.int32)],
+        inputs=[streams, mix, scale, base, norm, _constant((rms_eps, hc_eps)), _scalar(t, mx.int32)],
         template=[("N", n), ("E", e), ("ITERS", sinkhorn_iters)],
         grid=(t * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(t, e), (t, n), (t, n), (t, n, n)], output_dtypes=[mx.float32] * 4))
@@ -123,7 +129,7 @@ def row_finish(x: mx.array, *, eps: float | None = None, weight: mx.array | None
     non-RoPE dims (`fp8`), f16 round trip (`f16`)."""
     d = x.shape[-1]
     rows = x.size // d
-    one = mx.zeros((1,), mx.float32)
+    one = _scalar(0.0)
     cos, sin = rope if rope is not None else (one, one)
     n_rot = 2 * cos.shape[-1] if rope is not None else 0
     (y,) = _fused("row_finish")(
@@ -188,7 +194,7 @@ def router(logits: mx.array, bias: mx.array | None, n_used: int, scale: float) -
     if threads > 1024:
         raise ValueError(f"the router kernel takes at most 1024 experts, not {e}")
     return tuple(_fused("router")(
-        inputs=[logits, mx.zeros((1,), mx.float32) if bias is None else bias, _scalar(scale)],
+        inputs=[logits, _scalar(0.0) if bias is None else bias, _scalar(scale)],
         template=[("E", e), ("K", n_used), ("HAS_BIAS", bias is not None)],
         grid=(t * threads, 1, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(t, e), (t, n_used), (t, n_used)], output_dtypes=[mx.float32, mx.int32, mx.float32]))

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -236,32 +237,29 @@ class Model:
         q, qr_n = attention.project_q(layer, xa, rotation, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm)
         q = h("hook_q", q)
         kv = h("hook_kv", attention.kv_row(layer, xa, rotation, cfg.rms_eps, mm))
-        positions = np.arange(p0, p0 + kv.shape[0])
-        raw_pos = np.arange(p0 - cache.raw.shape[0], p0 + kv.shape[0])
+        t, n_kept = kv.shape[0], cache.raw.shape[0]
         keys = cache.update_window(kv, cfg.n_swa)
-        offset = positions[:, None] - raw_pos[None, :]
-        mask = mx.array((offset >= 0) & (offset < cfg.n_swa))
+        mask = _window_mask(p0, t, n_kept, cfg.n_swa)
         if layer.ratio:
-            comp, comp_mask = self._compressed_keys(layer, cache, h, xa, qr_n, positions, rotation, mm)
+            comp, comp_mask = self._compressed_keys(layer, cache, h, xa, qr_n, p0, rotation, mm)
             keys = mx.concatenate([keys, comp])
             mask = mx.concatenate([mask, comp_mask], axis=1)
         if h.wants("hook_pattern") or h.wants("hook_key_span"):
-            self._read_pattern(h, q, keys, mask, d["attn_sinks.weight"], mx.array(raw_pos), layer.ratio)
+            self._read_pattern(h, q, keys, mask, d["attn_sinks.weight"], mx.arange(p0 - n_kept, p0 + t), layer.ratio)
         heads = h("hook_z", attention.attend_heads(q, keys, mask, d["attn_sinks.weight"], rotation, mm))
         out = h("hook_out", attention.grouped_output(layer, heads, cfg.n_out_group, mm))
         return hc_expand(out, streams, control, mm)
 
     def _compressed_keys(self, layer: LayerWeights, cache: LayerCache, h: Scope, xa: mx.array, qr_n: mx.array,
-                         positions: np.ndarray, rotation: Rotation, mm: Schedule) -> tuple[mx.array, mx.array]:
+                         p0: int, rotation: Rotation, mm: Schedule) -> tuple[mx.array, mx.array]:
         """The compressed rows after this chunk and the mask of those each token attends
         (rows of windows it has completed; on ratio-4 layers the indexer's top-k of them)."""
         cfg, comps = self.config, self._compressors[layer.index]
-        p0 = int(positions[0])
         rows, cache.frontier = comps["attn"].step(cache.frontier, xa, p0, mm)
         comp = cache.append_compressed(h("compressor.hook_rows", rows))
         cache.frontier = self._hook_frontier(h, "compressor.hook_frontier", cache.frontier)
-        seen = np.arange(comp.shape[0])[None, :] < ((positions + 1) // layer.ratio)[:, None]
-        visible = comp_mask = mx.array(seen)
+        visible, n_visible = _visible_rows(p0, xa.shape[0], comp.shape[0], layer.ratio)
+        comp_mask = visible
         if has_indexer(layer.ratio):
             rows, cache.index_frontier = comps["indexer"].step(cache.index_frontier, xa, p0, mm)
             index_keys = cache.append_index_keys(h("indexer.hook_rows", rows))
@@ -270,7 +268,7 @@ class Model:
                 scores = indexer.indexer_scores(layer, xa, qr_n, index_keys, rotation, cfg.indexer_heads,
                                                 cfg.indexer_head_dim, mm)
                 scores = h("indexer.hook_scores", scores)
-                comp_mask = indexer.select_rows(scores, visible, seen.sum(axis=1), cfg.indexer_top_k)
+                comp_mask = indexer.select_rows(scores, visible, n_visible, cfg.indexer_top_k)
             # A hook may choose other rows, never ones the token cannot see yet.
             comp_mask = _within(h, "indexer.hook_selected", comp_mask, visible)
         return comp, _within(h, "hook_comp_mask", comp_mask, visible)
@@ -344,6 +342,21 @@ class Model:
                                                                   w["output_hc_base"], cfg.rms_eps, cfg.hc_eps, mm))
         z = fire(prefix + "hook_final_norm", mm.rms_norm(hc_collapse(streams, mix), w["output_norm"], cfg.rms_eps))
         return fire(prefix + "hook_logits", mm.q8(self.weights.output, z))
+
+
+# Masks depend only on positions and sizes: made on the host once per chunk, shared by the layers.
+@lru_cache(maxsize=16)
+def _window_mask(p0: int, t: int, n_kept: int, n_swa: int) -> mx.array:
+    """[T, n_kept + T]: the raw rows (kept window, then the chunk's) each token sees."""
+    offset = np.arange(p0, p0 + t)[:, None] - np.arange(p0 - n_kept, p0 + t)[None, :]
+    return mx.array((offset >= 0) & (offset < n_swa))
+
+
+@lru_cache(maxsize=16)
+def _visible_rows(p0: int, t: int, n_rows: int, ratio: int) -> tuple[mx.array, np.ndarray]:
+    """([T, n_rows] compressed rows each token may see (windows it has completed), their counts)."""
+    seen = np.arange(n_rows)[None, :] < ((np.arange(p0, p0 + t) + 1) // ratio)[:, None]
+    return mx.array(seen), seen.sum(axis=1)
 
 
 def _within(h: Scope, suffix: str, mask: mx.array, visible: mx.array) -> mx.array:
