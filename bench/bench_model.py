@@ -18,6 +18,7 @@ import argparse
 import re
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import mlx.core as mx
@@ -55,18 +56,17 @@ _VIEWS = {"Broadcast", "BroadcastAxes", "Reshape", "Slice", "Squeeze", "ExpandDi
           "View", "Unflatten", "Flatten", "Copy"}
 
 
-def ops_per_layer(model: Model, state) -> tuple[float, float]:
-    """(kernel ops, all primitives) per layer in the graph of one decode step from `state`."""
+def step_ops(model: Model, state) -> Counter:
+    """The primitives in the graph of one decode step from `state`, by name (on the CPU: the
+    graph after the step's last host round trip)."""
     logits = model.forward(state, [1234], last_only=True).logits
     with tempfile.TemporaryDirectory() as tmp:
         dot = Path(tmp) / "step.dot"
         mx.export_to_dot(str(dot), logits)
-        ops = re.findall(r'label ?="?([A-Za-z0-9_]+)', dot.read_text())
-    layers = model.config.n_layer
-    return sum(op not in _VIEWS for op in ops) / layers, len(ops) / layers
+        return Counter(re.findall(r'label ?="?([A-Za-z0-9_]+)', dot.read_text()))
 
 
-def bench(name: str, model: Model, contexts: list[int], steps: int, bw: float) -> None:
+def bench(name: str, model: Model, contexts: list[int], steps: int, bw: float, histogram: bool = False) -> None:
     """Per context length: prefill tok/s of that prompt, then decode tok/s of `steps` greedy steps."""
     session = model.session()                              # warm-up (not timed): a chunk's and a decode
     mx.eval(session.prefill(list(range(1000, 1000 + min(contexts)))))   # step's kernels are compiled
@@ -84,10 +84,13 @@ def bench(name: str, model: Model, contexts: list[int], steps: int, bw: float) -
             logits = session.decode(int(mx.argmax(logits).item()))
             mx.eval(logits)
         decode = steps / (time.perf_counter() - t)
-        kernel_ops, primitives = ops_per_layer(model, session.state)
+        ops, layers = step_ops(model, session.state), model.config.n_layer
+        kernel_ops = sum(n for op, n in ops.items() if op not in _VIEWS)
         print(f"{name:30s} context {context:6d}: prefill {prefill:8.1f} tok/s   decode {decode:7.2f} tok/s   "
               f"{per_token / 2**20:8.1f} MiB/token   roofline ratio {decode * per_token / bw:6.1%}   "
-              f"per layer {kernel_ops:.0f} kernel ops ({primitives:.0f} primitives)")
+              f"per layer {kernel_ops / layers:.0f} kernel ops ({ops.total() / layers:.0f} primitives)")
+        if histogram:
+            print("    per layer: " + ", ".join(f"{op} {n / layers:.1f}" for op, n in ops.most_common(24)))
 
 
 def main() -> None:
@@ -98,6 +101,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, nargs="+", default=[128],
                         help="context lengths: each is prefilled, then decoded from (e.g. 128 4096)")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--op-histogram", action="store_true", help="print a decode step's primitives by name")
     args = parser.parse_args()
     device = mx.default_device()
     bw = bandwidth()
@@ -108,7 +112,8 @@ def main() -> None:
         weights = random_weights(cfg, args.variant)
         print(f"built {cfg.n_layer}-layer flash-dims {args.variant} in memory: {weights.nbytes / 2**30:.1f} GiB "
               f"in {time.perf_counter() - t:.0f} s")
-        bench(f"flash-dims {cfg.n_layer}L {args.variant} (memory)", Model(weights), args.prompt, args.steps, bw)
+        bench(f"flash-dims {cfg.n_layer}L {args.variant} (memory)", Model(weights), args.prompt, args.steps, bw,
+              args.op_histogram)
         return
     from ds4lab.synth import make_model
 
