@@ -112,9 +112,14 @@ def _one_hot(n: int, token: int) -> np.ndarray:
     return q
 
 
-def _margin(logits: np.ndarray) -> float:
-    top2 = np.partition(logits, -2)[-2:]
-    return float(top2[1] - top2[0])
+def _margins(logits: np.ndarray) -> np.ndarray:
+    """Top-1 minus top-2 logit of each row of [T, n_vocab] (two linear passes: np.partition is
+    pathologically slow on rows where most of the vocabulary shares one value)."""
+    rows = np.arange(len(logits))
+    top = logits.argmax(axis=1)
+    rest = logits.copy()
+    rest[rows, top] = -np.inf
+    return logits[rows, top] - rest.max(axis=1)
 
 
 class _Cycles:
@@ -194,7 +199,7 @@ class _Cycles:
         drafts, qs, margins = [], [], []
         while True:
             row = np.array(logits, dtype=np.float64)
-            margin = _margin(row)
+            margin = float(_margins(row[None])[0])
             if self.spec.margin is not None and margin < self.spec.margin:
                 return drafts, qs, margins, keep, True
             q = self._q(row)
@@ -437,9 +442,8 @@ def _tf_frame(head: np.ndarray, fed: np.ndarray, target_logits: np.ndarray, s: i
     n = min(len(head), len(target_logits) - s - depth + 1)
     head, target = head[:n], target_logits[s + depth - 1: s + depth - 1 + n]
     draft, choice = head.argmax(axis=1), target.argmax(axis=1)
-    top2 = np.partition(head, -2, axis=1)[:, -2:]
     return pd.DataFrame({"pos": np.arange(n) + depth - 1, "depth": depth, "token": fed[:n], "draft": draft,
-                         "target": choice, "accepted": draft == choice, "margin": top2[:, 1] - top2[:, 0],
+                         "target": choice, "accepted": draft == choice, "margin": _margins(head),
                          "p_target": _softmax_at(target, draft), "q_draft": _softmax_at(head, draft)})
 
 
@@ -495,11 +499,34 @@ def _q8(values: np.ndarray) -> Q8Matrix:
     return matrix
 
 
-def fit(model, sequences: Sequence[Sequence[int]], steps: int = 300, seed: int = 0, pairing: str = "v3",
-        lr: float = 3e-3, gain: float = 30.0, held_out: Sequence[int] | None = None,
+@dataclass(frozen=True)
+class TargetPass:
+    """The target's pass over one token sequence, what `fit` learns from: the ids, the final
+    HC streams [T, n_hc, n_embd] and the final normed vectors [T, n_embd]."""
+
+    ids: list[int]
+    hidden: np.ndarray
+    final_norm: np.ndarray
+
+
+def target_passes(model, sequences: Sequence[Sequence[int]]) -> list[TargetPass]:
+    """The target's passes over `sequences`. `fit` runs them itself from token ids; given these
+    instead, fits under several pairings or step counts run the target once."""
+    last = f"blocks.{model.config.n_layer - 1}.hook_resid_post"
+    passes = []
+    for seq in sequences:
+        ids = [int(t) for t in seq]
+        _, cache = model.run_with_cache(ids, [last, "hook_final_norm"])
+        passes.append(TargetPass(ids, cache[last], cache["hook_final_norm"]))
+    return passes
+
+
+def fit(model, sequences: Sequence[Sequence[int] | TargetPass], steps: int = 300, seed: int = 0,
+        pairing: str = "v3", lr: float = 3e-3, gain: float = 30.0, held_out: Sequence[int] | None = None,
         eval_every: int = 100) -> FittedHead:
     """Fit the head's e_proj and h_proj to the target's own behaviour on `sequences` (token
-    ids, e.g. the model's greedy continuations), the rest of the head as loaded.
+    ids, e.g. the model's greedy continuations, or their `target_passes`), the rest of the
+    head as loaded.
 
     The objective is the head's residual path: the block's sublayers read RMS-normalised
     inputs, so their outputs have a fixed size, and streams `gain` times larger pass the
@@ -514,16 +541,14 @@ def fit(model, sequences: Sequence[Sequence[int]], steps: int = 300, seed: int =
     if model.mtp is None:
         raise ValueError("fit starts from a loaded MTP head: ds4lab.load(..., mtp=FILE)")
     cfg, head0, s = model.config, model.mtp, SpecConfig(pairing=pairing).offset
-    last = f"blocks.{cfg.n_layer - 1}.hook_resid_post"
     a_rows, b_rows, targets = [], [], []
-    for seq in sequences:
-        ids = [int(t) for t in seq]
-        _, cache = model.run_with_cache(ids, [last, "hook_final_norm"])
-        n = len(ids) - s
-        emb = model.weights.token_embd[mx.array(ids[s:])].astype(mx.float32)
+    for run in sequences:
+        run = run if isinstance(run, TargetPass) else target_passes(model, [run])[0]
+        n = len(run.ids) - s
+        emb = model.weights.token_embd[mx.array(run.ids[s:])].astype(mx.float32)
         a_rows.append(_rms(emb, head0.enorm, cfg.rms_eps))
-        b_rows.append(_rms(mx.array(cache[last][:n]), head0.hnorm, cfg.rms_eps).mean(axis=1))
-        y = mx.array(cache["hook_final_norm"][s: s + n]) / head0.head["output_norm"]
+        b_rows.append(_rms(mx.array(run.hidden[:n]), head0.hnorm, cfg.rms_eps).mean(axis=1))
+        y = mx.array(run.final_norm[s: s + n]) / head0.head["output_norm"]
         targets.append(y / mx.sqrt(mx.mean(y * y, axis=1, keepdims=True)))
     a, b, y = (mx.concatenate(x) for x in (a_rows, b_rows, targets))
     key = mx.random.key(seed)
