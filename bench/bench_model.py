@@ -84,11 +84,17 @@ def bench(name: str, model: Model, contexts: list[int], steps: int, bw: float, h
             logits = session.decode(int(mx.argmax(logits).item()))
             mx.eval(logits)
         decode = steps / (time.perf_counter() - t)
+        t = time.perf_counter()
+        step = model.forward(session.state, [999], last_only=True).logits
+        built = time.perf_counter() - t
+        mx.eval(step)
+        evaluated = time.perf_counter() - t - built
         ops, layers = step_ops(model, session.state), model.config.n_layer
         kernel_ops = sum(n for op, n in ops.items() if op not in _VIEWS)
         print(f"{name:30s} context {context:6d}: prefill {prefill:8.1f} tok/s   decode {decode:7.2f} tok/s   "
               f"{per_token / 2**20:8.1f} MiB/token   roofline ratio {decode * per_token / bw:6.1%}   "
-              f"per layer {kernel_ops / layers:.0f} kernel ops ({ops.total() / layers:.0f} primitives)")
+              f"per layer {kernel_ops / layers:.0f} kernel ops ({ops.total() / layers:.0f} primitives); "
+              f"one step: graph built in {built * 1e3:.1f} ms, evaluated in {evaluated * 1e3:.1f} ms")
         if histogram:
             print("    per layer: " + ", ".join(f"{op} {n / layers:.1f}" for op, n in ops.most_common(24)))
 

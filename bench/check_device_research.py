@@ -11,7 +11,7 @@ an H200), so the checks ask that the new paths add no error of their own:
 - imatrix collection: the same counts, and each layer's sums of squares within four times
   that layer's input rms difference;
 - a replacement at a block boundary (`attn.hook_out`) keeps every block on the fast path and
-  changes the logits as on the reference path (within 1e-3 of their std);
+  changes the logits as on the reference path (within twice the two paths' own difference);
 - a session saved to .kv on the GPU and loaded again on the GPU continues exactly as the
   uninterrupted GPU session; the file loads and runs on the CPU.
 
@@ -112,20 +112,28 @@ def main() -> None:
                                 cpu_in[f"blocks.{k.split('.')[1]}.ffn.hook_in"]) + 1e-6) for k in cpu_m)
     results.append(report("imatrix sum2 rms diff / 4x its layer's input diff", excess, 1.0))
 
-    def edited(fast: bool):
+    def logits_with(fast: bool, edit: bool):
         model.numerics.allow_fast = fast
+        scale = [(f"blocks.{layer}.attn.hook_out", lambda act, hook: act * 1.5)] if edit else []
         try:
-            with model.hooks([(f"blocks.{layer}.attn.hook_out", lambda act, hook: act * 1.5)]):
+            with model.hooks([*pin, *scale]):
                 return model.fast_path_plan(), np.array(model(tokens[:48]))
         finally:
             model.numerics.allow_fast = True
 
-    plain = on(GPU, lambda: np.array(model(tokens[:48])))
-    (plan, fast_edit), (_, ref_edit) = on(GPU, lambda: edited(True)), on(GPU, lambda: edited(False))
+    plan, fast_edit = on(GPU, lambda: logits_with(True, True))
+    ref_edit, fast_plain, ref_plain = (on(GPU, lambda f=f, e=e: logits_with(f, e))[1]
+                                       for f, e in ((False, True), (True, False), (False, False)))
+    std = ref_plain.std()
+    path_gap = float(np.abs(fast_plain - ref_plain).max() / std)
     print(f"{'boundary hook: blocks on the fast path':52s} {int((plan.path == 'fast').sum())} of {len(plan)}")
-    print(f"{'boundary hook: effect on the logits / std':52s} {np.abs(ref_edit - plain).max() / plain.std():.2e}")
-    results.append(report("boundary hook: fast vs reference edited logits / std",
-                          float(np.abs(fast_edit - ref_edit).max() / plain.std()), 1e-3))
+    print(f"{'boundary hook: its effect on the logits / std':52s} {np.abs(ref_edit - ref_plain).max() / std:.2e}")
+    print(f"{'fast vs reference path, unedited, max diff / std':52s} {path_gap:.2e}")
+    # FP8 rounding of the KV rows turns float-order differences into whole FP8 steps on tiny
+    # models, so the edit is checked against the two paths' own difference.
+    results.append(report("boundary hook: effect, fast vs reference, max diff / std",
+                          float(np.abs((fast_edit - fast_plain) - (ref_edit - ref_plain)).max() / std),
+                          2 * path_gap + 1e-4))
 
     folder = tempfile.mkdtemp()
 

@@ -122,7 +122,7 @@ def grouped_output(layer: LayerWeights, heads: mx.array, n_out_group: int, mm: S
     t = heads.shape[0]
     groups = heads.reshape(t, n_out_group, -1)                         # heads of a group side by side
     out_a: Q8Matrix = layer.q8["attn_output_a.weight"]
-    if mm.fast and t <= _GROUPED_KERNEL_MAX_TOKENS:
+    if mm.fast and t <= kernels.MATVEC_MAX_TOKENS and kernels.q8_matvec_fits(out_a, n_out_group):
         low = kernels.q8_matvec(out_a, groups)                           # every group in one kernel
     else:
         rank = out_a.rows // n_out_group
@@ -130,7 +130,3 @@ def grouped_output(layer: LayerWeights, heads: mx.array, n_out_group: int, mm: S
                               for g in range(n_out_group)], axis=-1)
     return mm.q8(layer.q8["attn_output_b.weight"], low)
 
-
-# Up to this many tokens (decode, MTP verification) the fast path's grouped projection is one
-# matvec kernel; a prefill chunk is a GEMM per group.
-_GROUPED_KERNEL_MAX_TOKENS = 8

@@ -171,17 +171,32 @@ def indexer_scores(q: mx.array, w: mx.array, keys: mx.array) -> mx.array:
     return scores
 
 
+# Up to this many tokens (decode, MTP verification) Q8_0 products are matvec kernels on the
+# fast path; a prefill chunk is a GEMM (MLX's quantized matmul).
+MATVEC_MAX_TOKENS = 8
+# The Q8_0 matvec kernel's rows per thread block (WARPS in q8_matvec.cu) and the widest input
+# its shared memory holds.
+_Q8_ROWS_PER_BLOCK = 8
+_Q8_MAX_COLS = 12288
+
+
+def q8_matvec_fits(matrix: Q8Matrix, groups: int = 1) -> bool:
+    """Whether `q8_matvec` takes this matrix split in `groups` groups of rows."""
+    return (matrix.cols <= _Q8_MAX_COLS and matrix.rows % groups == 0
+            and (matrix.rows // groups) % _Q8_ROWS_PER_BLOCK == 0)
+
+
 def q8_matvec(matrix: Q8Matrix, x: mx.array) -> mx.array:
     """y [T, rows] = W·x[t, g(row)] from x [T, G, cols]: the rows in G equal groups, group g
-    multiplied by its own vector (G = 1: a plain matvec)."""
+    multiplied by its own vector (G = 1: a plain matvec). See `q8_matvec_fits`."""
     t, groups, cols = x.shape
-    if matrix.cols != cols or matrix.rows % groups:
+    if matrix.cols != cols or not q8_matvec_fits(matrix, groups):
         raise ValueError(f"q8_matvec: {matrix.rows}x{matrix.cols} matrix, input {tuple(x.shape)}")
-    warps = 4
     (y,) = _fused("q8_matvec")(
         inputs=[matrix.codes, matrix.scales, x.astype(mx.float32)],
         template=[("ROWS", matrix.rows), ("COLS", cols), ("GROUP_ROWS", matrix.rows // groups)],
-        grid=(-(-matrix.rows // warps) * 32 * warps, t, 1), threadgroup=(32 * warps, 1, 1),
+        grid=(-(-matrix.rows // _Q8_ROWS_PER_BLOCK) * 32 * _Q8_ROWS_PER_BLOCK, t, 1),
+        threadgroup=(32 * _Q8_ROWS_PER_BLOCK, 1, 1),
         output_shapes=[(t, matrix.rows)], output_dtypes=[mx.float32])
     return y
 
