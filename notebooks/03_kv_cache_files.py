@@ -161,7 +161,7 @@ fig, ax = plt.subplots(figsize=(8, 3))
 for name, group in rows.groupby("field"):
     ax.plot(group["layer"], group["max_abs_diff"], "o", label=name.removesuffix(" rows"))
 ax.set_xlabel("layer")
-ax.set_ylabel("max |a − b| over shared rows")
+ax.set_ylabel("max |a − b| over shared rows (float32 value)")
 ax.set_yscale("symlog", linthresh=1e-6)
 ax.set_title(f"{len(first.tokens)}-token vs {len(second.tokens)}-token checkpoint")
 ax.legend(fontsize=7)

@@ -5,9 +5,14 @@ never from ds4lab's own output."""
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 
+import matplotlib.pyplot as plt
+import numpy as np
 import pytest
+from matplotlib.figure import Figure
+from PIL import Image
 
 import ds4lab  # noqa: F401  (import order: ds4lab first)
 from ds4lab.cache import (
@@ -20,9 +25,10 @@ from ds4lab.cache import (
     payload_bytes,
     plan_eviction,
     store_len,
+    widget,
 )
 from ds4lab.cache.simulate import simulate
-from ds4lab.cache.workloads import read_ds4_trace
+from ds4lab.cache.workloads import coding_agent_trace, read_ds4_trace
 from ds4lab.kvc.header import KVCHeader
 
 HALF = 21600
@@ -389,3 +395,25 @@ def test_paths_keep_the_files_own_case(tmp_path):
     assert plan_eviction(tmp_path, 4096, now=3, protected_sha=sha(0xABC).upper(), policy="ds4@8d57664")[0] != upper
     table = explain_eviction(tmp_path, 1, now=3)
     assert set(table["file"]) == {upper, mixed, found}
+
+
+# ---- the notebook's panel --------------------------------------------------------------------
+
+
+def test_panel_redraws_off_pyplot(monkeypatch):
+    # The panel's callback runs in a comm handler while ipykernel may fire post_execute on
+    # another thread, whose flush_figures renders and closes every pyplot figure: the panel's
+    # figure must not be one (a pyplot one came out blank in JupyterLab after a dropdown move).
+    shown = []
+    monkeypatch.setattr(widget, "display", lambda fig: shown.append((fig, plt.get_fignums())))
+    panel = widget.cache_panel(coding_agent_trace(300, n_users=2, seed=0), budget_mb=512)
+    policy = panel.children[0].children[0]
+    policy.value = "lru"
+    assert len(shown) == 2
+    for fig, pyplot_figures in shown:
+        assert isinstance(fig, Figure) and len(fig.axes) == 3
+        assert pyplot_figures == []                       # nothing of the panel's open in pyplot while shown
+        png = io.BytesIO()
+        fig.savefig(png, format="png", dpi=40)
+        gray = np.asarray(Image.open(png).convert("L"))
+        assert (gray < 200).mean() > 0.02                 # drawn: lines, labels, markers

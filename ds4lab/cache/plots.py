@@ -68,9 +68,11 @@ def plot_evictions(events: pd.DataFrame, ax: Axes | None = None) -> Axes:
     return ax
 
 
-def plot_summary(events: pd.DataFrame) -> Figure:
-    """The three plots above, stacked on one time axis."""
-    fig, axes = plt.subplots(3, 1, figsize=(10, 10), sharex=True)
+def plot_summary(events: pd.DataFrame, fig: Figure | None = None) -> Figure:
+    """The three plots above, stacked on one time axis, in `fig` (an empty figure, say one
+    made without pyplot; default a new 10 x 10 in pyplot figure)."""
+    fig = plt.figure(figsize=(10, 10)) if fig is None else fig
+    axes = fig.subplots(3, 1, sharex=True)
     plot_hit_rate(events, axes[0])
     plot_directory(events, axes[1])
     plot_evictions(events, axes[2])

@@ -1,5 +1,11 @@
 """An ipywidgets panel that re-runs a simulation as the budget, hit half-life, boundary trim
-and alignment change, and redraws the summary figure and the headline numbers."""
+and alignment change, and redraws the summary figure and the headline numbers.
+
+The figure is drawn without pyplot. A widget callback runs in a comm handler, and ipykernel
+handles the frontend's Output-widget syncs on a subshell thread that fires IPython's
+post_execute, where matplotlib-inline's flush_figures displays and closes every open pyplot
+figure: a pyplot figure drawn in the callback can be rendered by both threads at once and comes
+out blank (and a stray copy lands in JupyterLab's log console)."""
 
 from __future__ import annotations
 
@@ -7,8 +13,8 @@ from collections.abc import Iterable
 from typing import Any
 
 import ipywidgets as widgets
-import matplotlib.pyplot as plt
 from IPython.display import display
+from matplotlib.figure import Figure
 
 from .plots import plot_summary
 from .policies import DEFAULT_POLICY, HALF_LIFE_S, POLICIES, get_policy
@@ -35,9 +41,7 @@ def cache_panel(records: Iterable[dict[str, Any]], policy: str = DEFAULT_POLICY,
         with out:
             out.clear_output(wait=True)
             print({k: round(v, 4) if isinstance(v, float) else v for k, v in summary(events).items()})
-            fig = plot_summary(events)
-            display(fig)
-            plt.close(fig)
+            display(plot_summary(events, Figure(figsize=(10, 10))))
 
     for w in (pick, budget, half, trim, align):
         w.observe(rerun, names="value")
