@@ -171,19 +171,15 @@ def indexer_scores(q: mx.array, w: mx.array, keys: mx.array) -> mx.array:
     return scores
 
 
-# Up to this many tokens (decode, MTP verification) Q8_0 products are matvec kernels on the
-# fast path; a prefill chunk is a GEMM (MLX's quantized matmul).
+# Up to this many tokens (decode, MTP verification) the grouped output projection is one
+# matvec kernel on the fast path; a prefill chunk is a GEMM per group (MLX's quantized matmul).
 MATVEC_MAX_TOKENS = 8
-# The Q8_0 matvec kernel's rows per thread block (WARPS in q8_matvec.cu) and the widest input
-# its shared memory holds.
-_Q8_ROWS_PER_BLOCK = 8
-_Q8_MAX_COLS = 12288
+_Q8_ROWS_PER_BLOCK = 4                   # warps (rows) per thread block of the Q8_0 matvec
 
 
 def q8_matvec_fits(matrix: Q8Matrix, groups: int = 1) -> bool:
     """Whether `q8_matvec` takes this matrix split in `groups` groups of rows."""
-    return (matrix.cols <= _Q8_MAX_COLS and matrix.rows % groups == 0
-            and (matrix.rows // groups) % _Q8_ROWS_PER_BLOCK == 0)
+    return matrix.rows % groups == 0
 
 
 def q8_matvec(matrix: Q8Matrix, x: mx.array) -> mx.array:
