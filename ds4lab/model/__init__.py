@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from .model import NUMERICS, Model
+from .model import FAST_PATH_POINTS, NUMERICS, Model
 from .session import Session
 
-__all__ = ["NUMERICS", "Model", "Session", "load"]
+__all__ = ["FAST_PATH_POINTS", "NUMERICS", "Model", "Session", "load"]
 
 
 def load(path, numerics: str = "float", mtp=None) -> Model:
