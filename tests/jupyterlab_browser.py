@@ -1,9 +1,12 @@
 """Driving `ds4lab lab` from headless Chromium (Playwright on Debian's chromium): start and stop
 the server, open a notebook by double-clicking it, run every cell, read what the outputs show,
-move a widget and check that the output it drives changes. Every wait has a timeout."""
+move a widget and check that the output it drives changes and still shows a drawn figure.
+Every wait has a timeout."""
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 import os
 import queue
@@ -20,6 +23,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+from PIL import Image
+
 # Debian's chromium on a closed network: without the background-networking flags it stalls on
 # connections that are refused.
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
@@ -34,6 +40,16 @@ _ERROR_OUTPUTS = '[data-mime-type="application/vnd.jupyter.stderr"]'
 _WIDGET_FAILURES = ("Loading widget...", "Error displaying widget", "No renderer could be found")
 
 _ACTIVE_NOTEBOOK = ".jp-NotebookPanel:not(.lm-mod-hidden)"
+
+# Outputs no cell took (a display or print from a widget callback outside any Output widget,
+# say) go to JupyterLab's log console; its status bar item counts them for the active notebook.
+_LOG_STATUS = ".jp-LogConsoleStatusItem:not(.lm-mod-hidden) [title]"
+
+# A redrawn figure is "drawn" when at least this share of its pixels differs from its
+# background, and at least this fraction of the share the figure before the move had (a
+# redraw that keeps only a title and a border has ~0.2% against ~20%).
+MIN_INK = 0.01
+KEPT_INK = 0.25
 
 
 def chromium_executable() -> str | None:
@@ -149,13 +165,23 @@ def run_all_cells(page, timeout_ms: int) -> None:
         raise AssertionError(f"JupyterLab asks: {' '.join(dialog.first.inner_text().split())}")
 
 
+def log_entries(page) -> int:
+    """How many entries JupyterLab's log console holds for the active notebook (its status bar
+    item is hidden while there are none)."""
+    titles = page.locator(_LOG_STATUS).evaluate_all("nodes => nodes.map(node => node.title)")
+    return sum(int(match[1]) for title in titles if (match := re.search(r"(\d+) log entries", title)))
+
+
 def output_problems(panel) -> list[str]:
     """What the notebook's outputs show that a reader should not see: errors, stderr, widgets
-    that did not render. Empty when clean."""
+    that did not render, outputs that went to the log console. Empty when clean."""
     problems = [f"error/stderr output: {text.strip()[:500]}"
                 for text in panel.locator(f".jp-OutputArea-output{_ERROR_OUTPUTS}").all_text_contents()]
     text = "\n".join(panel.locator(".jp-OutputArea-output").all_text_contents())
     problems += [f"an output reads {failure!r}" for failure in _WIDGET_FAILURES if failure in text]
+    logged = log_entries(panel.page)
+    if logged:
+        problems.append(f"{logged} output(s) no cell took went to the log console (View > Show Log Console)")
     return problems
 
 
@@ -183,10 +209,48 @@ def shown(output) -> list[str]:
         o => o.textContent + [...o.querySelectorAll('img')].map(image => ' ' + image.src).join(''))""")
 
 
+def figures(output) -> list[bytes]:
+    """The PNG data of the images an output area shows (JupyterLab shows image/png as a data URL)."""
+    sources = output.evaluate("area => [...area.querySelectorAll('.jp-OutputArea-output img')].map(i => i.src)")
+    pngs = []
+    for source in sources:
+        kind, _, data = source.partition(",")
+        if kind != "data:image/png;base64":
+            raise AssertionError(f"an output image is not an inline PNG: {source[:80]!r}")
+        pngs.append(base64.b64decode(data, validate=True))
+    return pngs
+
+
+def ink(png: bytes) -> float:
+    """The share of a PNG's pixels that differ from its most common colour (its background) by
+    more than 16 of 255 in some channel: 0 for a blank image."""
+    pixels = np.asarray(Image.open(io.BytesIO(png)).convert("RGB"), dtype=np.int32).reshape(-1, 3)
+    packed = pixels[:, 0] << 16 | pixels[:, 1] << 8 | pixels[:, 2]
+    colours, counts = np.unique(packed, return_counts=True)
+    background = pixels[np.argmax(packed == colours[counts.argmax()])]
+    return float((np.abs(pixels - background).max(axis=1) > 16).mean())
+
+
+def assert_figures_drawn(output, before: list[float]) -> None:
+    """The figures `output` shows are drawn: there are some if there were (`before`: their
+    ink), none is almost uniform (`MIN_INK`) or far fainter than the faintest before
+    (`KEPT_INK`)."""
+    now = [ink(png) for png in figures(output)]
+    if before and not now:
+        raise AssertionError(f"the output showed {len(before)} figure(s) before the widget moved and none after")
+    need = max(MIN_INK, KEPT_INK * min(before, default=0.0))
+    if now and min(now) < need:
+        was = f"{min(before):.2%} before the move" if before else "no figure before the move"
+        raise AssertionError(f"a figure was redrawn (almost) blank: {min(now):.2%} of its pixels drawn ({was}; "
+                             f"{need:.2%} needed)")
+
+
 def assert_widget_drives_output(output, move: Callable[[], None], timeout: float = 60, settle: float = 1.0) -> None:
     """`move()` a widget; the `output` it drives must then show something else, and keep
-    showing it for `settle` s (a redraw of the same thing passes through other states)."""
+    showing it for `settle` s (a redraw of the same thing passes through other states), with
+    its figures drawn (`assert_figures_drawn`)."""
     before = shown(output)
+    inked = [ink(png) for png in figures(output)]
     move()
     deadline = time.monotonic() + timeout
     showing, since = before, time.monotonic()
@@ -196,6 +260,7 @@ def assert_widget_drives_output(output, move: Callable[[], None], timeout: float
         if now != showing:
             showing, since = now, time.monotonic()
         elif showing != before and time.monotonic() - since >= settle:
+            assert_figures_drawn(output, inked)
             return
     raise AssertionError(f"moving the widget did not change the output it drives within {timeout:.0f} s")
 

@@ -2,10 +2,11 @@
 
 One server and one browser for the session. Every notebook is opened by a double-click in the
 file browser, run with Run All Cells, checked for clean output (no error, no stderr, widgets
-rendered, a figure), one widget of each widget-bearing notebook is moved and the output it
-drives must change; a screenshot of each lands in reports/browser/. The helpers are checked on
-notebooks that fail on purpose. Needs Debian's chromium (`bash setup.sh` installs it); without
-it these tests fail. A developer without it deselects them with `-m "not browser"`.
+rendered, nothing in the log console, a figure), one widget of each widget-bearing notebook is
+moved and the output it drives must change and still show drawn figures; a screenshot of each
+lands in reports/browser/. The helpers are checked on notebooks that fail on purpose. Needs
+Debian's chromium (`bash setup.sh` installs it); without it these tests fail. A developer
+without it deselects them with `-m "not browser"`.
 """
 
 from __future__ import annotations
@@ -60,8 +61,10 @@ HEADER = """# ---
 # ---
 """
 
-# A slider that draws its value (`drives`), the same with the value ignored (`ignores`), and
-# a notebook that writes to stderr and then raises.
+# A slider that draws its value, the same with the value ignored, one whose redraw keeps only
+# the title and the top border (as notebook 04's panel once did), one whose callback also
+# prints outside the output it drives (that goes to the log console), and a notebook that
+# writes to stderr and then raises.
 SLIDER_NOTEBOOK = HEADER + """
 # %%
 import ipywidgets as widgets
@@ -70,15 +73,27 @@ import matplotlib.pyplot as plt
 
 def draw(n):
     fig, ax = plt.subplots(figsize=(4, 2))
-    ax.plot(range({points}))
+    {draw}
     plt.show()
 
 
-widgets.interactive(draw, n=widgets.IntSlider(3, 2, 10))
+slider = widgets.IntSlider(3, 2, 10)
+{observe}
+widgets.interactive(draw, n=slider)
 """
+BLANK_AFTER_A_MOVE = """ax.set_title(f"n = {n}")
+    if n == 3:
+        ax.plot(range(n))
+    else:
+        ax.set_xticks([]), ax.set_yticks([])
+        for side in ("left", "right", "bottom"):
+            ax.spines[side].set_visible(False)"""
 FIXTURES = {
-    "widget_drives_output.py": SLIDER_NOTEBOOK.format(points="n"),
-    "widget_ignored.py": SLIDER_NOTEBOOK.format(points="3"),
+    "widget_drives_output.py": SLIDER_NOTEBOOK.format(draw="ax.plot(range(n))", observe=""),
+    "widget_ignored.py": SLIDER_NOTEBOOK.format(draw="ax.plot(range(3))", observe=""),
+    "widget_draws_blank.py": SLIDER_NOTEBOOK.format(draw=BLANK_AFTER_A_MOVE, observe=""),
+    "widget_logs.py": SLIDER_NOTEBOOK.format(
+        draw="ax.plot(range(n))", observe='slider.observe(lambda change: print("n is", change["new"]), "value")'),
     "fails.py": HEADER + """
 # %%
 import sys
@@ -192,18 +207,30 @@ def test_notebook_in_the_browser(name, page, lab):
     save_screenshot(page, REPORTS / f"{name}.png")
 
 
-@pytest.mark.parametrize(("name", "drives"), [("widget_drives_output.py", True), ("widget_ignored.py", False)])
-def test_widget_check_fails_when_the_widget_drives_nothing(name, drives, page, lab):
+@pytest.mark.parametrize(("name", "failure"), [("widget_drives_output.py", None),
+                                             ("widget_ignored.py", "did not change the output"),
+                                             ("widget_draws_blank.py", r"redrawn \(almost\) blank")])
+def test_widget_check_fails_when_the_widget_draws_nothing(name, failure, page, lab):
     panel = open_notebook(page, lab, name)
     run_all_cells(page, RUN_TIMEOUT_MS)
     assert output_problems(panel) == []
     cell = panel.locator(".jp-CodeCell").last
     output, slider = cell.locator(".widget-output"), cell.locator(".widget-slider")
-    if drives:
+    if failure is None:
         assert_widget_drives_output(output, lambda: move_slider(slider), timeout=15)
     else:
-        with pytest.raises(AssertionError, match="did not change the output"):
+        with pytest.raises(AssertionError, match=failure):
             assert_widget_drives_output(output, lambda: move_slider(slider), timeout=15)
+
+
+def test_output_check_reports_what_a_widget_logs(page, lab):
+    panel = open_notebook(page, lab, "widget_logs.py")
+    run_all_cells(page, RUN_TIMEOUT_MS)
+    assert output_problems(panel) == []
+    cell = panel.locator(".jp-CodeCell").last
+    assert_widget_drives_output(cell.locator(".widget-output"), lambda: move_slider(cell.locator(".widget-slider")),
+                                timeout=15)
+    assert output_problems(panel) == ["1 output(s) no cell took went to the log console (View > Show Log Console)"]
 
 
 def test_output_check_reports_errors_and_stderr(page, lab):
