@@ -1,7 +1,11 @@
 """Driving `ds4lab lab` from headless Chromium (Playwright on Debian's chromium): start and stop
 the server, open a notebook by double-clicking it, run every cell, read what the outputs show,
 move a widget and check that the output it drives changes and still shows a drawn figure.
-Every wait has a timeout."""
+Every wait has a timeout.
+
+`python tests/jupyterlab_browser.py reports/lab.png` takes the README's screenshot: JupyterLab
+on the shipped notebooks only, notebook 02 run and its head slider moved.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -52,12 +57,42 @@ MIN_INK = 0.01
 KEPT_INK = 0.25
 
 
+def shipped_notebooks() -> list[Path]:
+    """ds4lab's notebooks (`notebooks/NN_topic.py`), in order."""
+    from ds4lab.notebooks import NOTEBOOK_DIR
+
+    return sorted(NOTEBOOK_DIR.glob("[0-9][0-9]_*.py"))
+
+
 def chromium_executable() -> str | None:
     """$DS4LAB_CHROMIUM, else Debian's /usr/bin/chromium, else `chromium` on PATH."""
     for candidate in (os.environ.get("DS4LAB_CHROMIUM"), "/usr/bin/chromium", shutil.which("chromium")):
         if candidate and Path(candidate).is_file():
             return candidate
     return None
+
+
+def launch_browser(playwright, executable: str, profile: str):
+    """Headless `executable` (Debian's chromium, never a downloaded one) with the fresh profile
+    folder `profile`, a 1280 x 900 viewport and 60 s default timeouts; the browser context."""
+    context = playwright.chromium.launch_persistent_context(
+        profile, executable_path=executable, headless=True, args=CHROMIUM_FLAGS,
+        viewport={"width": 1280, "height": 900})
+    context.set_default_timeout(60_000)
+    return context
+
+
+def lab_environment(root: Path) -> dict[str, str]:
+    """The environment of a `ds4lab lab` under test: a private cache, JupyterLab settings
+    (autosave off: nothing is written back) and workspace under `root`, and no DS4LAB_MODEL
+    (the notebooks use their built-in tiny model)."""
+    settings = root / "settings" / "@jupyterlab" / "docmanager-extension"
+    settings.mkdir(parents=True)
+    (settings / "plugin.jupyterlab-settings").write_text('{"autosave": false}', encoding="utf-8")
+    env = {**os.environ, "DS4LAB_CACHE": str(root / "cache"), "JUPYTERLAB_SETTINGS_DIR": str(root / "settings"),
+           "JUPYTERLAB_WORKSPACES_DIR": str(root / "workspaces")}
+    env.pop("DS4LAB_MODEL", None)
+    return env
 
 
 @dataclass
@@ -293,3 +328,47 @@ def save_screenshot(page, path: Path, timeout: float = 10) -> Path:
     partial.write_bytes(shot)
     partial.replace(path)
     return path
+
+
+def readme_screenshot(path: Path, timeout_ms: int = 300_000) -> Path:
+    """`ds4lab lab` on copies of the shipped notebooks only; notebook 02 opened, run, checked
+    and its head slider moved; the page saved at `path` as a 128-colour PNG (~50 KB)."""
+    from playwright.sync_api import sync_playwright
+
+    executable = chromium_executable()
+    if executable is None:
+        raise SystemExit("chromium not found (/usr/bin/chromium, or DS4LAB_CHROMIUM): `bash setup.sh` installs it")
+    with tempfile.TemporaryDirectory(prefix="ds4lab-screenshot-") as folder:
+        root = Path(folder)
+        served = root / "notebooks"
+        served.mkdir()
+        for notebook in shipped_notebooks():
+            shutil.copy(notebook, served)
+        server = start_lab(served, lab_environment(root), root / "lab.log")
+        try:
+            with sync_playwright() as playwright:
+                context = launch_browser(playwright, executable, str(root / "profile"))
+                try:
+                    page = context.new_page()
+                    panel = open_notebook(page, server, "02_attention_and_indexer.py", timeout_ms)
+                    run_all_cells(page, timeout_ms)
+                    cell = panel.locator(".jp-CodeCell").filter(has=page.locator(CONTROLS)).last
+                    bring_into_view(cell)
+                    assert_widget_drives_output(cell.locator(".widget-output"),
+                                                lambda: move_slider(cell.locator(".widget-slider", has_text="head")))
+                    problems = output_problems(panel)
+                    if problems:
+                        raise AssertionError("notebook 02 does not run clean: " + "; ".join(problems))
+                    save_screenshot(page, path)
+                finally:
+                    context.close()
+        finally:
+            stop_lab(server.process)
+    Image.open(path).convert("RGB").quantize(colors=128, method=Image.Quantize.MEDIANCUT).save(path, optimize=True)
+    return path
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: python tests/jupyterlab_browser.py OUT.png")
+    print(readme_screenshot(Path(sys.argv[1])))

@@ -19,27 +19,27 @@ from pathlib import Path
 
 import pytest
 from jupyterlab_browser import (
-    CHROMIUM_FLAGS,
     CONTROLS,
     assert_widget_drives_output,
     bring_into_view,
     choose_option,
     chromium_executable,
+    lab_environment,
+    launch_browser,
     move_slider,
     open_notebook,
     output_problems,
     run_all_cells,
     save_screenshot,
+    shipped_notebooks,
     start_lab,
     stop_lab,
 )
 
-from ds4lab.notebooks import NOTEBOOK_DIR
-
 pytestmark = pytest.mark.browser
 
 REPORTS = Path(__file__).resolve().parent.parent / "reports" / "browser"
-NOTEBOOKS = sorted(p.stem for p in NOTEBOOK_DIR.glob("[0-9][0-9]_*.py"))
+NOTEBOOKS = [notebook.stem for notebook in shipped_notebooks()]
 RUN_TIMEOUT_MS = 300_000
 
 # The widget moved in each widget-bearing notebook, given the cell that holds the controls.
@@ -113,17 +113,11 @@ def lab(tmp_path_factory):
     root = tmp_path_factory.mktemp("lab")
     served = root / "notebooks"
     served.mkdir()
-    for name in NOTEBOOKS:
-        shutil.copy(NOTEBOOK_DIR / f"{name}.py", served)
+    for notebook in shipped_notebooks():
+        shutil.copy(notebook, served)
     for name, text in FIXTURES.items():
         (served / name).write_text(text, encoding="utf-8")
-    settings = root / "settings" / "@jupyterlab" / "docmanager-extension"
-    settings.mkdir(parents=True)
-    (settings / "plugin.jupyterlab-settings").write_text('{"autosave": false}', encoding="utf-8")
-    env = {**os.environ, "DS4LAB_CACHE": str(root / "cache"), "JUPYTERLAB_SETTINGS_DIR": str(root / "settings"),
-           "JUPYTERLAB_WORKSPACES_DIR": str(root / "workspaces")}
-    env.pop("DS4LAB_MODEL", None)
-    server = start_lab(served, env, root / "lab.log")
+    server = start_lab(served, lab_environment(root), root / "lab.log")
     try:
         yield server
     finally:
@@ -142,10 +136,7 @@ def browser():
     except ImportError:
         pytest.fail("the playwright package is missing: pip install -e '.[dev]'", pytrace=False)
     with sync_playwright() as playwright, tempfile.TemporaryDirectory(prefix="ds4lab-chromium-") as profile:
-        context = playwright.chromium.launch_persistent_context(
-            profile, executable_path=executable, headless=True, args=CHROMIUM_FLAGS,
-            viewport={"width": 1280, "height": 900})
-        context.set_default_timeout(60_000)
+        context = launch_browser(playwright, executable, profile)
         try:
             yield context
         finally:
