@@ -23,6 +23,18 @@ Schedule: "standard" verifies [f, drafts] in one target pass (up to draft_len + 
 pass); "ds4" first commits f with a one-row pass, checks the head's guess of the next token
 against that pass's choice (a "miss" ends the cycle), then verifies [that token, drafts]
 (ds4's `ds4_session_eval_speculative_argmax`: at most 3 tokens per 2 passes at draft_len 1).
+
+Ring: "exact" keeps the head's window as above (rows for committed tokens from real states).
+"ds4" emulates ds4.c's counter-only ring (8d57664): a draft row goes to slot `pos % raw_cap`
+and the window seen is the last min(n + 1, n_swa) slots (`metal_graph_eval_mtp_draft_from_hc`
+~12867, ~12960); the window is emptied after prefill (~17547); after verification
+`DS4_MTP_KEEP_ACCEPTED` (~17875) makes the committed positions visible without rewriting
+them, so the rows drafting wrote there from the head's own chained streams stay, and a
+position drafting never reached (the last one after a full accept) shows whatever its slot
+held: here a zero row, as a fresh Metal buffer (in a long run or a reused ds4 session, an old
+row). Only the one-row target pass of a cycle (`ds4_session_eval`, ~17756) writes a row from
+the real state. Drafts change, the emitted tokens and the target's state do not; each cycle
+records the stale rows the head's next row will see (`ring_stale`, of them `ring_unwritten`).
 """
 
 from __future__ import annotations
@@ -42,13 +54,14 @@ from . import gguf
 from .config import ModelConfig
 from .generation import Emitter, Sampling, Step, distribution, sample
 from .model.mtp import PREFIX, MTPHead
-from .model.state import SessionState
+from .model.state import LayerCache, MTPState, SessionState
 from .model.weights import Q8Matrix, keep_decoded
 from .quants import quantize_q8_0
 
 PATHS = ("miss", "margin-skip", "full", "partial", "fallback")
 PAIRINGS = ("v3", "ds4")
 SCHEDULES = ("standard", "ds4")
+RINGS = ("exact", "ds4")
 DS4_MARGIN = 3.0        # ds4's --mtp-margin default (top-1 minus top-2 logit of the last draft)
 
 Drafter = Callable[[list[int], int], Sequence[int]]
@@ -63,7 +76,10 @@ class SpecConfig:
     draft_sampling: "argmax" (one-hot q) or "sample" (drafts drawn from the head's q under the
     same Sampling). margin: drafts stop at the first whose head top-1 minus top-2 logit is
     below it (ds4: 3.0); a cycle left with none decodes f alone ("margin-skip").
-    drafter: `(context_tokens, k) -> k ids` replacing the head's proposals (one-hot q)."""
+    drafter: `(context_tokens, k) -> k ids` replacing the head's proposals (one-hot q).
+    ring: "exact" or "ds4" (ds4's window with its stale rows; see the module doc): it starts
+    empty after prefill (warm_prefill=False) and needs a cycle that starts with a head row
+    from the real state (schedule "ds4", or pairing "v3")."""
 
     draft_len: int = 1
     pairing: str = "v3"
@@ -73,6 +89,7 @@ class SpecConfig:
     draft_sampling: str = "argmax"
     margin: float | None = None
     drafter: Drafter | None = None
+    ring: str = "exact"
 
     def __post_init__(self) -> None:
         checks = [(self.draft_len >= 1, f"draft_len must be at least 1, not {self.draft_len}"),
@@ -80,7 +97,14 @@ class SpecConfig:
                   (self.schedule in SCHEDULES, f"schedule must be one of {SCHEDULES}, not {self.schedule!r}"),
                   (self.verify in ("greedy", "sample"), f"verify must be 'greedy' or 'sample', not {self.verify!r}"),
                   (self.draft_sampling in ("argmax", "sample"),
-                   f"draft_sampling must be 'argmax' or 'sample', not {self.draft_sampling!r}")]
+                   f"draft_sampling must be 'argmax' or 'sample', not {self.draft_sampling!r}"),
+                  (self.ring in RINGS, f"ring must be one of {RINGS}, not {self.ring!r}")]
+        if self.ring == "ds4":
+            checks += [(not self.warm_prefill, "ring='ds4' is emptied after prefill as ds4 does (ds4.c ~17547): "
+                                               "pass warm_prefill=False"),
+                       (self.pairing == "v3" or self.schedule == "ds4",
+                        "ring='ds4' with pairing='ds4' needs schedule='ds4': only ds4's one-row pass writes a "
+                        "head row from the target's real state")]
         bad = [why for ok, why in checks if not ok]
         if bad:
             raise ValueError("; ".join(bad))
@@ -179,47 +203,76 @@ class _Cycles:
             return distribution(logits, self.sampling)
         return _one_hot(len(logits), int(np.argmax(logits)))
 
-    def draft(self, f: int, k: int) -> tuple[list[int], list[np.ndarray], list[float], object, bool]:
-        """(drafts, their q, head margins, the head's state to keep, cut by the margin)."""
+    def draft(self, f: int, k: int) -> tuple[list[int], list[np.ndarray], list[float], tuple, bool]:
+        """(drafts, their q, head margins, (the head's state to keep, the ring rows drafting
+        wrote after it), cut by the margin)."""
         state = self.session.state
         if self.head is None:
             drafts = [int(t) for t in self.spec.drafter([*state.tokens, f], k)][:k]
             n = self.model.config.n_vocab
-            return drafts, [_one_hot(n, d) for d in drafts], [float("nan")] * len(drafts), None, False
-        mtp = state.mtp
+            return drafts, [_one_hot(n, d) for d in drafts], [float("nan")] * len(drafts), (None, []), False
+        mtp, written = state.mtp, []
         if self.spec.offset:                       # v3: the row (h_P, f) is a committed one
             logits, mtp = self.head.run(self.model, mtp, state.hidden[None], [f])
             keep, logits = mtp, logits[0]
         else:                                      # ds4: chained from the latest row's output
             if mtp.out is None:
-                return [], [], [], mtp, False
-            keep, logits = mtp, None
+                return [], [], [], (mtp, written), False
+            keep = mtp
             logits, mtp = self.head.run(self.model, mtp, mtp.out[None], [f])
             logits = logits[0]
+            written.append(mtp.ring.raw[-1:])
         drafts, qs, margins = [], [], []
         while True:
             row = np.array(logits, dtype=np.float64)
             margin = float(_margins(row[None])[0])
             if self.spec.margin is not None and margin < self.spec.margin:
-                return drafts, qs, margins, keep, True
+                return drafts, qs, margins, (keep, written), True
             q = self._q(row)
             d = int(np.argmax(row)) if self.spec.draft_sampling == "argmax" else int(self.rng.choice(len(q), p=q))
             drafts.append(d)
             qs.append(q)
             margins.append(margin)
             if len(drafts) == k:
-                return drafts, qs, margins, keep, False
+                return drafts, qs, margins, (keep, written), False
             logits, mtp = self.head.run(self.model, mtp, mtp.out[None], [d])
             logits = logits[0]
+            written.append(mtp.ring.raw[-1:])
+
+    def _ds4_ring(self, keep: MTPState, written: list[mx.array], upto: int) -> MTPState:
+        """ds4's DS4_MTP_KEEP_ACCEPTED: positions keep.next_pos..upto-1 become visible as
+        drafting left them (its rows, then zero rows where it wrote none); nothing is rewritten."""
+        cfg = self.model.config
+        n = upto - keep.next_pos
+        rows = written[:n] + [mx.zeros((1, cfg.head_dim), mx.float32)] * max(n - len(written), 0)
+        horizon = upto - cfg.n_swa
+        return MTPState(LayerCache(mx.concatenate([keep.ring.raw, *rows])[-cfg.n_swa:]), upto,
+                        stale=tuple(p for p in keep.stale if p >= horizon) + tuple(range(keep.next_pos, upto)),
+                        unwritten=tuple(p for p in keep.unwritten if p >= horizon)
+                        + tuple(range(keep.next_pos + len(written), upto)))
+
+    def ring_counts(self) -> dict:
+        """The rows of the head's window its next row sees besides itself, and how many are stale."""
+        mtp = self.session.state.mtp
+        if mtp is None:
+            return {"ring_rows": 0, "ring_stale": 0, "ring_unwritten": 0}
+        n = min(mtp.ring.raw.shape[0], self.model.config.n_swa - 1)
+        first = mtp.next_pos - n
+        return {"ring_rows": n, "ring_stale": sum(p >= first for p in mtp.stale),
+                "ring_unwritten": sum(p >= first for p in mtp.unwritten)}
 
     # ---- cycles -----------------------------------------------------------------------
-    def plain(self, f: int, path: str, record: dict) -> tuple[int | None, object]:
-        """Commit f with a one-row pass; the next token from its logits."""
+    def plain(self, f: int, path: str, record: dict, drafted: tuple | None = None) -> tuple[int | None, object]:
+        """Commit f with a one-row pass; the next token from its logits. `drafted` (under
+        ds4's ring, after a margin skip): the head's state and rows drafting left, kept."""
         state0 = self.session.state
         t0 = time.perf_counter()
         result = self.model.forward(state0, [f], last_only=True)
         self.session.state = result.state
-        self._advance(self.session.state, state0.hidden, result.hidden, [f])
+        if drafted is None:
+            self._advance(self.session.state, state0.hidden, result.hidden, [f])
+        else:
+            self.session.state.mtp = self._ds4_ring(*drafted, self._expected_next(self.session.state))
         record["ms_verify"] += 1e3 * (time.perf_counter() - t0)
         record["target_passes"] += 1
         record["path"] = path
@@ -234,11 +287,13 @@ class _Cycles:
         if k <= 0 or (self.session.state.hidden is None and self.head is not None):
             return (*self.plain(f, "fallback", record), [])
         t0 = time.perf_counter()
-        drafts, qs, margins, keep, cut = self.draft(f, k)
+        drafts, qs, margins, drafted, cut = self.draft(f, k)
         record["ms_draft"] += 1e3 * (time.perf_counter() - t0)
         record.update(drafted=len(drafts), draft_ids=drafts, margins=margins)
+        ds4_ring = self.head is not None and spec.ring == "ds4"
         if not drafts:
-            return (*self.plain(f, "margin-skip" if cut else "fallback", record), [])
+            return (*self.plain(f, "margin-skip" if cut else "fallback", record,
+                                drafted if cut and ds4_ring else None), [])
         state0 = self.session.state
         t0 = time.perf_counter()
         result = model.forward(state0, [f, *drafts], last_only=False)
@@ -270,8 +325,10 @@ class _Cycles:
             self.session.state = result.state
         else:
             self.session.state = model.forward(state0, consumed, last_only=True).state
-        if self.head is not None:
-            self.session.state.mtp = keep
+        if ds4_ring:
+            self.session.state.mtp = self._ds4_ring(*drafted, self._expected_next(self.session.state))
+        elif self.head is not None:
+            self.session.state.mtp = drafted[0]
             self._advance(self.session.state, state0.hidden, result.hidden[: accepted + 1], consumed)
         record["ms_rollback"] += 1e3 * (time.perf_counter() - t0)
         steps = []
@@ -309,7 +366,8 @@ class _Cycles:
         while f is not None:
             record = {"cycle": cycle, "pos": self.session.state.n_tokens, "path": "fallback", "drafted": 0,
                       "accepted": 0, "committed": 1, "draft_ids": [], "target_ids": [], "margins": [], "p_target": [],
-                      "q_draft": [], "target_passes": 0, "ms_draft": 0.0, "ms_verify": 0.0, "ms_rollback": 0.0}
+                      "q_draft": [], "target_passes": 0, "ms_draft": 0.0, "ms_verify": 0.0, "ms_rollback": 0.0,
+                      **self.ring_counts()}
             step = self.emitter.step(f, row)
             yield step
             if step.finish:
@@ -319,6 +377,7 @@ class _Cycles:
             cycle_fn = self.ds4_gate if self.spec.schedule == "ds4" else self.standard
             f, row, steps = cycle_fn(f, record)
             record["committed"] += sum(s.finish != "eos" for s in steps)
+            record.update(self.ring_counts())
             self.records.append(record)
             yield from steps
             if steps and steps[-1].finish:
@@ -330,7 +389,8 @@ class _Cycles:
 
 
 TRACE_COLUMNS = ["cycle", "pos", "path", "drafted", "accepted", "committed", "draft_ids", "target_ids", "margins",
-                 "p_target", "q_draft", "target_passes", "ms_draft", "ms_verify", "ms_rollback"]
+                 "p_target", "q_draft", "target_passes", "ms_draft", "ms_verify", "ms_rollback", "ring_rows",
+                 "ring_stale", "ring_unwritten"]
 
 
 def speculative_stream(model, session, prompt: list[int], emitter: Emitter, sampling: Sampling, spec: SpecConfig,

@@ -177,3 +177,35 @@ ax.bar(list(quant_rows), [100 * v for v in quant_rows.values()])
 ax.set_xlabel("e_proj / h_proj type")
 ax.set_ylabel("teacher-forced acceptance (%)")
 plt.show()
+
+# %% [markdown]
+# ## ds4's ring emulated: stale rows
+# ds4 keeps the head's window with a counter only: after verification the committed positions
+# become visible as drafting left them (rows the head wrote from its own chained streams), and
+# after a full accept the last one was never written (`SpecConfig(ring="ds4")`, which starts
+# empty after prefill as ds4 does). The exact ring rewrites those rows from the target's real
+# states. Same prompt, ds4's pairing and schedule, both windows cold; the tokens are plain
+# decoding's either way, only the head's guesses can change.
+
+# %%
+ring_rows, ring_traces = [], {}
+plain_16 = ds4lab.generate(model, prompt, 16).tokens
+for ring in ("exact", "ds4"):
+    g = ds4lab.generate(model, prompt, 16, spec=SpecConfig(draft_len=1, pairing="ds4", schedule="ds4",
+                                                           warm_prefill=False, ring=ring))
+    t = ring_traces[ring] = g.spec_trace
+    gated = t[t["path"] != "fallback"]
+    ring_rows.append({"ring": ring, "same tokens as plain": g.tokens == plain_16,
+                      "gate passed (%)": 100 * (gated["path"] != "miss").mean(),
+                      "draft acceptance (%)": 100 * g.spec_summary["draft_acceptance_rate"],
+                      "tokens/target fwd": g.spec_summary["tokens_per_target_forward"],
+                      "mean stale rows seen": t["ring_stale"].mean(), "of them unwritten": t["ring_unwritten"].mean()})
+fig, ax = plt.subplots(figsize=(5.2, 3.2))
+for ring, t in ring_traces.items():
+    ax.step(t["pos"], t["ring_stale"], where="post", label=f"{ring} ring: stale")
+    ax.step(t["pos"], t["ring_rows"], where="post", ls=":", label=f"{ring} ring: rows seen")
+ax.set_xlabel("token position at the cycle's start")
+ax.set_ylabel("rows of the head's window (count)")
+ax.legend(fontsize=8)
+plt.show()
+pd.DataFrame(ring_rows).set_index("ring")

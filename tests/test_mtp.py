@@ -129,23 +129,28 @@ def test_draft_forward_is_the_formula(plain):
 
 HEAD_CONFIGS = [SpecConfig(draft_len=k, pairing=p, schedule=s, margin=m)
                 for k, p, s, m in itertools.product((1, 2, 3, 4), ("v3", "ds4"), ("standard", "ds4"), (None, 3.0))]
+DS4_RING = {"warm_prefill": False, "ring": "ds4"}
+HEAD_CONFIGS += [SpecConfig(draft_len=1, pairing="ds4", schedule="ds4", margin=3.0, **DS4_RING),
+                 SpecConfig(draft_len=2, pairing="ds4", schedule="ds4", **DS4_RING),
+                 SpecConfig(draft_len=3, pairing="v3", schedule="standard", **DS4_RING)]
 
 
 def test_lossless_greedy_with_the_head(fitted_plain, tmp_path):
     # Every draft length x pairing x schedule x margin gate with the fitted head (under ds4's
     # pairing its guess passes ds4's gate, so drafts after it are verified; under v3 it mostly
-    # misses): plain greedy's tokens and .kv bytes. Each pairing prefills
-    # the prompt once (max_tokens=1 chooses the first token without consuming it: the head's
-    # window warm), and every config continues from that snapshot.
+    # misses), and a few under ds4's ring: plain greedy's tokens and .kv bytes. Each pairing
+    # prefills the prompt once per window (max_tokens=1 chooses the first token without
+    # consuming it: the head's window warm, or empty under ds4's ring), and every config
+    # continues from that snapshot.
     model, prompt, tokens, kv = fitted_plain
     starts = {}
-    for pairing in mtp.PAIRINGS:
+    for pairing, warm in itertools.product(mtp.PAIRINGS, (True, False)):
         session = model.session()
-        ds4lab.generate(model, prompt, 1, spec=SpecConfig(pairing=pairing), session=session)
-        starts[pairing] = session.snapshot()
+        ds4lab.generate(model, prompt, 1, spec=SpecConfig(pairing=pairing, warm_prefill=warm), session=session)
+        starts[pairing, warm] = session.snapshot()
     paths, past_gate = set(), 0
     for spec in HEAD_CONFIGS:
-        session = model.session(starts[spec.pairing])
+        session = model.session(starts[spec.pairing, spec.warm_prefill])
         out = ds4lab.generate(model, [], SHORT, spec=spec, session=session)
         assert out.tokens == tokens, spec
         assert session.save_kv(tmp_path / "spec.kv", now=0).read_bytes() == kv, spec
@@ -169,6 +174,77 @@ def test_lossless_greedy_with_scripted_drafters(plain, tmp_path, right, schedule
         assert out.spec_summary["tokens_per_target_forward"] > 1.5
     if right == 0.0:
         assert trace["accepted"].sum() == 0 and out.spec_summary["target_forwards"] >= len(tokens) - 1
+
+
+def _ds4_ring_rule(trace, n_swa):
+    """ds4.c's ring, replayed over a ds4-schedule trace: per cycle the (rows seen besides the
+    next one, stale, unwritten) that ds4's counter leaves. The one-row pass (ds4_session_eval)
+    writes a real row for what it commits; a verified cycle drafted rows for nxt, d1..d_{k-1}
+    and DS4_MTP_KEEP_ACCEPTED(1 + accepted) shows the committed positions as drafting left
+    them: drafted rows first, a never-written slot after a full accept; a margin skip keeps
+    the drafted row of nxt (DS4_MTP_KEEP_ACCEPTED(1))."""
+    rows, expected = [], []
+    for r in trace.itertuples():
+        if r.target_passes:
+            rows.append("real")
+        if r.path == "fallback" and r.target_passes == 2:
+            rows.append("real")
+        elif r.path == "margin-skip":
+            rows.append("drafted")
+        elif r.path in ("full", "partial"):
+            kept = 1 + r.accepted
+            rows += ["drafted"] * min(kept, r.drafted) + ["unwritten"] * max(kept - r.drafted, 0)
+        seen = rows[len(rows) - min(len(rows), n_swa - 1):]
+        expected.append((len(seen), sum(x != "real" for x in seen), seen.count("unwritten")))
+    return expected
+
+
+def test_ds4_ring_counts_its_stale_rows(plain, tmp_path):
+    # ds4's pairing and schedule, the head's logits replaced by an oracle of plain decoding's
+    # next token (wrong at two positions), so cycles end full, partial and missed: under ds4's
+    # ring the trace's counts are ds4's rule replayed over the cycles, the rows written from
+    # real states hold the exact ring's bytes and the stale ones do not (unwritten ones are
+    # zero), and the output is plain decoding's; under the exact ring (cold too) nothing is stale.
+    model, prompt, _, _ = plain
+    n = 10
+    session = model.session()
+    tokens = ds4lab.generate(model, prompt, n, session=session).tokens
+    kv = session.save_kv(tmp_path / "plain.kv", now=0).read_bytes()
+    seq, wrong = prompt + tokens, {len(prompt) + 5, len(prompt) + 6}
+
+    def oracle(act, hook):
+        out = np.full(act.shape, -10.0, np.float32)
+        for row, pos in enumerate(hook.positions):
+            if pos + 1 < len(seq):
+                out[row, (seq[pos + 1] + (pos in wrong)) % act.shape[-1]] = 10.0
+        return mx.array(out)
+
+    rings = {}
+    with model.hooks([("mtp.hook_logits", oracle)]):
+        for ring, warm in (("ds4", False), ("exact", False), ("exact", True)):
+            spec = SpecConfig(draft_len=2, pairing="ds4", schedule="ds4", warm_prefill=warm, ring=ring)
+            session = model.session()
+            out = ds4lab.generate(model, prompt, n, spec=spec, session=session)
+            assert out.tokens == tokens and session.save_kv(tmp_path / "spec.kv", now=0).read_bytes() == kv
+            rings[ring, warm] = out.spec_trace, session.state.mtp
+    trace, state = rings["ds4", False]
+    assert {"full", "partial", "miss"} <= set(trace["path"])
+    rule = _ds4_ring_rule(trace, model.config.n_swa)
+    assert list(zip(trace["ring_rows"], trace["ring_stale"], trace["ring_unwritten"], strict=True)) == rule
+    assert trace.loc[trace["path"] == "full", "ring_unwritten"].min() > 0
+    exact_trace, exact = rings["exact", False]
+    assert (exact_trace["ring_stale"] == 0).all() and (rings["exact", True][0]["ring_stale"] == 0).all()
+    assert exact_trace["ring_rows"].tolist() == trace["ring_rows"].tolist()
+    assert state.next_pos == exact.next_pos and state.ring.raw.shape == exact.ring.raw.shape
+    first = state.next_pos - state.ring.raw.shape[0]
+    same = np.array(state.ring.raw == exact.ring.raw).all(axis=1)
+    for i, p in enumerate(range(first, state.next_pos)):
+        assert same[i] == (p not in state.stale), p
+        assert (p in state.unwritten) == (not np.array(state.ring.raw[i]).any()), p
+    with pytest.raises(ValueError, match="warm_prefill=False"):
+        SpecConfig(pairing="ds4", schedule="ds4", ring="ds4")
+    with pytest.raises(ValueError, match="schedule='ds4'"):
+        SpecConfig(pairing="ds4", warm_prefill=False, ring="ds4")
 
 
 def test_snapshot_restore_carries_the_head_state(plain):

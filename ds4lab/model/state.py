@@ -62,12 +62,17 @@ class LayerCache:
 class MTPState:
     """An MTP head's state: its own raw window (`ring`, rows of consecutive positions ending
     at next_pos - 1), the position its next row takes, and the latest row's outputs (the HC
-    streams a chained draft continues from, and the logits of its guess)."""
+    streams a chained draft continues from, and the logits of its guess). Under ds4's ring
+    (`SpecConfig(ring="ds4")`) some rows are not computed from the target's real state for
+    their position: `stale` holds those positions (rows drafting wrote from the head's own
+    chained streams, and `unwritten` ones, zero rows where ds4 leaves a slot as it was)."""
 
     ring: LayerCache
     next_pos: int
     out: mx.array | None = None          # [n_hc, n_embd]
     logits: mx.array | None = None       # [n_vocab]
+    stale: tuple[int, ...] = ()
+    unwritten: tuple[int, ...] = ()
 
     def copy(self) -> MTPState:
         return dataclasses.replace(self, ring=dataclasses.replace(self.ring))
