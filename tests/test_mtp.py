@@ -13,6 +13,7 @@ import ds4lab
 from ds4lab import gguf, mtp
 from ds4lab.errors import ModelFileError
 from ds4lab.mtp import SpecConfig, accept_or_resample
+from ds4lab.steering import SteeringVector
 from ds4lab.synth import make_model
 
 N_TOKENS = 6
@@ -199,6 +200,18 @@ def _ds4_ring_rule(trace, n_swa):
     return expected
 
 
+def _oracle(seq, wrong=frozenset()):
+    """An edit at mtp.hook_logits: under ds4's pairing the head's row at position i guesses
+    seq[i + 1] (seq[i + 1] + 1 at the positions in `wrong`)."""
+    def fn(act, hook):
+        out = np.full(act.shape, -10.0, np.float32)
+        for row, pos in enumerate(hook.positions):
+            if pos + 1 < len(seq):
+                out[row, (seq[pos + 1] + (pos in wrong)) % act.shape[-1]] = 10.0
+        return mx.array(out)
+    return fn
+
+
 def test_ds4_ring_counts_its_stale_rows(plain, tmp_path):
     # ds4's pairing and schedule, the head's logits replaced by an oracle of plain decoding's
     # next token (wrong at two positions), so cycles end full, partial and missed: under ds4's
@@ -210,17 +223,8 @@ def test_ds4_ring_counts_its_stale_rows(plain, tmp_path):
     session = model.session()
     tokens = ds4lab.generate(model, prompt, n, session=session).tokens
     kv = session.save_kv(tmp_path / "plain.kv", now=0).read_bytes()
-    seq, wrong = prompt + tokens, {len(prompt) + 5, len(prompt) + 6}
-
-    def oracle(act, hook):
-        out = np.full(act.shape, -10.0, np.float32)
-        for row, pos in enumerate(hook.positions):
-            if pos + 1 < len(seq):
-                out[row, (seq[pos + 1] + (pos in wrong)) % act.shape[-1]] = 10.0
-        return mx.array(out)
-
     rings = {}
-    with model.hooks([("mtp.hook_logits", oracle)]):
+    with model.hooks([("mtp.hook_logits", _oracle(prompt + tokens, {len(prompt) + 5, len(prompt) + 6}))]):
         for ring, warm in (("ds4", False), ("exact", False), ("exact", True)):
             spec = SpecConfig(draft_len=2, pairing="ds4", schedule="ds4", warm_prefill=warm, ring=ring)
             session = model.session()
@@ -358,3 +362,48 @@ def test_cli_generate_with_mtp_prints_the_summary(tiny_mtp, capsys):
     err = capsys.readouterr().err
     summary = dict(line.split(": ", 1) for line in err.strip().splitlines())
     assert int(summary["committed"]) == 4 and "tokens_per_target_forward" in summary
+
+
+def _halves(model, prompt, spec, tmp_path, first_n=4, rest_n=3):
+    """Decode first_n tokens, save the session to .kv, load it into a fresh session and decode
+    rest_n more: (tokens, the saved file's bytes, the final session's .kv bytes)."""
+    session = model.session()
+    first = ds4lab.generate(model, prompt, first_n, spec=spec, session=session)
+    saved = session.save_kv(tmp_path / "half.kv", now=0)
+    resumed = model.session()
+    resumed.load_kv(saved)
+    rest = ds4lab.generate(model, first.tokens[-1:], rest_n, spec=spec, session=resumed)  # emitted, not consumed
+    end = resumed.save_kv(tmp_path / "end.kv", now=0)
+    return first, first.tokens + rest.tokens, saved.read_bytes(), end.read_bytes()
+
+
+@pytest.mark.parametrize("numerics", ["float", "ds4-cpu"])
+def test_kv_hooks_and_steering_work_with_the_head_loaded(tiny_mtp, plain, tmp_path, numerics):
+    # With the MTP head loaded, in both numerics modes: 4 tokens decoded speculatively (the
+    # oracle head at mtp.hook_logits: a full accept, drafts verified and committed), saved to
+    # .kv, loaded into a fresh session and continued for 3 give the tokens and both files'
+    # bytes of plain decoding through the same save and load (float: plain's tokens are the
+    # `plain` fixture's uninterrupted ones); a hook on the target records every consumed
+    # position; under steering (float; steering is hooks on the target's blocks in either
+    # mode), speculative decoding gives plain steered decoding's tokens, which steering changed.
+    main, head, _ = tiny_mtp
+    model, prompt = (plain[0] if numerics == "float" else ds4lab.load(main, mtp=head, numerics=numerics)), plain[1]
+    assert model.mtp is not None and model.numerics.mode == numerics
+    _, tokens, plain_half, plain_end = _halves(model, prompt, None, tmp_path)
+    assert numerics != "float" or tokens[:N_TOKENS] == plain[2]
+    spec = SpecConfig(draft_len=2, pairing="ds4", schedule="ds4")
+    seen = []
+    record = ("blocks.0.hook_resid_post", lambda act, hook: seen.extend(hook.positions.tolist()))
+    with model.hooks([("mtp.hook_logits", _oracle(prompt + tokens)), record]):
+        first, got, half, end = _halves(model, prompt, spec, tmp_path)
+    assert (first.spec_trace["path"] == "full").any()
+    assert got == tokens and half == plain_half and end == plain_end
+    assert set(seen) == set(range(len(prompt) + len(tokens) - 1))        # the last token is not consumed
+    if numerics != "float":
+        return
+    vector = SteeringVector(np.random.default_rng(0).standard_normal((model.config.n_layer, model.config.n_embd)))
+    with model.steering(vector, ffn=2.0, mode="add"):
+        steered = ds4lab.generate(model, prompt, 4).tokens
+        with model.hooks([("mtp.hook_logits", _oracle(prompt + steered))]):
+            out = ds4lab.generate(model, prompt, 4, spec=spec)
+    assert steered != tokens[:4] and out.tokens == steered and out.spec_summary["accepted"] > 0
