@@ -342,8 +342,12 @@ def test_sampled_spec_decoding_runs_and_repeats(plain):
 def test_fit_raises_acceptance_and_saves_a_loadable_head(tiny_mtp, fitted):
     _, head, _ = tiny_mtp
     result, path, loaded, held, before = fitted
-    after = mtp.teacher_forced(loaded, held, pairing="ds4")["accepted"].mean()
+    rows = mtp.teacher_forced(loaded, held, pairing="ds4")
+    after = rows["accepted"].mean()
     assert before < 0.1 and after >= 0.5
+    # The control, on a head that does predict: its drafts against the target one position
+    # later match no more than chance.
+    assert (rows["draft"].to_numpy()[:-1] == rows["target"].to_numpy()[1:]).mean() <= 0.2
     assert after == pytest.approx(result.curve["acceptance"].dropna().iloc[-1])
     types = {t.name: t.type_name for t in gguf.open(path, config=loaded.config).tensors.values()}
     assert types["mtp.0.e_proj.weight"] == "Q8_0" and types["mtp.0.h_proj.weight"] == "Q8_0"
