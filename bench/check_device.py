@@ -96,7 +96,7 @@ def check_fused_kernels() -> None:
                                              (ref_x, ref_control.pre, ref_control.post, ref_control.comb), strict=True))
         out = mx.random.normal((t, e))
         expand = _rel(kernels.hc_post(out, streams, control.post, control.comb),
-                      hc.hc_expand(out, streams, control))
+                      hc.hc_expand(out, streams, control, ref_mm))
         print(f"hc_pre (n_hc {n}, {t} tokens, width {e}) vs control + collapse + norm: max rel err {err:.2e}; "
               f"hc_post vs hc_expand {expand:.2e}")
     for t, h, d, n_keys in ((1, 64, 512, 640), (5, 8, 256, 300), (2, 6, 192, 40)):

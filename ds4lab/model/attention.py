@@ -122,7 +122,7 @@ def grouped_output(layer: LayerWeights, heads: mx.array, n_out_group: int, mm: S
     t = heads.shape[0]
     groups = heads.reshape(t, n_out_group, -1)                         # heads of a group side by side
     out_a: Q8Matrix = layer.q8["attn_output_a.weight"]
-    if mm.fast and t <= kernels.MATVEC_MAX_TOKENS and kernels.q8_matvec_fits(out_a, n_out_group):
+    if mm.fast and t <= kernels.MATVEC_MAX_TOKENS:
         low = kernels.q8_matvec(out_a, groups)                           # every group in one kernel
     else:
         rank = out_a.rows // n_out_group

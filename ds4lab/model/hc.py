@@ -74,9 +74,9 @@ def hc_collapse(streams: mx.array, weights: mx.array) -> mx.array:
     return (streams * weights[:, :, None]).sum(axis=1)
 
 
-def hc_expand(out: mx.array, streams: mx.array, control: HCControl, mm: Schedule | None = None) -> mx.array:
+def hc_expand(out: mx.array, streams: mx.array, control: HCControl, mm: Schedule) -> mx.array:
     """New streams: stream c gets post[c]·out + Σ_a comb[a, c]·streams[a] (one kernel on the fast path)."""
-    if mm is not None and mm.fast:
+    if mm.fast:
         return kernels.hc_post(out, streams, control.post, control.comb)
     mixed = (control.comb[:, :, :, None] * streams[:, :, None, :]).sum(axis=1)
     return control.post[:, :, None] * out[:, None, :] + mixed

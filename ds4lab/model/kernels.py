@@ -177,16 +177,11 @@ MATVEC_MAX_TOKENS = 8
 _Q8_ROWS_PER_BLOCK = 4                   # warps (rows) per thread block of the Q8_0 matvec
 
 
-def q8_matvec_fits(matrix: Q8Matrix, groups: int = 1) -> bool:
-    """Whether `q8_matvec` takes this matrix split in `groups` groups of rows."""
-    return matrix.rows % groups == 0
-
-
 def q8_matvec(matrix: Q8Matrix, x: mx.array) -> mx.array:
     """y [T, rows] = W·x[t, g(row)] from x [T, G, cols]: the rows in G equal groups, group g
-    multiplied by its own vector (G = 1: a plain matvec). See `q8_matvec_fits`."""
+    multiplied by its own vector (G = 1: a plain matvec)."""
     t, groups, cols = x.shape
-    if matrix.cols != cols or not q8_matvec_fits(matrix, groups):
+    if matrix.cols != cols or matrix.rows % groups:
         raise ValueError(f"q8_matvec: {matrix.rows}x{matrix.cols} matrix, input {tuple(x.shape)}")
     (y,) = _fused("q8_matvec")(
         inputs=[matrix.codes, matrix.scales, x.astype(mx.float32)],

@@ -13,6 +13,7 @@ are decoded, a few at a time, and each is applied to the tokens that chose it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import cache
 
 import mlx.core as mx
 import numpy as np
@@ -68,23 +69,15 @@ def swiglu(gate: mx.array, up: mx.array, clamp: float) -> mx.array:
     return gate * mx.sigmoid(gate) * up
 
 
-def _swiglu_clamped(gate: mx.array, up: mx.array, clamp: mx.array) -> mx.array:
-    gate = mx.minimum(gate, clamp)
-    return gate * mx.sigmoid(gate) * mx.clip(up, -clamp, clamp)
-
-
-def _swiglu_unclamped(gate: mx.array, up: mx.array, clamp: mx.array) -> mx.array:
-    return gate * mx.sigmoid(gate) * up
-
-
-_swiglu_fused = {True: mx.compile(_swiglu_clamped), False: mx.compile(_swiglu_unclamped)}
+@cache
+def _swiglu_compiled(clamp: float):
+    """`swiglu` with this clamp, compiled (the clamp a constant of the compiled graph)."""
+    return mx.compile(lambda gate, up: swiglu(gate, up, clamp))
 
 
 def _swiglu(gate: mx.array, up: mx.array, clamp: float, fast: bool) -> mx.array:
     """`swiglu`, compiled into one kernel on the fast path."""
-    if not fast:
-        return swiglu(gate, up, clamp)
-    return _swiglu_fused[clamp > 1e-6](gate, up, mx.array(clamp, mx.float32))
+    return _swiglu_compiled(clamp)(gate, up) if fast else swiglu(gate, up, clamp)
 
 
 def routed_experts(layer: LayerWeights, xf: mx.array, experts: mx.array, weights: mx.array, clamp: float,

@@ -366,4 +366,3 @@ class Schedule:
 
     def experts_in(self, x: mx.array) -> mx.array:
         return q8_k_act_round(x) if self.numerics.emulate else x
-
