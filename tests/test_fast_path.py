@@ -250,3 +250,20 @@ def test_forced_experts_on_the_fast_path_reweight_as_the_reference(small_weights
     free = np.array(model(tokens))
     assert np.abs(fast - reference).max() < 1e-4 * reference.std()
     assert np.abs(free - reference).max() > 1e-2 * reference.std()
+
+
+def test_a_hook_inside_the_mtp_block_sends_it_to_the_reference(synth_dir, stand_in_kernels):
+    """The MTP head's block follows the same plan as the model's: a hook at one of its inner
+    points fires (the fast path has no HC control to show it)."""
+    import ds4lab
+    from ds4lab.synth import make_model
+
+    main, head = make_model(synth_dir / "tiny2-mtp.gguf", "tiny", "q2", mtp=True, seed=3, n_layer=2, vocab_rows=64)
+    model = ds4lab.load(main, mtp=head)
+    session = model.session()
+    session.prefill([5, 6, 7])
+    state = model.mtp.empty_state(model.config, 3)
+    seen = []
+    with model.hooks([("mtp.attn.hook_hc_pre", lambda act, hook: seen.append(hook.name))]):
+        model.mtp.run(model, state, session.state.hidden[None], [8])
+    assert seen == ["mtp.attn.hook_hc_pre"]

@@ -123,12 +123,19 @@ class Model:
         })
 
     def _reference_blocks(self) -> dict[str, list[str]]:
-        """Blocks whose hooks need the reference composition: `blocks.L` -> those points."""
+        """Blocks whose hooks need the reference composition: `blocks.L` (or `mtp`, the MTP
+        head's block) -> those points."""
         slow: dict[str, list[str]] = {}
         for name in self._hooks.by_name:
-            parts = name.split(".", 2)
-            if parts[0] == "blocks" and parts[2] not in FAST_PATH_POINTS:
-                slow.setdefault(f"blocks.{parts[1]}", []).append(name)
+            if name.startswith("blocks."):
+                _, layer, suffix = name.split(".", 2)
+                prefix = f"blocks.{layer}"
+            elif name.startswith(("mtp.attn.", "mtp.ffn.")):
+                prefix, suffix = name.split(".", 1)
+            else:
+                continue                     # model-level points: embedding, heads, MTP inputs
+            if suffix not in FAST_PATH_POINTS:
+                slow.setdefault(prefix, []).append(name)
         return slow
 
     def run_with_hooks(self, tokens, fwd_hooks: list[tuple[NameFilter, HookFn]]) -> mx.array:
@@ -197,7 +204,6 @@ class Model:
         p0 = state.n_tokens
         self._hooks.positions = np.arange(p0, p0 + len(tokens))
         mm = self.numerics.schedule(self._hooks.positions)
-        on_reference = self._reference_blocks() if mm.fast else {}
         token_ids = mx.array(tokens, dtype=mx.int32)
         x = self._hooks.fire("hook_embed", self.weights.token_embd[token_ids].astype(mx.float32))
         streams = mx.broadcast_to(x[:, None, :], (x.shape[0], cfg.n_hc, cfg.n_embd))
@@ -208,13 +214,7 @@ class Model:
             kind = (cfg.rope_base(il), yarn_for(cfg, layer.ratio))
             if kind not in rotations:
                 rotations[kind] = Rotation.at(p0, len(tokens), cfg.n_rot, *kind)
-            h = self._hooks.scope(f"blocks.{il}")
-            block_mm = mm.reference() if f"blocks.{il}" in on_reference else mm
-            streams = h("hook_resid_pre", streams)
-            streams = self._attention_block(layer, new.layers[il], streams, p0, rotations[kind], block_mm)
-            streams = h("hook_resid_mid", streams)
-            streams, chosen = self._ffn_block(layer, streams, token_ids, block_mm)
-            streams = h("hook_resid_post", streams)
+            streams, chosen = self.block(layer, new.layers[il], streams, p0, rotations[kind], token_ids, mm)
             if len(tokens) > 1:
                 mx.eval(streams)     # bounds a prefill chunk's graph; a decode step stays one graph
             experts.append(chosen)
@@ -226,6 +226,21 @@ class Model:
         new.logits = logits[-1]
         new.hidden = hidden[-1]
         return ChunkResult(logits, experts, new, hidden)
+
+    def block(self, layer: LayerWeights, cache: LayerCache, streams: mx.array, p0: int, rotation: Rotation,
+              token_ids: mx.array, mm: Schedule) -> tuple[mx.array, mx.array]:
+        """One block (a layer, or the MTP head's) over a chunk: attention, then FFN, with the
+        residual points around them; on the reference composition when its hooks need it.
+        Returns the new streams and the experts used; extends `cache`."""
+        prefix = _prefix(layer)
+        if mm.fast and prefix in self._reference_blocks():
+            mm = mm.reference()
+        h = self._hooks.scope(prefix)
+        streams = h("hook_resid_pre", streams)
+        streams = self._attention_block(layer, cache, streams, p0, rotation, mm)
+        streams = h("hook_resid_mid", streams)
+        streams, experts = self._ffn_block(layer, streams, token_ids, mm)
+        return h("hook_resid_post", streams), experts
 
     def _attention_block(self, layer: LayerWeights, cache: LayerCache, streams: mx.array, p0: int,
                          rotation: Rotation, mm: Schedule) -> mx.array:

@@ -71,11 +71,7 @@ class MTPHead:
         streams = h("hook_in", e[:, None, :] + hh)
         new = state.copy()
         rotation = Rotation.at(p0, n, cfg.n_rot, cfg.rope_freq_base, None)
-        streams = h("hook_resid_pre", streams)
-        streams = model._attention_block(self.block, new.ring, streams, p0, rotation, mm)
-        streams = h("hook_resid_mid", streams)
-        streams, _ = model._ffn_block(self.block, streams, mx.array(tokens, dtype=mx.int32), mm)
-        streams = h("hook_resid_post", streams)
+        streams, _ = model.block(self.block, new.ring, streams, p0, rotation, mx.array(tokens, dtype=mx.int32), mm)
         logits = model._head(streams, mm, prefix="mtp.")
         new.next_pos, new.out, new.logits = p0 + n, streams[-1], logits[-1]
         return logits, new
