@@ -122,34 +122,55 @@ def _q8_matrix(rows: int, cols: int) -> Q8Matrix:
     return Q8Matrix(mx.view(codes, mx.uint32).reshape(rows, cols // 4), scales, -128.0 * scales, rows, cols)
 
 
-def _seconds(fn, x: mx.array, repeat: int = 50) -> float:
-    mx.eval(fn(x))
-    t = time.perf_counter()
-    for _ in range(repeat):
-        mx.eval(fn(x))
-    return (time.perf_counter() - t) / repeat
+def _seconds(fn, x: mx.array, calls: int = 20) -> float:
+    """Device seconds per call of fn: `calls` independent calls in one evaluation (so the
+    host's round trip is paid once), best of 5."""
+    inputs = [x * (1.0 + 1e-3 * i) for i in range(calls)]
+    mx.eval(inputs, fn(x))
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        mx.eval([fn(v) for v in inputs])
+        best = min(best, time.perf_counter() - t)
+    return best / calls
 
 
 def check_q8_matvec() -> None:
     """The Q8_0 matvec kernel against MLX's 8-bit quantized matmul: values, and the bytes per
-    second of each on the decode shapes of Flash (one token)."""
+    second of each on the decode shapes of Flash (one token); then the other matvecs of a
+    decode step (routed experts from block bytes, float32 matrices) at their bytes per second."""
     if not kernels.cuda_ready():
         return
     out_a = _q8_matrix(8192, 4096)
     groups = mx.random.normal((1, 8, 4096))
     ref = mx.concatenate([out_a.rows_slice(g * 1024, (g + 1) * 1024).quantized(groups[:, g]) for g in range(8)], -1)
+    grouped_s = _seconds(lambda v: kernels.q8_matvec(out_a, v), groups)
     print(f"q8_matvec grouped (8 x 1024 rows of 4096) vs per-group quantized_matmul: "
-          f"max rel err {_rel(kernels.q8_matvec(out_a, groups), ref):.2e}")
-    for rows, cols, what in ((1024, 4096, "q_a"), (32768, 1024, "q_b"), (4096, 8192, "output_b"),
-                             (2048, 4096, "shared gate"), (4096, 2048, "shared down")):
+          f"max rel err {_rel(kernels.q8_matvec(out_a, groups), ref):.2e}; "
+          f"{out_a.rows * out_a.cols * 34 / 32 / grouped_s / 1e9:.0f} GB/s")
+    for rows, cols, what in ((1024, 4096, "q_a"), (512, 4096, "kv"), (32768, 1024, "q_b"), (4096, 8192, "output_b"),
+                             (2048, 4096, "shared gate"), (4096, 2048, "shared down"), (129280, 4096, "output head")):
         w = _q8_matrix(rows, cols)
-        x = mx.random.normal((1, cols))
+        x = mx.random.normal((3, cols))
+        err = _rel(kernels.q8_matvec(w, x[:, None, :]), w.quantized(x))
+        x = x[:1]
         nbytes = rows * cols * 34 / 32
         mlx_s = _seconds(w.quantized, x)
         ours_s = _seconds(lambda v, w=w: kernels.q8_matvec(w, v[:, None, :]), x)
         print(f"Q8_0 matvec {what} {rows}x{cols}: quantized_matmul {mlx_s * 1e6:7.1f} us "
               f"({nbytes / mlx_s / 1e9:6.0f} GB/s of Q8_0), q8_matvec {ours_s * 1e6:7.1f} us "
-              f"({nbytes / ours_s / 1e9:6.0f} GB/s)")
+              f"({nbytes / ours_s / 1e9:6.0f} GB/s), 3 tokens max rel err {err:.1e}")
+    ids = mx.array([3, 15, 0, 9, 7, 12], dtype=mx.int32)
+    for type_name, rows, cols in (("IQ2_XXS", 2048, 4096), ("Q2_K", 4096, 2048), ("Q4_K", 2048, 4096)):
+        tensor = _expert_blocks(type_name, 16, rows, cols)
+        nbytes = tensor.raw.nbytes / 16 * ids.size
+        s = _seconds(lambda v, tensor=tensor: kernels.expert_matvec(tensor, ids, v), mx.random.normal((6, cols)))
+        print(f"expert_matvec {type_name} 6 x {rows}x{cols}: {s * 1e6:7.1f} us ({nbytes / s / 1e9:6.0f} GB/s)")
+    for rows, cols, what in ((1024, 4096, "compressor kv"), (8192, 1024, "indexer q_b"), (256, 4096, "router"),
+                             (24, 16384, "HC mixer")):
+        w = mx.random.normal((rows, cols))
+        s = _seconds(lambda v, w=w: v @ w.T, mx.random.normal((1, cols)))
+        print(f"float32 matvec {what} {rows}x{cols}: {s * 1e6:7.1f} us ({w.nbytes / s / 1e9:6.0f} GB/s)")
 
 
 def fast_vs_reference(shape: str, tokens: list[int]) -> None:

@@ -107,7 +107,7 @@ def _q8_matvec(inputs, t, grid, threadgroup):
     codes, scales, x = inputs
     rows, cols, group_rows = t["ROWS"], t["COLS"], t["GROUP_ROWS"]
     assert codes.shape == (rows, cols // 4) and x.shape[1:] == (rows // group_rows, cols)
-    assert grid[1] == x.shape[0] and grid[0] // 32 >= rows
+    assert grid[1] == x.shape[0] and grid[0] // 32 * t["R"] >= rows and group_rows % t["R"] == 0
     w = mx.dequantize(codes, scales, -128.0 * scales, group_size=32, bits=8).reshape(-1, group_rows, cols)
     return [(x[:, :, None, :] * w[None]).sum(axis=-1).reshape(x.shape[0], rows)]
 

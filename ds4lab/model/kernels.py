@@ -13,8 +13,9 @@ reference's steps in the same order, so a Metal port can translate them line by 
 - `attention_heads`: softmax attention with sinks over the visible keys (masked ones are not
   read), online softmax across warps, and the inverse RoPE of the output.
 - `indexer_scores`: the lightning indexer's Σ_h w_h·relu(q_h·k) per key row.
-- `q8_matvec`: a Q8_0 matrix (the model's 8-bit codes) times a few vectors, one warp per row;
-  rows may come in groups that each read their own vector (the grouped output projection).
+- `q8_matvec`: a Q8_0 matrix (the model's 8-bit codes) times a few vectors, each warp a few
+  rows with 16-byte loads; rows may come in groups that each read their own vector (the
+  grouped output projection). Every Q8_0 product of a decode step goes through it.
 - `router`: router scores, biased top-k selection and route weights of a token in one block.
 - `expert_matvec`: routed-expert matvec on the IQ2_XXS, Q2_K or Q4_K block bytes of the
   selected experts, one warp per output row (the portable path decodes each selected expert
@@ -171,10 +172,20 @@ def indexer_scores(q: mx.array, w: mx.array, keys: mx.array) -> mx.array:
     return scores
 
 
-# Up to this many tokens (decode, MTP verification) the grouped output projection is one
-# matvec kernel on the fast path; a prefill chunk is a GEMM per group (MLX's quantized matmul).
+# Up to this many tokens (decode, MTP verification) Q8_0 products are matvec kernels on the
+# fast path; a prefill chunk is a GEMM (MLX's quantized matmul).
 MATVEC_MAX_TOKENS = 8
-_Q8_ROWS_PER_BLOCK = 4                   # warps (rows) per thread block of the Q8_0 matvec
+_Q8_WARPS = 4                            # warps per thread block of the Q8_0 matvec
+_Q8_MIN_WARPS = 2048                     # enough warps to keep an H100/H200's loads in flight
+
+
+def _q8_rows_per_warp(rows: int, group_rows: int) -> int:
+    """Rows each warp of the Q8_0 matvec owns: as many as divide a group (up to 4, each
+    reuses the warp's input loads) while the matrix still spreads over _Q8_MIN_WARPS warps."""
+    for r in (4, 2):
+        if group_rows % r == 0 and rows // r >= _Q8_MIN_WARPS:
+            return r
+    return 1
 
 
 def q8_matvec(matrix: Q8Matrix, x: mx.array) -> mx.array:
@@ -183,11 +194,12 @@ def q8_matvec(matrix: Q8Matrix, x: mx.array) -> mx.array:
     t, groups, cols = x.shape
     if matrix.cols != cols or matrix.rows % groups:
         raise ValueError(f"q8_matvec: {matrix.rows}x{matrix.cols} matrix, input {tuple(x.shape)}")
+    group_rows = matrix.rows // groups
+    r = _q8_rows_per_warp(matrix.rows, group_rows)
     (y,) = _fused("q8_matvec")(
         inputs=[matrix.codes, matrix.scales, x.astype(mx.float32)],
-        template=[("ROWS", matrix.rows), ("COLS", cols), ("GROUP_ROWS", matrix.rows // groups)],
-        grid=(-(-matrix.rows // _Q8_ROWS_PER_BLOCK) * 32 * _Q8_ROWS_PER_BLOCK, t, 1),
-        threadgroup=(32 * _Q8_ROWS_PER_BLOCK, 1, 1),
+        template=[("ROWS", matrix.rows), ("COLS", cols), ("GROUP_ROWS", group_rows), ("R", r)],
+        grid=(-(-matrix.rows // (r * _Q8_WARPS)) * 32 * _Q8_WARPS, t, 1), threadgroup=(32 * _Q8_WARPS, 1, 1),
         output_shapes=[(t, matrix.rows)], output_dtypes=[mx.float32])
     return y
 
