@@ -2,17 +2,25 @@
 // One warp computes one output row of one (token, expert) pair: each lane takes 8
 // consecutive values of every 256-value block, decodes them from the block bytes and
 // multiplies them with the activation; the warp then sums its lanes.
+// A block gives a lane only a few bytes, far too little to hide the memory latency, so each
+// kernel walks the row U blocks at a time: first the loads of all U blocks (in flight
+// together), then their arithmetic.
 #include <cuda_fp16.h>
 
-__device__ __forceinline__ float ds4lab_f16_at(const uint8_t* p) {
-    unsigned short bits = (unsigned short)p[0] | ((unsigned short)p[1] << 8);
-    return __half2float(__ushort_as_half(bits));
+__device__ __forceinline__ float ds4lab_f16_bits(uint32_t bits) {
+    return __half2float(__ushort_as_half((unsigned short)(bits & 0xffffu)));
 }
 
 __device__ __forceinline__ float ds4lab_warp_sum(float v) {
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
     return v;
 }
+
+// Blocks per step: the largest of 8, 4, 2, 1 that divides the row's block count.
+template <int NB>
+struct ds4lab_step {
+    static constexpr int U = NB % 8 == 0 ? 8 : NB % 4 == 0 ? 4 : NB % 2 == 0 ? 2 : 1;
+};
 
 // The row a thread's warp computes, and where its weights and activation start. Each
 // kernel body opens with this and ends with DS4LAB_EXPERT_ROW_END(acc).
@@ -22,8 +30,16 @@ __device__ __forceinline__ float ds4lab_warp_sum(float v) {
     const int p = blockIdx.y;                                                                   \
     if (row >= ROWS) return;                                                                    \
     const uint8_t* w = raw + (size_t)ids[p] * EXPERT_BYTES + (size_t)row * (COLS / 256) * (BLOCK_BYTES); \
-    const float* xv = x + (size_t)p * COLS;
+    const float* xv = x + (size_t)p * COLS;                                                     \
+    constexpr int NB = COLS / 256, U = ds4lab_step<COLS / 256>::U;
 
 #define DS4LAB_EXPERT_ROW_END(acc)                                                              \
     acc = ds4lab_warp_sum(acc);                                                                 \
     if (lane == 0) y[(size_t)p * ROWS + row] = acc;
+
+// The lane's 8 activations of block b.
+__device__ __forceinline__ void ds4lab_lane_inputs(const float* xv, int b, int lane, float xs[8]) {
+    const float4 a = *reinterpret_cast<const float4*>(xv + b * 256 + lane * 8);
+    const float4 c = *reinterpret_cast<const float4*>(xv + b * 256 + lane * 8 + 4);
+    xs[0] = a.x; xs[1] = a.y; xs[2] = a.z; xs[3] = a.w; xs[4] = c.x; xs[5] = c.y; xs[6] = c.z; xs[7] = c.w;
+}

@@ -1,21 +1,32 @@
 // y[p, row] = sum_c W[ids[p]][row, c] * x[p, c] for IQ2_XXS blocks (66 bytes per 256 values):
 // f16 d, then per 32 values 4 grid indices and a u32 of four 7-bit sign indices plus a
-// 4-bit scale s; w = d * (0.5 + s) * 0.25 * grid * sign.
+// 4-bit scale s; w = d * (0.5 + s) * 0.25 * grid * sign. Blocks are 2-byte aligned: the
+// lane reads 16-bit words.
 DS4LAB_EXPERT_ROW_BEGIN(66)
 const int sub = lane >> 2, part = lane & 3;
 float acc = 0.0f;
-for (int b = 0; b < COLS / 256; ++b) {
-    const uint8_t* blk = w + b * 66;
-    const uint8_t* s8 = blk + 2 + 8 * sub;
-    const uint32_t aux = (uint32_t)s8[4] | ((uint32_t)s8[5] << 8) | ((uint32_t)s8[6] << 16) | ((uint32_t)s8[7] << 24);
-    const float db = ds4lab_f16_at(blk) * (0.5f + (float)(aux >> 28)) * 0.25f;
-    const uint8_t* g = grid + 8 * (int)s8[part];
-    const uint8_t signs = ksigns[(aux >> (7 * part)) & 127];
-    const float* xs = xv + b * 256 + lane * 8;
+for (int b0 = 0; b0 < NB; b0 += U) {
+    uint32_t d[U], aux[U], index[U];
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-        const float v = (signs >> k) & 1 ? -(float)g[k] : (float)g[k];
-        acc += db * v * xs[k];
+    for (int u = 0; u < U; ++u) {
+        const uint16_t* blk = reinterpret_cast<const uint16_t*>(w + (b0 + u) * 66);
+        const uint16_t* s16 = blk + 1 + 4 * sub;                   // this lane's 8 bytes of 32 values
+        d[u] = blk[0];
+        aux[u] = (uint32_t)s16[2] | ((uint32_t)s16[3] << 16);
+        index[u] = (s16[part >> 1] >> (8 * (part & 1))) & 0xffu;
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const float db = ds4lab_f16_bits(d[u]) * (0.5f + (float)(aux[u] >> 28)) * 0.25f;
+        const uint8_t* g = grid + 8 * index[u];
+        const uint8_t signs = ksigns[(aux[u] >> (7 * part)) & 127];
+        float xs[8];
+        ds4lab_lane_inputs(xv, b0 + u, lane, xs);
+#pragma unroll
+        for (int k = 0; k < 8; ++k) {
+            const float v = (signs >> k) & 1 ? -(float)g[k] : (float)g[k];
+            acc += db * v * xs[k];
+        }
     }
 }
 DS4LAB_EXPERT_ROW_END(acc)

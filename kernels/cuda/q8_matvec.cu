@@ -7,7 +7,8 @@
 // Reading the weights is the whole cost of a decode step's matvec, so the loop is shaped for
 // memory bandwidth: each warp owns R consecutive rows (R divides GROUP_ROWS, so they share one
 // input vector); per step a lane loads 16 inputs once and, for each of its rows, 16 codes in
-// one 16-byte load (a warp reads 512 contiguous bytes of a row) and their block's scale.
+// one 16-byte load (a warp reads 512 contiguous bytes of a row) and their block's scale;
+// the loop is unrolled so that each lane has 8 such loads in flight.
 // A byte becomes the float (byte - 128) without an int-to-float conversion: placed in the
 // mantissa of 2^23 (bits 0x4B0000bb = 8388608 + byte, exact) and 8388608 + 128 subtracted.
 // Float sums per lane in column order, then a warp sum per row.
@@ -23,7 +24,7 @@ const float* s = scales + (size_t)r0 * (COLS / 32);
 float acc[R];
 #pragma unroll
 for (int i = 0; i < R; ++i) acc[i] = 0.0f;
-#pragma unroll 2
+#pragma unroll (8 / R)
 for (int j = lane; j < COLS / 16; j += 32) {
     float xs[16];
 #pragma unroll
