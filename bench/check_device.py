@@ -89,7 +89,7 @@ def check_fused_kernels() -> None:
         fn = mx.random.normal(((2 + n) * n, n * e)) * 0.01
         scale, base = mx.random.uniform(0.5, 2.0, (3,)), mx.random.normal(((2 + n) * n,))
         norm = mx.random.uniform(0.5, 1.5, (e,))
-        x, control = hc.hc_fused_input(streams, fn, scale, base, norm, 20, 1e-6, 1e-6)
+        x, control = hc.hc_fused_input(streams, fn.T, scale, base, norm, 20, 1e-6, 1e-6)
         ref_control = hc.hc_control(streams, fn, scale, base, 20, 1e-6, 1e-6, ref_mm)
         ref_x = ref_mm.rms_norm(hc.hc_collapse(streams, ref_control.pre), norm, 1e-6)
         err = max(_rel(a, b) for a, b in zip((x, control.pre, control.post, control.comb),
@@ -144,19 +144,19 @@ def check_q8_matvec() -> None:
     out_a = _q8_matrix(8192, 4096)
     groups = mx.random.normal((1, 8, 4096))
     ref = mx.concatenate([out_a.rows_slice(g * 1024, (g + 1) * 1024).quantized(groups[:, g]) for g in range(8)], -1)
-    grouped_s = _seconds(lambda v: kernels.q8_matvec(out_a, v), groups)
+    grouped_s = _seconds(lambda v: kernels.q8_matvec(out_a, v, groups=8), groups)
     print(f"q8_matvec grouped (8 x 1024 rows of 4096) vs per-group quantized_matmul: "
-          f"max rel err {_rel(kernels.q8_matvec(out_a, groups), ref):.2e}; "
+          f"max rel err {_rel(kernels.q8_matvec(out_a, groups, groups=8), ref):.2e}; "
           f"{out_a.rows * out_a.cols * 34 / 32 / grouped_s / 1e9:.0f} GB/s")
     for rows, cols, what in ((1024, 4096, "q_a"), (512, 4096, "kv"), (32768, 1024, "q_b"), (4096, 8192, "output_b"),
                              (2048, 4096, "shared gate"), (4096, 2048, "shared down"), (129280, 4096, "output head")):
         w = _q8_matrix(rows, cols)
         x = mx.random.normal((3, cols))
-        err = _rel(kernels.q8_matvec(w, x[:, None, :]), w.quantized(x))
+        err = _rel(kernels.q8_matvec(w, x), w.quantized(x))
         x = x[:1]
         nbytes = rows * cols * 34 / 32
         mlx_s = _seconds(w.quantized, x)
-        ours_s = _seconds(lambda v, w=w: kernels.q8_matvec(w, v[:, None, :]), x)
+        ours_s = _seconds(lambda v, w=w: kernels.q8_matvec(w, v), x)
         print(f"Q8_0 matvec {what} {rows}x{cols}: quantized_matmul {mlx_s * 1e6:7.1f} us "
               f"({nbytes / mlx_s / 1e9:6.0f} GB/s of Q8_0), q8_matvec {ours_s * 1e6:7.1f} us "
               f"({nbytes / ours_s / 1e9:6.0f} GB/s), 3 tokens max rel err {err:.1e}")

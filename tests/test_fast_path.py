@@ -105,11 +105,13 @@ def _router(inputs, t, grid, threadgroup):
 
 def _q8_matvec(inputs, t, grid, threadgroup):
     codes, scales, x = inputs
-    rows, cols, group_rows = t["ROWS"], t["COLS"], t["GROUP_ROWS"]
-    assert codes.shape == (rows, cols // 4) and x.shape[1:] == (rows // group_rows, cols)
-    assert grid[1] == x.shape[0] and grid[0] // 32 * t["R"] >= rows and group_rows % t["R"] == 0
+    rows, cols, group_rows, r = t["ROWS"], t["COLS"], t["GROUP_ROWS"], t["R"]
+    n_tok, groups = grid[1], rows // group_rows
+    assert codes.shape == (rows, cols // 4) and x.size == n_tok * groups * cols
+    assert grid[0] // 32 * r >= rows and group_rows % r == 0
     w = mx.dequantize(codes, scales, -128.0 * scales, group_size=32, bits=8).reshape(-1, group_rows, cols)
-    return [(x[:, :, None, :] * w[None]).sum(axis=-1).reshape(x.shape[0], rows)]
+    y = (x.reshape(n_tok, groups, 1, cols) * w[None]).sum(axis=-1).reshape(n_tok, rows)
+    return [y.reshape(*x.shape[:-1], rows) if groups == 1 else y]
 
 
 STAND_INS = {"q8_matvec": _q8_matvec, "router": _router, "row_finish": _row_finish, "hc_pre": _hc_pre,

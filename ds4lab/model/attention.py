@@ -120,11 +120,11 @@ def _attend_ordered(q: mx.array, rows: mx.array, valid: mx.array, sinks: mx.arra
 def grouped_output(layer: LayerWeights, heads: mx.array, n_out_group: int, mm: Schedule) -> mx.array:
     """Inverse-rotated heads [T, H, D] -> [T, n_embd] through the grouped low-rank projection."""
     t = heads.shape[0]
-    groups = heads.reshape(t, n_out_group, -1)                         # heads of a group side by side
     out_a: Q8Matrix = layer.q8["attn_output_a.weight"]
     if mm.fast and t <= kernels.MATVEC_MAX_TOKENS:
-        low = kernels.q8_matvec(out_a, groups)                           # every group in one kernel
+        low = kernels.q8_matvec(out_a, heads, groups=n_out_group)        # every group in one kernel
     else:
+        groups = heads.reshape(t, n_out_group, -1)                     # heads of a group side by side
         rank = out_a.rows // n_out_group
         low = mx.concatenate([mm.q8(out_a.rows_slice(g * rank, (g + 1) * rank), groups[:, g])
                               for g in range(n_out_group)], axis=-1)

@@ -175,32 +175,26 @@ def indexer_scores(q: mx.array, w: mx.array, keys: mx.array) -> mx.array:
 # Up to this many tokens (decode, MTP verification) Q8_0 products are matvec kernels on the
 # fast path; a prefill chunk is a GEMM (MLX's quantized matmul).
 MATVEC_MAX_TOKENS = 8
-_Q8_WARPS = 4                            # warps per thread block of the Q8_0 matvec
-_Q8_MIN_WARPS = 2048                     # enough warps to keep an H100/H200's loads in flight
+_Q8_WARPS = 4                            # warps per thread block of the Q8_0 matvec (4 rows each)
 
 
-def _q8_rows_per_warp(rows: int, group_rows: int) -> int:
-    """Rows each warp of the Q8_0 matvec owns: as many as divide a group (up to 4, each
-    reuses the warp's input loads) while the matrix still spreads over _Q8_MIN_WARPS warps."""
-    for r in (4, 2):
-        if group_rows % r == 0 and rows // r >= _Q8_MIN_WARPS:
-            return r
-    return 1
-
-
-def q8_matvec(matrix: Q8Matrix, x: mx.array) -> mx.array:
-    """y [T, rows] = W·x[t, g(row)] from x [T, G, cols]: the rows in G equal groups, group g
-    multiplied by its own vector (G = 1: a plain matvec)."""
-    t, groups, cols = x.shape
-    if matrix.cols != cols or matrix.rows % groups:
-        raise ValueError(f"q8_matvec: {matrix.rows}x{matrix.cols} matrix, input {tuple(x.shape)}")
+def q8_matvec(matrix: Q8Matrix, x: mx.array, groups: int = 1) -> mx.array:
+    """W·x for a few tokens, from x's memory as it is (no reshape: each would be one more
+    operation of the step). groups = 1: x [..., cols] -> [..., rows]. groups = G: the rows in
+    G equal groups, group g multiplied by its own vector, x [T, ...] holding T·G·cols values
+    (token-major, then group) -> [T, rows] (the grouped output projection)."""
+    cols = matrix.cols
+    if matrix.rows % groups or x.size % (groups * cols) or (groups == 1 and x.shape[-1] != cols):
+        raise ValueError(f"q8_matvec: {matrix.rows}x{cols} matrix in {groups} groups, input {tuple(x.shape)}")
+    t = x.size // (groups * cols)
     group_rows = matrix.rows // groups
-    r = _q8_rows_per_warp(matrix.rows, group_rows)
+    r = 4 if group_rows % 4 == 0 else 2 if group_rows % 2 == 0 else 1
     (y,) = _fused("q8_matvec")(
         inputs=[matrix.codes, matrix.scales, x.astype(mx.float32)],
         template=[("ROWS", matrix.rows), ("COLS", cols), ("GROUP_ROWS", group_rows), ("R", r)],
         grid=(-(-matrix.rows // (r * _Q8_WARPS)) * 32 * _Q8_WARPS, t, 1), threadgroup=(32 * _Q8_WARPS, 1, 1),
-        output_shapes=[(t, matrix.rows)], output_dtypes=[mx.float32])
+        output_shapes=[(*x.shape[:-1], matrix.rows) if groups == 1 else (x.shape[0], matrix.rows)],
+        output_dtypes=[mx.float32])
     return y
 
 

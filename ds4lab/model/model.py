@@ -248,7 +248,7 @@ class Model:
         compressed rows; extends `cache`. Masks are built on the host: positions are known."""
         cfg, d = self.config, layer.dense
         h = self._hooks.scope(f"{_prefix(layer)}.attn")
-        xa, control = self._sublayer_input(h, streams, "attn", d, mm)
+        xa, control = self._sublayer_input(h, streams, "attn", layer, mm)
         q, qr_n = attention.project_q(layer, xa, rotation, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm)
         q = h("hook_q", q)
         kv = h("hook_kv", attention.kv_row(layer, xa, rotation, cfg.rms_eps, mm))
@@ -310,17 +310,18 @@ class Model:
         h("hook_pattern", weights)
         h("hook_key_span", mx.where((index >= 0)[..., None], span, -1))
 
-    def _sublayer_input(self, h: Scope, streams: mx.array, sub: str, d: dict,
+    def _sublayer_input(self, h: Scope, streams: mx.array, sub: str, layer: LayerWeights,
                         mm: Schedule) -> tuple[mx.array, HCControl]:
         """A sublayer's HC control (pre, post, comb; hooked) and its input: the streams collapsed
         by `pre` and RMS-normed (`hook_in`). One kernel on the fast path."""
-        cfg = self.config
-        mixer = (d[f"hc_{sub}_fn.weight"], d[f"hc_{sub}_scale.weight"], d[f"hc_{sub}_base.weight"])
-        norm = d[f"{sub}_norm.weight"]
+        cfg, d = self.config, layer.dense
+        scale, base, norm = d[f"hc_{sub}_scale.weight"], d[f"hc_{sub}_base.weight"], d[f"{sub}_norm.weight"]
         if mm.fast:
-            x, control = hc_fused_input(streams, *mixer, norm, cfg.hc_sinkhorn_iter, cfg.rms_eps, cfg.hc_eps)
+            x, control = hc_fused_input(streams, layer.transposed(f"hc_{sub}_fn.weight"), scale, base, norm,
+                                        cfg.hc_sinkhorn_iter, cfg.rms_eps, cfg.hc_eps)
         else:
-            c = hc_control(streams, *mixer, cfg.hc_sinkhorn_iter, cfg.rms_eps, cfg.hc_eps, mm)
+            c = hc_control(streams, d[f"hc_{sub}_fn.weight"], scale, base, cfg.hc_sinkhorn_iter, cfg.rms_eps,
+                           cfg.hc_eps, mm)
             control = HCControl(h("hook_hc_pre", c.pre), h("hook_hc_post", c.post), h("hook_hc_comb", c.comb))
             x = mm.rms_norm(hc_collapse(streams, control.pre), norm, cfg.rms_eps)
         return h("hook_in", x), control
@@ -329,9 +330,9 @@ class Model:
                    mm: Schedule) -> tuple[mx.array, mx.array]:
         """Router (probs -> experts -> weights, each hooked, each replacement used by the next
         step), routed and shared experts; returns the new streams and the experts used."""
-        cfg, d = self.config, layer.dense
+        cfg = self.config
         h = self._hooks.scope(f"{_prefix(layer)}.ffn")
-        xf, control = self._sublayer_input(h, streams, "ffn", d, mm)
+        xf, control = self._sublayer_input(h, streams, "ffn", layer, mm)
         if mm.fast and layer.tid2eid is None:
             probs, chosen, weights = moe.route_fused(layer, xf, cfg.n_expert_used, cfg.expert_weight_scale)
             experts = h("hook_experts", chosen)

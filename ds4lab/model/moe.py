@@ -58,7 +58,7 @@ def route_weights(probs: mx.array, experts: mx.array, scale: float) -> mx.array:
 def route_fused(layer: LayerWeights, xf: mx.array, n_used: int, scale: float) -> tuple[mx.array, mx.array, mx.array]:
     """The fast path's router on biased top-k layers: the logits matvec, then one kernel for
     `router_probs`, `select_experts` and `route_weights`: (probs, experts, weights)."""
-    logits = xf @ layer.dense["ffn_gate_inp.weight"].T
+    logits = xf @ layer.transposed("ffn_gate_inp.weight")
     return kernels.router(logits, layer.dense.get("exp_probs_b.bias"), n_used, scale)
 
 

@@ -109,7 +109,14 @@ class LayerWeights:
     dense: dict[str, mx.array] = field(default_factory=dict)
     experts: dict[str, ExpertBlocks] = field(default_factory=dict)
     tid2eid: mx.array | None = None
+    _transposed: dict[str, mx.array] = field(default_factory=dict, repr=False)
 
+    def transposed(self, role: str) -> mx.array:
+        """dense[role].T, made once: a view (no copy) that the fast path multiplies by, so that a
+        decode step does not add a transpose operation per product."""
+        if role not in self._transposed:
+            self._transposed[role] = self.dense[role].T
+        return self._transposed[role]
 
 
 @dataclass
