@@ -48,8 +48,16 @@ def check_fused_experts() -> None:
         x = mx.random.normal((6, 1024))
         fused = np.array(kernels.expert_matvec(tensor, ids, x))
         ref = np.array((_decode(tensor, ids) @ x[:, :, None])[..., 0])
+        # Decode's forms: two tokens with 3 experts each, a token's input shared by its
+        # pairs (gate, up), and the pairs' outputs summed per token (down).
+        pairs, x2 = ids.reshape(2, 3), x[::3]
+        shared = kernels.expert_matvec(tensor, pairs, x2, pairs_per_input=3)
+        summed = kernels.expert_matvec(tensor, pairs, x.reshape(2, 3, -1), sum_pairs=True)
+        ref_shared = (_decode(tensor, ids) @ mx.repeat(x2, 3, axis=0)[:, :, None])[..., 0].reshape(2, 3, -1)
+        ref_summed = mx.array(ref).reshape(2, 3, -1).sum(axis=1)
         print(f"{type_name}: fused kernel vs decode-then-multiply, max rel err "
-              f"{np.abs(fused - ref).max() / np.abs(ref).max():.2e}")
+              f"{np.abs(fused - ref).max() / np.abs(ref).max():.2e}; input shared by 3 pairs "
+              f"{_rel(shared, ref_shared):.2e}; 3 pairs summed {_rel(summed, ref_summed):.2e}")
 
 
 def _rel(a: mx.array, b: mx.array) -> float:
@@ -160,12 +168,16 @@ def check_q8_matvec() -> None:
         print(f"Q8_0 matvec {what} {rows}x{cols}: quantized_matmul {mlx_s * 1e6:7.1f} us "
               f"({nbytes / mlx_s / 1e9:6.0f} GB/s of Q8_0), q8_matvec {ours_s * 1e6:7.1f} us "
               f"({nbytes / ours_s / 1e9:6.0f} GB/s), 3 tokens max rel err {err:.1e}")
-    ids = mx.array([3, 15, 0, 9, 7, 12], dtype=mx.int32)
-    for type_name, rows, cols in (("IQ2_XXS", 2048, 4096), ("Q2_K", 4096, 2048), ("Q4_K", 2048, 4096)):
+    ids = mx.array([[3, 15, 0, 9, 7, 12]], dtype=mx.int32)      # one token's 6 experts, as in decode
+    for type_name, rows, cols, down in (("IQ2_XXS", 2048, 4096, False), ("Q2_K", 4096, 2048, True),
+                                        ("Q4_K", 2048, 4096, False)):
         tensor = _expert_blocks(type_name, 16, rows, cols)
         nbytes = tensor.raw.nbytes / 16 * ids.size
-        s = _seconds(lambda v, tensor=tensor: kernels.expert_matvec(tensor, ids, v), mx.random.normal((6, cols)))
-        print(f"expert_matvec {type_name} 6 x {rows}x{cols}: {s * 1e6:7.1f} us ({nbytes / s / 1e9:6.0f} GB/s)")
+        x = mx.random.normal((1, 6, cols) if down else (1, cols))
+        s = _seconds(lambda v, tensor=tensor, down=down: kernels.expert_matvec(
+            tensor, ids, v, pairs_per_input=1 if down else 6, sum_pairs=down), x)
+        print(f"expert_matvec {type_name} 6 x {rows}x{cols}{' summed' if down else ''}: {s * 1e6:7.1f} us "
+              f"({nbytes / s / 1e9:6.0f} GB/s)")
     for rows, cols, what in ((1024, 4096, "compressor kv"), (8192, 1024, "indexer q_b"), (256, 4096, "router"),
                              (24, 16384, "HC mixer")):
         w = mx.random.normal((rows, cols))

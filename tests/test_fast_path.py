@@ -122,8 +122,13 @@ STAND_INS = {"q8_matvec": _q8_matvec, "router": _router, "row_finish": _row_fini
 def _expert_matvec(type_name):
     def run(inputs, t, grid, threadgroup):
         raw, ids, x = inputs[:3]
-        assert grid[1] == ids.size and x.shape == (ids.size, t["COLS"])
-        return [(gather_experts(raw, ids, type_name, t["ROWS"], t["COLS"]) @ x[:, :, None])[..., 0]]
+        rows, cols, per_out, x_div = t["ROWS"], t["COLS"], t["PAIRS_PER_OUT"], t["X_DIV"]
+        assert t["ROW_BYTES"] * rows == t["EXPERT_BYTES"] == raw.shape[1]
+        assert grid[1] * per_out == ids.size and x.size == ids.size // x_div * cols
+        flat = ids.reshape(-1)
+        xs = x.reshape(-1, cols)[mx.arange(flat.size) // x_div]
+        y = (gather_experts(raw, flat, type_name, rows, cols) @ xs[:, :, None])[..., 0]
+        return [y.reshape(*ids.shape, rows).sum(axis=-2) if per_out > 1 else y.reshape(*ids.shape, rows)]
     return run
 
 

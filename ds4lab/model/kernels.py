@@ -18,8 +18,10 @@ reference's steps in the same order, so a Metal port can translate them line by 
   grouped output projection). Every Q8_0 product of a decode step goes through it.
 - `router`: router scores, biased top-k selection and route weights of a token in one block.
 - `expert_matvec`: routed-expert matvec on the IQ2_XXS, Q2_K or Q4_K block bytes of the
-  selected experts, one warp per output row (the portable path decodes each selected expert
-  to a float32 matrix first: a few dozen kernels and three float32 copies per step).
+  selected experts, one warp per output row; a token's input read once for all its experts,
+  and the down projection's weighted outputs summed in the kernel (the portable path decodes
+  each selected expert to a float32 matrix first: a few dozen kernels and three float32
+  copies per step).
 
 Float sums run in another order than the reference's (same values up to float32
 reassociation); `bench/check_device.py` checks each kernel against its composition. The
@@ -215,11 +217,10 @@ def router(logits: mx.array, bias: mx.array | None, n_used: int, scale: float) -
 @cache
 def _kernel(type_name: str):
     name = _TYPES[type_name]
-    header = (KERNEL_DIR / "expert_matvec_common.cuh").read_text()
-    source = (KERNEL_DIR / f"expert_matvec_{name}.cu").read_text()
+    header = "\n".join((KERNEL_DIR / f).read_text() for f in ("expert_matvec_common.cuh", f"expert_dot_{name}.cuh"))
     inputs = ["raw", "ids", "x"] + (["grid", "ksigns"] if type_name == "IQ2_XXS" else [])
     return mx.fast.cuda_kernel(name=f"ds4lab_expert_matvec_{name}", input_names=inputs, output_names=["y"],
-                               source=source, header=header)
+                               source=(KERNEL_DIR / "expert_matvec.cu").read_text(), header=header)
 
 
 @cache
@@ -230,19 +231,29 @@ def _iq2_tables() -> tuple[mx.array, mx.array]:
     return mx.array(IQ2XXS_GRID.astype(np.uint8).reshape(-1)), mx.array(signs)
 
 
-def expert_matvec(tensor: ExpertBlocks, ids: mx.array, x: mx.array) -> mx.array:
-    """y [P, rows]: expert ids[p]'s matrix times x[p] (x [P, cols] float32), from block bytes."""
+def expert_matvec(tensor: ExpertBlocks, ids: mx.array, x: mx.array, *, pairs_per_input: int = 1,
+                  sum_pairs: bool = False) -> mx.array:
+    """Expert ids[p]'s matrix times an input row, from the block bytes, for each pair p of
+    `ids` (any shape, int): pair p reads row p // pairs_per_input of x [pairs / pairs_per_input,
+    cols], any leading shape (a token's input shared by its experts). Returns [*ids.shape, rows];
+    with `sum_pairs`, summed over ids' last axis, [*ids.shape[:-1], rows] (a token's weighted
+    expert outputs)."""
     rows, cols = tensor.rows, tensor.cols
+    if ids.size % pairs_per_input or x.shape[-1] != cols or x.size != ids.size // pairs_per_input * cols:
+        raise ValueError(f"expert_matvec: {ids.size} pairs, {pairs_per_input} per input row, input {tuple(x.shape)}")
+    per_out = ids.shape[-1] if sum_pairs else 1
     inputs = [tensor.raw, ids.astype(mx.int32), x.astype(mx.float32)]
     if tensor.type_name == "IQ2_XXS":
         inputs += list(_iq2_tables())
     threads = 32 * _ROWS_PER_BLOCK
     (y,) = _kernel(tensor.type_name)(
         inputs=inputs,
-        template=[("ROWS", rows), ("COLS", cols), ("EXPERT_BYTES", rows * row_bytes(tensor.type_name, cols))],
-        grid=(-(-rows // _ROWS_PER_BLOCK) * threads, ids.size, 1),
+        template=[("ROWS", rows), ("COLS", cols), ("ROW_BYTES", row_bytes(tensor.type_name, cols)),
+                  ("EXPERT_BYTES", rows * row_bytes(tensor.type_name, cols)), ("PAIRS_PER_OUT", per_out),
+                  ("X_DIV", pairs_per_input)],
+        grid=(-(-rows // _ROWS_PER_BLOCK) * threads, ids.size // per_out, 1),
         threadgroup=(threads, 1, 1),
-        output_shapes=[(ids.size, rows)],
+        output_shapes=[(*ids.shape[:-1], rows) if sum_pairs else (*ids.shape, rows)],
         output_dtypes=[mx.float32],
     )
     return y

@@ -70,14 +70,17 @@ def swiglu(gate: mx.array, up: mx.array, clamp: float) -> mx.array:
 
 
 @cache
-def _swiglu_compiled(clamp: float):
-    """`swiglu` with this clamp, compiled (the clamp a constant of the compiled graph)."""
+def _swiglu_compiled(clamp: float, weighted: bool):
+    """`swiglu` with this clamp, compiled into one kernel (the clamp a constant of the compiled
+    graph); `weighted` also multiplies by the route weights, w [T, U] against [T, U, n_ff]."""
+    if weighted:
+        return mx.compile(lambda gate, up, w: swiglu(gate, up, clamp) * w[..., None])
     return mx.compile(lambda gate, up: swiglu(gate, up, clamp))
 
 
 def _swiglu(gate: mx.array, up: mx.array, clamp: float, fast: bool) -> mx.array:
     """`swiglu`, compiled into one kernel on the fast path."""
-    return _swiglu_compiled(clamp)(gate, up) if fast else swiglu(gate, up, clamp)
+    return _swiglu_compiled(clamp, False)(gate, up) if fast else swiglu(gate, up, clamp)
 
 
 def routed_experts(layer: LayerWeights, xf: mx.array, experts: mx.array, weights: mx.array, clamp: float,
@@ -140,20 +143,27 @@ def _routed_gathered(gate_t: ExpertBlocks, up_t: ExpertBlocks, down_t: ExpertBlo
                      experts: mx.array, weights: mx.array, clamp: float, act_round,
                      on_mid: Callable[[mx.array], object] | None, fast: bool) -> mx.array:
     t, u = experts.shape
+    if fast and all(kernels.available(w.type_name) for w in (gate_t, up_t, down_t)):
+        # Three expert kernels and one compiled SwiGLU: each token's input read by its U
+        # pairs in place, the weighted down projections summed in the last kernel.
+        gate = kernels.expert_matvec(gate_t, experts, x_in, pairs_per_input=u)       # [T, U, n_ff]
+        up = kernels.expert_matvec(up_t, experts, x_in, pairs_per_input=u)
+        mid = _swiglu_compiled(clamp, True)(gate, up, weights)
+        if on_mid is not None:
+            on_mid(mid)
+        return kernels.expert_matvec(down_t, experts, mid, sum_pairs=True)
     ids = experts.reshape(-1)
     x = mx.repeat(x_in, u, axis=0)                                      # [T*U, d]
-    gate = _matvec(gate_t, ids, x, fast)
-    up = _matvec(up_t, ids, x, fast)
-    mid = act_round(_swiglu(gate, up, clamp, fast) * weights.reshape(-1, 1))
+    gate = _matvec(gate_t, ids, x)
+    up = _matvec(up_t, ids, x)
+    mid = act_round(swiglu(gate, up, clamp) * weights.reshape(-1, 1))
     if on_mid is not None:
         on_mid(mid.reshape(t, u, -1))
-    return _matvec(down_t, ids, mid, fast).reshape(t, u, -1).sum(axis=1)
+    return _matvec(down_t, ids, mid).reshape(t, u, -1).sum(axis=1)
 
 
-def _matvec(tensor: ExpertBlocks, ids: mx.array, x: mx.array, fast: bool) -> mx.array:
-    """Expert ids[p] times x[p], [P, rows]: the fused kernel on the fast path, else decode then multiply."""
-    if fast and kernels.available(tensor.type_name):
-        return kernels.expert_matvec(tensor, ids, x)
+def _matvec(tensor: ExpertBlocks, ids: mx.array, x: mx.array) -> mx.array:
+    """Expert ids[p] times x[p], [P, rows]: decode the pairs' experts, then multiply."""
     return (_decode(tensor, ids) @ x[:, :, None])[..., 0]
 
 

@@ -1,9 +1,10 @@
-// Shared helpers of the routed-expert matvec kernels (ds4lab/model/kernels.py).
-// One warp computes one output row of one (token, expert) pair: each lane takes 8
-// consecutive values of every 256-value block, decodes them from the block bytes and
-// multiplies them with the activation; the warp then sums its lanes.
+// Shared helpers of the routed-expert matvec (ds4lab/model/kernels.py `expert_matvec`).
+// Each block format's header (expert_dot_*.cuh) defines ds4lab_expert_dot: one lane's share
+// of the dot product of a weight row in that format with an activation. Lanes take 8
+// consecutive values of every 256-value block, decode them from the block bytes and multiply
+// them with the activation; expert_matvec.cu sums the lanes.
 // A block gives a lane only a few bytes, far too little to hide the memory latency, so each
-// kernel walks the row U blocks at a time: first the loads of all U blocks (in flight
+// format walks the row U blocks at a time: first the loads of all U blocks (in flight
 // together), then their arithmetic.
 #include <cuda_fp16.h>
 
@@ -21,21 +22,6 @@ template <int NB>
 struct ds4lab_step {
     static constexpr int U = NB % 8 == 0 ? 8 : NB % 4 == 0 ? 4 : NB % 2 == 0 ? 2 : 1;
 };
-
-// The row a thread's warp computes, and where its weights and activation start. Each
-// kernel body opens with this and ends with DS4LAB_EXPERT_ROW_END(acc).
-#define DS4LAB_EXPERT_ROW_BEGIN(BLOCK_BYTES)                                                   \
-    const int lane = threadIdx.x & 31;                                                          \
-    const int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;                               \
-    const int p = blockIdx.y;                                                                   \
-    if (row >= ROWS) return;                                                                    \
-    const uint8_t* w = raw + (size_t)ids[p] * EXPERT_BYTES + (size_t)row * (COLS / 256) * (BLOCK_BYTES); \
-    const float* xv = x + (size_t)p * COLS;                                                     \
-    constexpr int NB = COLS / 256, U = ds4lab_step<COLS / 256>::U;
-
-#define DS4LAB_EXPERT_ROW_END(acc)                                                              \
-    acc = ds4lab_warp_sum(acc);                                                                 \
-    if (lane == 0) y[(size_t)p * ROWS + row] = acc;
 
 // The lane's 8 activations of block b.
 __device__ __forceinline__ void ds4lab_lane_inputs(const float* xv, int b, int lane, float xs[8]) {
