@@ -10,8 +10,8 @@ an H200), so the checks ask that the new paths add no error of their own:
 - steering at scale 1 leaves no component along the direction at the hooked output;
 - imatrix collection: the same counts, and each layer's sums of squares within four times
   that layer's input rms difference;
-- a replacement at a block boundary (`attn.hook_out`) keeps every block on the fast path and
-  changes the logits as on the reference path (within twice the two paths' own difference);
+- a replacement at a block boundary (`attn.hook_out` of the last block) keeps every block on
+  the fast path and changes the logits as on the reference path (within 1e-4 of their std);
 - a session saved to .kv on the GPU and loaded again on the GPU continues exactly as the
   uninterrupted GPU session; the file loads and runs on the CPU.
 
@@ -112,9 +112,16 @@ def main() -> None:
                                 cpu_in[f"blocks.{k.split('.')[1]}.ffn.hook_in"]) + 1e-6) for k in cpu_m)
     results.append(report("imatrix sum2 rms diff / 4x its layer's input diff", excess, 1.0))
 
+    # The edit sits in the last block: what runs after it (that block's FFN with pinned
+    # experts, the head) has no FP8 rounding, so each path's edited and unedited runs share
+    # everything upstream and their effects differ by float order only. (Earlier in the stack
+    # ds4's FP8 KV rounding turns the paths' 1e-6 float-order difference into whole FP8 steps
+    # on a tiny random model, and both the edit and the paths' own gap become that noise.)
+    last = model.config.n_layer - 1
+
     def logits_with(fast: bool, edit: bool):
         model.numerics.allow_fast = fast
-        scale = [(f"blocks.{layer}.attn.hook_out", lambda act, hook: act * 1.5)] if edit else []
+        scale = [(f"blocks.{last}.attn.hook_out", lambda act, hook: act * 1.5)] if edit else []
         try:
             with model.hooks([*pin, *scale]):
                 return model.fast_path_plan(), np.array(model(tokens[:48]))
@@ -129,11 +136,8 @@ def main() -> None:
     print(f"{'boundary hook: blocks on the fast path':52s} {int((plan.path == 'fast').sum())} of {len(plan)}")
     print(f"{'boundary hook: its effect on the logits / std':52s} {np.abs(ref_edit - ref_plain).max() / std:.2e}")
     print(f"{'fast vs reference path, unedited, max diff / std':52s} {path_gap:.2e}")
-    # FP8 rounding of the KV rows turns float-order differences into whole FP8 steps on tiny
-    # models, so the edit is checked against the two paths' own difference.
     results.append(report("boundary hook: effect, fast vs reference, max diff / std",
-                          float(np.abs((fast_edit - fast_plain) - (ref_edit - ref_plain)).max() / std),
-                          2 * path_gap + 1e-4))
+                          float(np.abs((fast_edit - fast_plain) - (ref_edit - ref_plain)).max() / std), 1e-4))
 
     folder = tempfile.mkdtemp()
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import mlx.core as mx
 import numpy as np
 
 from .atomic import atomic_open
@@ -160,14 +161,43 @@ def stream(model, prompt: Sequence[int], max_tokens: int = 256, sampling: Sampli
                                       sampling, spec, progress)
         return
     logits = session.prefill(list(prompt), progress=progress) if prompt else session.logits
-    rng = np.random.default_rng(sampling.seed)
     emitter = Emitter(max_tokens, stop, top_logprobs)
+    if sampling.temperature <= 0:
+        yield from _greedy_pipelined(session, logits, emitter, max_tokens)
+        return
+    rng = np.random.default_rng(sampling.seed)
     for _ in range(max_tokens):
         step = emitter.step(sample(np.array(logits, dtype=np.float32), sampling, rng), logits)
         yield step
         if step.finish:
             return
         logits = session.decode(step.token)
+
+
+def _greedy_pipelined(session, logits: mx.array, emitter: Emitter, max_tokens: int) -> Iterator[Step]:
+    """Greedy decoding with the host one step ahead of the device (mlx-lm's pattern): the
+    argmax stays on the device, the next step's graph is built from it and queued
+    (`mx.async_eval`) before the token is read, so building a step's graph overlaps the
+    device computing the one before. The next step runs on the state *after* the token
+    yielded; the session shows the state before it until the caller asks for the next step
+    (as plain decoding would leave it), and after the last step nothing extra is consumed."""
+    for index in range(max_tokens):
+        chosen = mx.argmax(logits)                     # the lowest id on ties, as `sample`
+        if index == max_tokens - 1:                    # nothing follows the last step
+            step = emitter.step(int(chosen.item()), logits)
+            yield step
+            return
+        before = session.state
+        upcoming = session.decode(chosen)              # built from the unread token
+        mx.async_eval(upcoming)
+        token = int(chosen.item())
+        after, session.state = session.state, before
+        after.tokens[-1] = token
+        step = emitter.step(token, logits)
+        yield step
+        if step.finish:
+            return
+        session.state, logits = after, upcoming
 
 
 def generate(model, prompt: str | Sequence[int], max_tokens: int = 256, sampling: Sampling = Sampling(),

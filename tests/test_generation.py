@@ -113,3 +113,29 @@ def test_dump_logprobs_are_the_models_and_scoring_is_exact(tmp_path, tiny):
     row = compare_vectors(doc, official).iloc[0]
     assert row["top1_match"] and row["topk_overlap"] == 0.8
     assert row["mean_abs_logprob_diff"] == pytest.approx(0.25 / 4, abs=1e-12)
+
+
+def test_greedy_stream_runs_ahead_yet_leaves_the_session_as_plain_decoding(tmp_path, tiny):
+    """Greedy `stream` queues each next step before reading the token (pipelined); its tokens
+    and the session it leaves, also when the caller stops early, are plain decoding's."""
+    prompt = list(range(700, 720))
+    plain = tiny.session()
+    logits = plain.prefill(prompt)
+    tokens, saved = [], {}
+    for i in range(6):
+        tokens.append(int(np.argmax(np.array(logits))))
+        if i == 3:                                   # what the session holds when step 4 is yielded
+            saved["plain"] = plain.save_kv(tmp_path / "plain.kv", now=0).read_bytes()
+        logits = plain.decode(tokens[-1])
+    session = tiny.session()
+    got = []
+    for step in stream(tiny, prompt, max_tokens=10, session=session):
+        got.append(step.token)
+        if len(got) == 4:
+            break
+    assert got == tokens[:4]
+    assert session.tokens == prompt + tokens[:3] and all(type(t) is int for t in session.tokens)
+    assert session.save_kv(tmp_path / "stream.kv", now=0).read_bytes() == saved["plain"]
+    full = tiny.session()
+    assert generate(tiny, prompt, max_tokens=6, session=full).tokens == tokens
+    assert full.tokens == prompt + tokens[:5]                # the last token is not consumed

@@ -191,7 +191,10 @@ class Model:
     def forward(self, state: SessionState, tokens: list[int], forced=None, last_only: bool = False) -> ChunkResult:
         """Run `tokens` (positions len(state.tokens)..) through the model; the result holds the
         extended state (`state` itself is left as it was). `forced` (int [T, n_layer,
-        n_expert_used]) forces the chunk's routed experts, as `__call__`'s `experts`."""
+        n_expert_used]) forces the chunk's routed experts, as `__call__`'s `experts`.
+        `tokens` may be device scalars (tokens chosen on the device and not read yet: the graph
+        is built without waiting for them); the new state's token list then holds them as they
+        are, for the caller to replace by their values (`generation.stream` does)."""
         if forced is not None:
             from ..interventions import force_experts
 
@@ -204,7 +207,8 @@ class Model:
         p0 = state.n_tokens
         self._hooks.positions = np.arange(p0, p0 + len(tokens))
         mm = self.numerics.schedule(self._hooks.positions)
-        token_ids = mx.array(tokens, dtype=mx.int32)
+        on_device = isinstance(tokens[0], mx.array)
+        token_ids = mx.stack(tokens).reshape(-1).astype(mx.int32) if on_device else mx.array(tokens, dtype=mx.int32)
         x = self._hooks.fire("hook_embed", self.weights.token_embd[token_ids].astype(mx.float32))
         streams = mx.broadcast_to(x[:, None, :], (x.shape[0], cfg.n_hc, cfg.n_embd))
         new = state.copy()

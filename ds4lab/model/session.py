@@ -86,9 +86,11 @@ class Session:
         return ChunkResult(mx.concatenate(logits), [mx.concatenate(layer) for layer in zip(*experts, strict=True)],
                            self.state, mx.concatenate(hidden))
 
-    def decode(self, token: int) -> mx.array:
-        """Consume one token; return the logits that predict the next one."""
-        self.state = self.model.forward(self.state, [int(token)], last_only=True).state
+    def decode(self, token: int | mx.array) -> mx.array:
+        """Consume one token; return the logits that predict the next one. The token may be a
+        device scalar not evaluated yet (see `Model.forward`)."""
+        token = token if isinstance(token, mx.array) else int(token)
+        self.state = self.model.forward(self.state, [token], last_only=True).state
         return self.state.logits
 
     def snapshot(self) -> SessionState:

@@ -22,13 +22,15 @@ __device__ __forceinline__ float ds4lab_expert_dot(const uint8_t* w, const float
         #pragma unroll
         for (int u = 0; u < U; ++u) {
             const float db = ds4lab_f16_bits(d[u]) * (0.5f + (float)(aux[u] >> 28)) * 0.25f;
-            const uint8_t* g = grid + 8 * index[u];
+            const uint2 g8 = *reinterpret_cast<const uint2*>(grid + 8 * index[u]);   // 8 grid bytes, one load
+            const uint32_t g[2] = {g8.x, g8.y};
             const uint8_t signs = ksigns[(aux[u] >> (7 * part)) & 127];
             float xs[8];
             ds4lab_lane_inputs(xv, b0 + u, lane, xs);
             #pragma unroll
             for (int k = 0; k < 8; ++k) {
-                const float v = (signs >> k) & 1 ? -(float)g[k] : (float)g[k];
+                const float mag = (float)((g[k >> 2] >> (8 * (k & 3))) & 0xffu);
+                const float v = (signs >> k) & 1 ? -mag : mag;
                 acc += db * v * xs[k];
             }
         }
