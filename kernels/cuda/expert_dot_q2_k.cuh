@@ -24,13 +24,7 @@ __device__ __forceinline__ float ds4lab_expert_dot(const uint8_t* w, const float
         for (int u = 0; u < U; ++u) {
             const float dl = ds4lab_f16_bits(dd[u]) * (float)(sc[u] & 15);
             const float ml = ds4lab_f16_bits(dd[u] >> 16) * (float)(sc[u] >> 4);
-            float xs[8];
-            ds4lab_lane_inputs(xv, b0 + u, lane, xs);
-            #pragma unroll
-            for (int k = 0; k < 8; ++k) {
-                const uint32_t byte = ((k < 4 ? lo[u] : hi[u]) >> (8 * (k & 3))) & 0xffu;
-                acc += (dl * (float)((byte >> shift) & 3) - ml) * xs[k];
-            }
+            acc = ds4lab_kquant_dot8<3>(acc, dl, ml, lo[u], hi[u], shift, xv, b0 + u, lane);
         }
     }
     return acc;

@@ -29,3 +29,18 @@ __device__ __forceinline__ void ds4lab_lane_inputs(const float* xv, int b, int l
     const float4 c = *reinterpret_cast<const float4*>(xv + b * 256 + lane * 8 + 4);
     xs[0] = a.x; xs[1] = a.y; xs[2] = a.z; xs[3] = a.w; xs[4] = c.x; xs[5] = c.y; xs[6] = c.z; xs[7] = c.w;
 }
+
+// acc + sum over the lane's 8 values of block b of (dl * q - ml) * x, the K-quant row form
+// (d * scale * q - dmin * min), with q = (byte >> shift) & MASK of the 8 code bytes in lo, hi.
+template <uint32_t MASK>
+__device__ __forceinline__ float ds4lab_kquant_dot8(float acc, float dl, float ml, uint32_t lo, uint32_t hi, int shift,
+                                                   const float* xv, int b, int lane) {
+    float xs[8];
+    ds4lab_lane_inputs(xv, b, lane, xs);
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+        const uint32_t byte = ((k < 4 ? lo : hi) >> (8 * (k & 3))) & 0xffu;
+        acc += (dl * (float)((byte >> shift) & MASK) - ml) * xs[k];
+    }
+    return acc;
+}
