@@ -309,3 +309,17 @@ def test_forced_experts_are_what_other_hooks_see(small):
     with model.hooks([(f"blocks.{layer}.ffn.hook_experts", lambda act, hook: seen.append(np.array(act)))]):
         model(tokens[:10], experts=forced)
     assert np.array_equal(seen[0], forced[:, layer])
+
+
+def test_routed_mid_seen_in_decode_is_the_prefills_row(small):
+    # Decode batches a token's experts (CPU, one lazy graph); the point must still show each
+    # (token, slot) row in the router's slot order, bit for bit what prefill shows.
+    model, tokens = small
+    name = f"blocks.{model.config.n_layer - 1}.ffn.hook_routed_mid"
+    _, cache = model.run_with_cache(tokens[:12], [name])
+    seen = []
+    session = model.session()
+    with model.hooks([(name, lambda act, hook: seen.append(np.array(act)))]):
+        for t in tokens[:12]:
+            session.decode(t)
+    assert np.array_equal(np.concatenate(seen), cache[name])

@@ -125,8 +125,8 @@ def test_prefill_equals_decode_under_a_slot_dependent_gemm(small_model, small_to
     # SGEMM does for a partial register tile): exaggerated so any misplacement shows.
     from ds4lab.model import linalg
 
-    def uneven(tile, wt):
-        return (tile @ wt) * mx.array(1.0 + np.arange(tile.shape[0], dtype=np.float32)[:, None] * 2.0 ** -12)
+    def uneven(tile, wt):                                     # a tile [16, in], or a stack of them
+        return (tile @ wt) * mx.array(1.0 + np.arange(tile.shape[-2], dtype=np.float32)[:, None] * 2.0 ** -12)
 
     monkeypatch.setattr(linalg, "tile_product", uneven)
     tokens = small_tokens[:40]

@@ -30,7 +30,8 @@ def slots_of(positions: np.ndarray) -> np.ndarray:
 
 
 def tile_product(tile: mx.array, wt: mx.array) -> mx.array:
-    """The one BLAS call of the invariant path: [ROW_TILE, in] @ [in, out]."""
+    """The one BLAS call of the invariant path: [ROW_TILE, in] @ [in, out], or a stack of
+    them, [n, ROW_TILE, in] @ [n or 1, in, out] (a batched matmul runs each as its own GEMM)."""
     return tile @ wt
 
 

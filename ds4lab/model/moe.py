@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..quants import gather_experts
-from . import kernels, kquant_dots
+from . import kernels, kquant_dots, linalg
 from .numerics import Schedule
 from .weights import ExpertBlocks, LayerWeights
 
@@ -94,10 +94,11 @@ def routed_experts(layer: LayerWeights, xf: mx.array, experts: mx.array, weights
     In "ds4-cpu" numerics with ds4's CPU expert types (IQ2_XXS gate/up, Q2_K down) the experts
     are ds4's integer dots (`kquant_dots`). Otherwise two schedules, the same sums. Few
     (token, expert) pairs on a GPU: decode each pair's expert and multiply, all lazily (no
-    host round trip, so a decode step stays one graph).
-    Otherwise (prefill, and always on the batch-invariant path, where each token's rows keep
-    their tile slot): decode each expert some token chose once, a few at a time, and apply it
-    to its tokens.
+    host round trip, so a decode step stays one graph). One token on the batch-invariant
+    path (CPU decode): the per-expert schedule's products batched, also without a round trip.
+    Otherwise (prefill, and the batch-invariant path, where each token's rows keep their tile
+    slot): decode each expert some token chose once, a few at a time, and apply it to its
+    tokens.
     """
     gate_t, up_t, down_t = (layer.experts[f"ffn_{r}_exps.weight"] for r in ("gate", "up", "down"))
     if mm.numerics.emulate and all(t.type_name in kquant_dots.TYPES for t in (gate_t, up_t, down_t)):
@@ -108,6 +109,8 @@ def routed_experts(layer: LayerWeights, xf: mx.array, experts: mx.array, weights
     if not mm.batch_invariant and experts.size <= _GATHERED_MAX_PAIRS:
         return _routed_gathered(gate_t, up_t, down_t, act_round(xf), experts, weights, clamp, act_round, on_mid,
                                 mm.fast)
+    if mm.batch_invariant and not mm.numerics.emulate and xf.shape[0] == 1:
+        return _routed_one_token(gate_t, up_t, down_t, xf, experts, weights, clamp, int(mm.slots[0]), on_mid)
     route = weights
     experts = np.array(experts)
     x_in = act_round(xf)
@@ -160,6 +163,33 @@ def _routed_gathered(gate_t: ExpertBlocks, up_t: ExpertBlocks, down_t: ExpertBlo
     if on_mid is not None:
         on_mid(mid.reshape(t, u, -1))
     return _matvec(down_t, ids, mid).reshape(t, u, -1).sum(axis=1)
+
+
+def _routed_one_token(gate_t: ExpertBlocks, up_t: ExpertBlocks, down_t: ExpertBlocks, x: mx.array,
+                      experts: mx.array, weights: mx.array, clamp: float, slot: int,
+                      on_mid: Callable[[mx.array], object] | None) -> mx.array:
+    """The per-expert schedule below for a chunk of one token, batched and lazy: the same
+    ROW_TILE-row products (the token at its tile slot among zero rows, times each chosen
+    expert's decoded matrix; `linalg.tile_product` on a stack of tiles runs each as its own
+    GEMM, so the bits are the per-expert loop's) and the same sum, expert by expert in
+    ascending id from zero."""
+    order = mx.argsort(experts[0])                      # the loop's order: ascending expert id
+    ids, w = experts[0][order], weights[0][order]
+    at_slot = mx.array(np.arange(linalg.ROW_TILE) == slot)[:, None]
+
+    def through(tensor: ExpertBlocks, tiles: mx.array) -> mx.array:
+        """tiles [1 or U, ROW_TILE, in] times expert ids[u]'s matrix -> the slot's row [U, out]."""
+        return linalg.tile_product(tiles, _decode(tensor, ids).transpose(0, 2, 1))[:, slot]
+
+    tile = mx.where(at_slot, x, 0.0)[None]
+    mid = swiglu(through(gate_t, tile), through(up_t, tile), clamp) * w[:, None]
+    if on_mid is not None:
+        on_mid(mid[mx.argsort(order)][None])            # back in the token's slot order
+    y = through(down_t, mx.where(at_slot[None], mid[:, None, :], 0.0))
+    out = mx.zeros(x.shape, mx.float32)
+    for u in range(y.shape[0]):
+        out = out + y[u]
+    return out
 
 
 def _matvec(tensor: ExpertBlocks, ids: mx.array, x: mx.array) -> mx.array:
