@@ -262,7 +262,10 @@ class Model:
         if layer.ratio:
             comp, comp_mask = self._compressed_keys(layer, cache, h, xa, qr_n, p0, rotation, mm)
             keys = mx.concatenate([keys, comp])
-            mask = mx.concatenate([mask, comp_mask], axis=1)
+            if comp_mask is None:             # every visible row: the whole mask is made on the host
+                mask = _window_and_rows_mask(p0, t, n_kept, cfg.n_swa, comp.shape[0], layer.ratio)
+            else:
+                mask = mx.concatenate([mask, comp_mask], axis=1)
         if h.wants("hook_pattern") or h.wants("hook_key_span"):
             self._read_pattern(h, q, keys, mask, d["attn_sinks.weight"], mx.arange(p0 - n_kept, p0 + t), layer.ratio)
         heads = h("hook_z", attention.attend_heads(q, keys, mask, d["attn_sinks.weight"], rotation, mm))
@@ -270,15 +273,16 @@ class Model:
         return hc_expand(out, streams, control, mm)
 
     def _compressed_keys(self, layer: LayerWeights, cache: LayerCache, h: Scope, xa: mx.array, qr_n: mx.array,
-                         p0: int, rotation: Rotation, mm: Schedule) -> tuple[mx.array, mx.array]:
+                         p0: int, rotation: Rotation, mm: Schedule) -> tuple[mx.array, mx.array | None]:
         """The compressed rows after this chunk and the mask of those each token attends
-        (rows of windows it has completed; on ratio-4 layers the indexer's top-k of them)."""
+        (rows of windows it has completed; on ratio-4 layers the indexer's top-k of them);
+        None for the mask when that is every row the token may see, unhooked."""
         cfg, comps = self.config, self._compressors[layer.index]
         rows, cache.frontier = comps["attn"].step(cache.frontier, xa, p0, mm)
         comp = cache.append_compressed(h("compressor.hook_rows", rows))
         cache.frontier = self._hook_frontier(h, "compressor.hook_frontier", cache.frontier)
         visible, n_visible = _visible_rows(p0, xa.shape[0], comp.shape[0], layer.ratio)
-        comp_mask = visible
+        comp_mask = None
         if has_indexer(layer.ratio):
             rows, cache.index_frontier = comps["indexer"].step(cache.index_frontier, xa, p0, mm)
             index_keys = cache.append_index_keys(h("indexer.hook_rows", rows))
@@ -289,8 +293,11 @@ class Model:
                 scores = h("indexer.hook_scores", scores)
                 comp_mask = indexer.select_rows(scores, visible, n_visible, cfg.indexer_top_k)
             # A hook may choose other rows, never ones the token cannot see yet.
-            comp_mask = _within(h, "indexer.hook_selected", comp_mask, visible)
-        return comp, _within(h, "hook_comp_mask", comp_mask, visible)
+            if h.wants("indexer.hook_selected"):
+                comp_mask = _within(h, "indexer.hook_selected", visible if comp_mask is None else comp_mask, visible)
+        if h.wants("hook_comp_mask"):
+            comp_mask = _within(h, "hook_comp_mask", visible if comp_mask is None else comp_mask, visible)
+        return comp, comp_mask
 
     def _hook_frontier(self, h: Scope, suffix: str, frontier: Frontier) -> Frontier:
         """The frontier after the chunk as [2 (kv, score), rows, width]; a replacement becomes the state."""
@@ -379,9 +386,16 @@ def _visible_rows(p0: int, t: int, n_rows: int, ratio: int) -> tuple[mx.array, n
     return mx.array(seen), seen.sum(axis=1)
 
 
+@lru_cache(maxsize=16)
+def _window_and_rows_mask(p0: int, t: int, n_kept: int, n_swa: int, n_rows: int, ratio: int) -> mx.array:
+    """[T, n_kept + T + n_rows]: `_window_mask` then `_visible_rows`, side by side."""
+    window = np.array(_window_mask(p0, t, n_kept, n_swa))
+    return mx.array(np.concatenate([window, np.array(_visible_rows(p0, t, n_rows, ratio)[0])], axis=1))
+
+
 def _within(h: Scope, suffix: str, mask: mx.array, visible: mx.array) -> mx.array:
-    """Fire a row-mask point; a replacement is limited to the visible rows."""
-    return h(suffix, mask) & visible if h.wants(suffix) else mask
+    """Fire a row-mask point (one a hook wants); a replacement is limited to the visible rows."""
+    return h(suffix, mask) & visible
 
 
 def _prefix(layer: LayerWeights) -> str:

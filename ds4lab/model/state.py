@@ -48,13 +48,16 @@ class LayerCache:
         return keys
 
     def append_compressed(self, rows: mx.array) -> mx.array:
-        """Append emitted compressed rows; return them all."""
-        self.comp = mx.concatenate([self.comp, rows])
+        """Append emitted compressed rows; return them all. (Most decode steps emit none: then
+        no operation is added to the step.)"""
+        if rows.shape[0]:
+            self.comp = mx.concatenate([self.comp, rows])
         return self.comp
 
     def append_index_keys(self, rows: mx.array) -> mx.array:
-        """Append emitted indexer keys; return them all."""
-        self.index_comp = mx.concatenate([self.index_comp, rows])
+        """Append emitted indexer keys; return them all (none emitted: no operation)."""
+        if rows.shape[0]:
+            self.index_comp = mx.concatenate([self.index_comp, rows])
         return self.index_comp
 
 
