@@ -177,7 +177,7 @@ def indexer_scores(q: mx.array, w: mx.array, keys: mx.array) -> mx.array:
 # Up to this many tokens (decode, MTP verification) Q8_0 products are matvec kernels on the
 # fast path; a prefill chunk is a GEMM (MLX's quantized matmul).
 MATVEC_MAX_TOKENS = 8
-_Q8_WARPS = 4                            # warps per thread block of the Q8_0 matvec (4 rows each)
+_Q8_WARPS = 4                            # warps per thread block of the Q8_0 matvec
 
 
 def q8_matvec(matrix: Q8Matrix, x: mx.array, groups: int = 1) -> mx.array:
@@ -242,14 +242,15 @@ def expert_matvec(tensor: ExpertBlocks, ids: mx.array, x: mx.array, *, pairs_per
     if ids.size % pairs_per_input or x.shape[-1] != cols or x.size != ids.size // pairs_per_input * cols:
         raise ValueError(f"expert_matvec: {ids.size} pairs, {pairs_per_input} per input row, input {tuple(x.shape)}")
     per_out = ids.shape[-1] if sum_pairs else 1
+    n_row_bytes = row_bytes(tensor.type_name, cols)
     inputs = [tensor.raw, ids.astype(mx.int32), x.astype(mx.float32)]
     if tensor.type_name == "IQ2_XXS":
         inputs += list(_iq2_tables())
     threads = 32 * _ROWS_PER_BLOCK
     (y,) = _kernel(tensor.type_name)(
         inputs=inputs,
-        template=[("ROWS", rows), ("COLS", cols), ("ROW_BYTES", row_bytes(tensor.type_name, cols)),
-                  ("EXPERT_BYTES", rows * row_bytes(tensor.type_name, cols)), ("PAIRS_PER_OUT", per_out),
+        template=[("ROWS", rows), ("COLS", cols), ("ROW_BYTES", n_row_bytes),
+                  ("EXPERT_BYTES", rows * n_row_bytes), ("PAIRS_PER_OUT", per_out),
                   ("X_DIV", pairs_per_input)],
         grid=(-(-rows // _ROWS_PER_BLOCK) * threads, ids.size // per_out, 1),
         threadgroup=(threads, 1, 1),

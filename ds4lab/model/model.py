@@ -293,11 +293,8 @@ class Model:
                 scores = h("indexer.hook_scores", scores)
                 comp_mask = indexer.select_rows(scores, visible, n_visible, cfg.indexer_top_k)
             # A hook may choose other rows, never ones the token cannot see yet.
-            if h.wants("indexer.hook_selected"):
-                comp_mask = _within(h, "indexer.hook_selected", visible if comp_mask is None else comp_mask, visible)
-        if h.wants("hook_comp_mask"):
-            comp_mask = _within(h, "hook_comp_mask", visible if comp_mask is None else comp_mask, visible)
-        return comp, comp_mask
+            comp_mask = _within(h, "indexer.hook_selected", comp_mask, visible)
+        return comp, _within(h, "hook_comp_mask", comp_mask, visible)
 
     def _hook_frontier(self, h: Scope, suffix: str, frontier: Frontier) -> Frontier:
         """The frontier after the chunk as [2 (kv, score), rows, width]; a replacement becomes the state."""
@@ -393,9 +390,12 @@ def _window_and_rows_mask(p0: int, t: int, n_kept: int, n_swa: int, n_rows: int,
     return mx.array(np.concatenate([window, np.array(_visible_rows(p0, t, n_rows, ratio)[0])], axis=1))
 
 
-def _within(h: Scope, suffix: str, mask: mx.array, visible: mx.array) -> mx.array:
-    """Fire a row-mask point (one a hook wants); a replacement is limited to the visible rows."""
-    return h(suffix, mask) & visible
+def _within(h: Scope, suffix: str, mask: mx.array | None, visible: mx.array) -> mx.array | None:
+    """Fire a row-mask point if a hook wants it (None: every visible row); a replacement is
+    limited to the visible rows. Unwanted, the mask stays as it was, None included."""
+    if not h.wants(suffix):
+        return mask
+    return h(suffix, visible if mask is None else mask) & visible
 
 
 def _prefix(layer: LayerWeights) -> str:
