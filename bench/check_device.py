@@ -185,6 +185,55 @@ def check_q8_matvec() -> None:
         print(f"float32 matvec {what} {rows}x{cols}: {s * 1e6:7.1f} us ({w.nbytes / s / 1e9:6.0f} GB/s)")
 
 
+def check_gemm() -> None:
+    """The tensor-core GEMM (prefill's Q8_0 and routed-expert products) against multiplying by
+    the decoded matrices in float32 (run with MLX_ENABLE_TF32=0): rows of very different
+    magnitudes, experts no pair chose, output rows that do not fill a tile; then its speed on
+    Flash's prefill shapes against MLX's quantized matmul and float32 GEMM."""
+    if not kernels.cuda_ready():
+        return
+    scales = mx.power(10.0, mx.random.randint(-6, 5, (300, 1)).astype(mx.float32))
+    w = _q8_matrix(1000, 1024)
+    x = mx.random.normal((300, 1024)) * scales
+    print(f"q8_gemm 300 x 1000x1024 vs float32 GEMM on the decoded matrix: "
+          f"max rel err per row {_row_rel(kernels.q8_gemm(w, x), x @ w.dense().T):.2e}")
+    for type_name in ("IQ2_XXS", "Q2_K", "Q4_K"):
+        tensor = _expert_blocks(type_name, 16, 200, 512)
+        experts = mx.random.randint(0, 12, (300, 6)).astype(mx.int32)   # experts 12..15 unused
+        tiles = kernels.expert_tiles(experts, 16)
+        x = mx.random.normal((300, 512)) * scales
+        ids = experts.reshape(-1)
+        ref = (_decode(tensor, ids) @ mx.repeat(x, 6, axis=0)[:, :, None])[..., 0]
+        shared = kernels.expert_gemm(tensor, tiles, x, x_div=6)
+        own = kernels.expert_gemm(tensor, tiles, mx.repeat(x, 6, axis=0), x_div=1)
+        print(f"expert_gemm {type_name} 300 tokens x 6 of 16 experts, 200x512: max rel err per row "
+              f"{_row_rel(shared, ref):.2e} (input shared by 6 pairs), {_row_rel(own, ref):.2e} (own inputs)")
+    t = 2048
+    for rows, cols, what in ((32768, 1024, "q_b"), (4096, 8192, "output_b"), (1024, 4096, "q_a")):
+        w = _q8_matrix(rows, cols)
+        x = mx.random.normal((t, cols))
+        dense = w.dense()
+        flop = 2 * t * rows * cols
+        ours = _seconds(lambda v, w=w: kernels.q8_gemm(w, v), x, calls=3)
+        mlx_q = _seconds(w.quantized, x, calls=3)
+        f32 = _seconds(lambda v, d=dense: v @ d.T, x, calls=3)
+        print(f"Q8_0 GEMM {what} {t} x {rows}x{cols}: q8_gemm {flop / ours / 1e12:6.1f} TFLOP/s, "
+              f"quantized_matmul {flop / mlx_q / 1e12:6.1f}, float32 GEMM {flop / f32 / 1e12:6.1f}")
+    experts = mx.argsort(mx.random.uniform(shape=(t, 256)), axis=1)[:, :6].astype(mx.int32)
+    tiles = kernels.expert_tiles(experts, 256)
+    for type_name, rows, cols, x_div in (("IQ2_XXS", 2048, 4096, 6), ("Q2_K", 4096, 2048, 1), ("Q4_K", 2048, 4096, 6)):
+        tensor = _expert_blocks(type_name, 256, rows, cols)
+        x = mx.random.normal((t * 6 // x_div, cols))
+        s = _seconds(lambda v, tensor=tensor, x_div=x_div: kernels.expert_gemm(tensor, tiles, v, x_div), x, calls=3)
+        print(f"expert_gemm {type_name} {t} tokens x 6 of 256 experts, {rows}x{cols}: {s * 1e3:6.2f} ms "
+              f"({2 * t * 6 * rows * cols / s / 1e12:6.1f} TFLOP/s)")
+
+
+def _row_rel(a: mx.array, b: mx.array) -> float:
+    """Max over rows of max |a - b| / max |b| within the row (rows of any magnitude)."""
+    return float((mx.abs(a - b).max(axis=-1) / mx.maximum(mx.abs(b).max(axis=-1), 1e-30)).max())
+
+
 def fast_vs_reference(shape: str, tokens: list[int]) -> None:
     """The fast path against the reference composition on the default device."""
     model = Model(random_weights(preset(shape), "q2", seed=2))
@@ -203,6 +252,7 @@ def main() -> None:
     check_fused_experts()
     check_fused_kernels()
     check_q8_matvec()
+    check_gemm()
     for shape in ("small", "tiny"):
         fast_vs_reference(shape, list(range(2000, 2048)))
     gpu = mx.default_device()

@@ -132,6 +132,38 @@ def _expert_matvec(type_name):
     return run
 
 
+def _quant_gemm(type_name):
+    """quant_gemm.cu's walk: each thread block a tile of 64 pairs of one expert (the last
+    expert whose first tile is at or before it) times 64 output rows; every output row must
+    be written exactly once."""
+    def run(inputs, t, grid, threadgroup):
+        *weights, x, amax, order, pair_offsets, tile_offsets = inputs
+        rows, cols, n_expert, x_div = t["ROWS"], t["COLS"], t["N_EXPERT"], t["X_DIV"]
+        n_tiles, row_tiles = _blocks(grid, threadgroup)
+        assert threadgroup[0] == 128 and row_tiles * kernels.GEMM_TILE >= rows > (row_tiles - 1) * kernels.GEMM_TILE
+        assert x.shape[1] == cols and np.array_equal(np.array(amax), np.abs(np.array(x)).max(axis=1))
+        if type_name == "Q8_0":
+            codes, scales = weights
+            assert codes.shape == (rows, cols // 4) and scales.shape == (rows, cols // 32) and n_expert == 1
+            mats = [mx.dequantize(codes, scales, -128.0 * scales, group_size=32, bits=8)]
+        else:
+            raw = weights[0]
+            assert raw.shape == (n_expert, t["EXPERT_BYTES"]) and t["EXPERT_BYTES"] == rows * t["ROW_BYTES"]
+            mats = gather_experts(raw, mx.arange(n_expert), type_name, rows, cols)
+        offsets, starts, order = (np.array(a) for a in (pair_offsets, tile_offsets, order))
+        assert offsets.shape == starts.shape == (n_expert + 1,) and starts[-1] <= n_tiles
+        y, written = np.zeros((order.size, rows), np.float32), np.zeros(order.size, np.int64)
+        for tile in range(int(starts[-1])):
+            e = int(np.nonzero(starts[:n_expert] <= tile)[0][-1])
+            p0 = offsets[e] + (tile - starts[e]) * kernels.GEMM_TILE
+            pairs = order[p0:min(p0 + kernels.GEMM_TILE, offsets[e + 1])]
+            y[pairs] = np.array(x[mx.array(pairs // x_div)] @ mats[e].T)
+            written[pairs] += 1
+        assert (written == 1).all(), "a pair's output row written other than once"
+        return [mx.array(y)]
+    return run
+
+
 def _launcher(name, emulate, calls):
     def launch(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
         calls[name] = calls.get(name, 0) + 1
@@ -155,6 +187,8 @@ def stand_in_kernels(monkeypatch, batched):
     monkeypatch.setattr(kernels, "_fused", lambda name: _launcher(name, STAND_INS[name], calls))
     monkeypatch.setattr(kernels, "_kernel", lambda type_name: _launcher("expert_matvec", _expert_matvec(type_name),
                                                                          calls))
+    monkeypatch.setattr(kernels, "_gemm_kernel", lambda type_name: _launcher("quant_gemm", _quant_gemm(type_name),
+                                                                             calls))
     return calls
 
 
@@ -185,7 +219,7 @@ def test_fast_path_wiring_matches_the_reference(request, weights_fixture, stand_
     tokens = [(37 * i + 11) % 1000 + 100 for i in range(76)]
     assert model.numerics.fast
     fast_full, fast_decoded = _prefill_and_decode(model, tokens, 6)
-    every = set(STAND_INS) | {"expert_matvec"}
+    every = set(STAND_INS) | {"expert_matvec", "quant_gemm"}
     assert set(stand_in_kernels) == every, f"kernels never called: {every - set(stand_in_kernels)}"
     model.numerics.allow_fast = False
     ref_full, ref_decoded = _prefill_and_decode(model, tokens, 6)
@@ -193,6 +227,22 @@ def test_fast_path_wiring_matches_the_reference(request, weights_fixture, stand_
     assert np.abs(fast_full - ref_full).max() / scale < 1e-4
     assert np.abs(fast_decoded - ref_decoded).max() / scale < 1e-4
     assert np.abs(fast_decoded - fast_full[-6:]).max() / scale < 1e-4
+
+
+def test_expert_tiles_group_every_pair_once_by_expert():
+    """The device-side grouping the expert GEMM walks: pairs in expert order, offsets that
+    count them, tiles per expert; experts nobody chose get no tile."""
+    experts = mx.array(np.random.default_rng(1).integers(0, 10, (150, 6)), dtype=mx.int32)   # 10..15 unused
+    tiles = kernels.expert_tiles(experts, 16)
+    flat, order = np.array(experts).reshape(-1), np.array(tiles.order)
+    offsets, starts = np.array(tiles.pair_offsets), np.array(tiles.tile_offsets)
+    assert sorted(order) == list(range(flat.size))
+    counts = np.bincount(flat, minlength=16)
+    assert list(offsets) == [0, *np.cumsum(counts)]
+    for e in range(16):
+        assert (flat[order[offsets[e]:offsets[e + 1]]] == e).all()
+    assert list(np.diff(starts)) == list(-(-counts // kernels.GEMM_TILE))
+    assert starts[-1] <= tiles.n_tiles
 
 
 def test_a_hook_off_the_boundaries_sends_only_its_block_to_the_reference(small_weights, stand_in_kernels):

@@ -16,6 +16,9 @@ reference's steps in the same order, so a Metal port can translate them line by 
 - `q8_matvec`: a Q8_0 matrix (the model's 8-bit codes) times a few vectors, each warp a few
   rows with 16-byte loads; rows may come in groups that each read their own vector (the
   grouped output projection). Every Q8_0 product of a decode step goes through it.
+- `quant_gemm`: prefill's products on the tensor cores, exact to float32, from the block
+  bytes: Q8_0 matrices (`q8_gemm`) and the routed experts grouped by expert on the device
+  (`expert_tiles`, `expert_gemm`: each expert's tile of pairs reads its weights once).
 - `router`: router scores, biased top-k selection and route weights of a token in one block.
 - `expert_matvec`: routed-expert matvec on the IQ2_XXS, Q2_K or Q4_K block bytes of the
   selected experts, one warp per output row; a token's input read once for all its experts,
@@ -30,6 +33,7 @@ fast path uses them only on a CUDA GPU (`numerics.Numerics.fast`).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -175,7 +179,7 @@ def indexer_scores(q: mx.array, w: mx.array, keys: mx.array) -> mx.array:
 
 
 # Up to this many tokens (decode, MTP verification) Q8_0 products are matvec kernels on the
-# fast path; a prefill chunk is a GEMM (MLX's quantized matmul).
+# fast path; a prefill chunk is a tensor-core GEMM (`q8_gemm`).
 MATVEC_MAX_TOKENS = 8
 _Q8_WARPS = 4                            # warps per thread block of the Q8_0 matvec
 
@@ -212,6 +216,92 @@ def router(logits: mx.array, bias: mx.array | None, n_used: int, scale: float) -
         template=[("E", e), ("K", n_used), ("HAS_BIAS", bias is not None)],
         grid=(t * threads, 1, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(t, e), (t, n_used), (t, n_used)], output_dtypes=[mx.float32, mx.int32, mx.float32]))
+
+
+# Pairs (or tokens) per tile of the block-format GEMM (`quant_gemm.cu`'s BM) and output rows
+# per tile (BN); 4 warps per thread block.
+GEMM_TILE = 64
+_GEMM_THREADS = 128
+
+
+@cache
+def _gemm_kernel(type_name: str):
+    name = "q8_0" if type_name == "Q8_0" else _TYPES[type_name]
+    weights = (["codes", "scales"] if type_name == "Q8_0" else
+               ["raw"] + (["grid", "ksigns"] if type_name == "IQ2_XXS" else []))
+    header = "\n".join((KERNEL_DIR / f).read_text()
+                       for f in ("ds4lab_block.cuh", "gemm_common.cuh", f"gemm_rows_{name}.cuh"))
+    return mx.fast.cuda_kernel(name=f"ds4lab_quant_gemm_{name}",
+                               input_names=weights + ["x", "amax", "order", "pair_offsets", "tile_offsets"],
+                               output_names=["y"], source=(KERNEL_DIR / "quant_gemm.cu").read_text(), header=header)
+
+
+@dataclass(frozen=True)
+class PairTiles:
+    """(token, expert) pairs grouped by expert for the block-format GEMM, made on the device:
+    `order` [P] lists the pairs (flat indices into the caller's [T, U] experts) expert by
+    expert; expert e's are order[pair_offsets[e]:pair_offsets[e + 1]], in tiles of GEMM_TILE
+    numbered tile_offsets[e].. ; `n_tiles` bounds the tile count (P / GEMM_TILE + n_expert:
+    each expert adds at most one partial tile) without reading it back."""
+
+    order: mx.array
+    pair_offsets: mx.array
+    tile_offsets: mx.array
+    n_tiles: int
+
+
+def expert_tiles(experts: mx.array, n_expert: int) -> PairTiles:
+    """The pairs of `experts` (int, any shape) grouped by expert; no host round trip."""
+    ids = experts.reshape(-1).astype(mx.int32)
+    order = mx.argsort(ids).astype(mx.int32)
+    pair_offsets = (ids[None, :] < mx.arange(n_expert + 1, dtype=mx.int32)[:, None]).sum(axis=1).astype(mx.int32)
+    tiles = (pair_offsets[1:] - pair_offsets[:-1] + GEMM_TILE - 1) // GEMM_TILE
+    tile_offsets = mx.concatenate([mx.zeros((1,), mx.int32), mx.cumsum(tiles).astype(mx.int32)])
+    return PairTiles(order, pair_offsets, tile_offsets, ids.size // GEMM_TILE + n_expert)
+
+
+@cache
+def _dense_tiles(n_tokens: int) -> PairTiles:
+    """The tiles of a dense product: one 'expert', its pairs the tokens in order."""
+    n_tiles = -(-n_tokens // GEMM_TILE)
+    return PairTiles(mx.arange(n_tokens, dtype=mx.int32), _constant((0, n_tokens), mx.int32),
+                     _constant((0, n_tiles), mx.int32), n_tiles)
+
+
+def _quant_gemm(type_name: str, weights: list[mx.array], template: list, rows: int, cols: int, n_expert: int,
+                x: mx.array, x_div: int, tiles: PairTiles) -> mx.array:
+    if x.shape[-1] != cols:
+        raise ValueError(f"quant_gemm: a {type_name} matrix of {cols} columns, input {tuple(x.shape)}")
+    x = x.reshape(-1, cols).astype(mx.float32)
+    amax = mx.abs(x).max(axis=-1)
+    n_out = tiles.order.size
+    (y,) = _gemm_kernel(type_name)(
+        inputs=weights + [x, amax, tiles.order, tiles.pair_offsets, tiles.tile_offsets],
+        template=[("ROWS", rows), ("COLS", cols), ("N_EXPERT", n_expert), ("X_DIV", x_div)] + template,
+        grid=(tiles.n_tiles * _GEMM_THREADS, -(-rows // GEMM_TILE), 1), threadgroup=(_GEMM_THREADS, 1, 1),
+        output_shapes=[(n_out, rows)], output_dtypes=[mx.float32])
+    return y
+
+
+def q8_gemm(matrix: Q8Matrix, x: mx.array) -> mx.array:
+    """x [..., cols] @ W.T on the tensor cores, exact to float32 (see quant_gemm.cu): the
+    fast path's Q8_0 product for more than MATVEC_MAX_TOKENS tokens."""
+    n_tokens = x.size // matrix.cols
+    y = _quant_gemm("Q8_0", [matrix.codes, matrix.scales], [], matrix.rows, matrix.cols, 1, x, 1,
+                    _dense_tiles(n_tokens))
+    return y.reshape(*x.shape[:-1], matrix.rows)
+
+
+def expert_gemm(tensor: ExpertBlocks, tiles: PairTiles, x: mx.array, x_div: int) -> mx.array:
+    """Each pair's expert times its input on the tensor cores, exact to float32: row p of the
+    result [P, rows] is pair p (flat, the caller's order) and reads row p // x_div of x
+    [P / x_div, cols] (a token's input shared by its x_div experts)."""
+    n_expert = tensor.raw.shape[0]
+    n_row_bytes = row_bytes(tensor.type_name, tensor.cols)
+    weights = [tensor.raw] + (list(_iq2_tables()) if tensor.type_name == "IQ2_XXS" else [])
+    return _quant_gemm(tensor.type_name, weights,
+                       [("ROW_BYTES", n_row_bytes), ("EXPERT_BYTES", tensor.rows * n_row_bytes)],
+                       tensor.rows, tensor.cols, n_expert, x, x_div, tiles)
 
 
 @cache

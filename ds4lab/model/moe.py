@@ -96,9 +96,10 @@ def routed_experts(layer: LayerWeights, xf: mx.array, experts: mx.array, weights
     (token, expert) pairs on a GPU: decode each pair's expert and multiply, all lazily (no
     host round trip, so a decode step stays one graph). One token on the batch-invariant
     path (CPU decode): the per-expert schedule's products batched, also without a round trip.
-    Otherwise (prefill, and the batch-invariant path, where each token's rows keep their tile
-    slot): decode each expert some token chose once, a few at a time, and apply it to its
-    tokens.
+    Many pairs on the fast path: tensor-core GEMMs over the pairs grouped by expert. Otherwise
+    (prefill on the portable path, and the batch-invariant path, where each token's rows keep
+    their tile slot): decode each expert some token chose once, a few at a time, and apply it
+    to its tokens.
     """
     gate_t, up_t, down_t = (layer.experts[f"ffn_{r}_exps.weight"] for r in ("gate", "up", "down"))
     if mm.numerics.emulate and all(t.type_name in kquant_dots.TYPES for t in (gate_t, up_t, down_t)):
@@ -106,6 +107,9 @@ def routed_experts(layer: LayerWeights, xf: mx.array, experts: mx.array, weights
         return mx.array(kquant_dots.routed_experts(np.array(xf), np.array(experts), np.array(weights),
                                                    layer.experts, clamp, show))
     act_round = mm.experts_in
+    if mm.fast and experts.size > _GATHERED_MAX_PAIRS and all(kernels.available(w.type_name)
+                                                              for w in (gate_t, up_t, down_t)):
+        return _routed_grouped(gate_t, up_t, down_t, xf, experts, weights, clamp, on_mid)
     if not mm.batch_invariant and experts.size <= _GATHERED_MAX_PAIRS:
         return _routed_gathered(gate_t, up_t, down_t, act_round(xf), experts, weights, clamp, act_round, on_mid,
                                 mm.fast)
@@ -163,6 +167,22 @@ def _routed_gathered(gate_t: ExpertBlocks, up_t: ExpertBlocks, down_t: ExpertBlo
     if on_mid is not None:
         on_mid(mid.reshape(t, u, -1))
     return _matvec(down_t, ids, mid).reshape(t, u, -1).sum(axis=1)
+
+
+def _routed_grouped(gate_t: ExpertBlocks, up_t: ExpertBlocks, down_t: ExpertBlocks, x: mx.array,
+                    experts: mx.array, weights: mx.array, clamp: float,
+                    on_mid: Callable[[mx.array], object] | None) -> mx.array:
+    """The fast path's prefill: the pairs grouped by expert on the device, then three
+    tensor-core GEMMs on the block bytes (`kernels.expert_gemm`) and one compiled SwiGLU;
+    no host round trip and no decoded copy of any expert."""
+    t, u = experts.shape
+    tiles = kernels.expert_tiles(experts, gate_t.raw.shape[0])
+    gate = kernels.expert_gemm(gate_t, tiles, x, x_div=u).reshape(t, u, -1)
+    up = kernels.expert_gemm(up_t, tiles, x, x_div=u).reshape(t, u, -1)
+    mid = _swiglu_compiled(clamp, True)(gate, up, weights)
+    if on_mid is not None:
+        on_mid(mid)
+    return kernels.expert_gemm(down_t, tiles, mid, x_div=1).reshape(t, u, -1).sum(axis=1)
 
 
 def _routed_one_token(gate_t: ExpertBlocks, up_t: ExpertBlocks, down_t: ExpertBlocks, x: mx.array,

@@ -359,8 +359,9 @@ class Schedule:
             codes, scales = q8_0_act_codes(x, as_built=True)
             return matrix.ds4_cpu(x, codes, scales)
         if self.slots is None:
-            if self.fast and x.size // x.shape[-1] <= kernels.MATVEC_MAX_TOKENS:
-                return kernels.q8_matvec(matrix, x)
+            if self.fast:
+                small = x.size // x.shape[-1] <= kernels.MATVEC_MAX_TOKENS
+                return kernels.q8_matvec(matrix, x) if small else kernels.q8_gemm(matrix, x)
             return matrix.quantized(x)
         # On the CPU, MLX's quantized matmul runs near 1 GFLOP/s, a float32 GEMM through
         # OpenBLAS near 100: multiply by the decoded matrix (exact, kept while a budget allows).

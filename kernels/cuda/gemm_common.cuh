@@ -1,0 +1,25 @@
+// Shared helpers of the block-format GEMM (quant_gemm.cu).
+#include <cuda_fp16.h>
+
+// d += a * b on the tensor cores: a 16x16 f16 tile (row-major fragment: 4 registers of two
+// halves), b 16x8 f16 (column fragment: 2 registers), d 16x8 float32 (4 per thread).
+__device__ __forceinline__ void ds4lab_mma_f16(float d[4], const uint32_t a[4], const uint32_t b[2]) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+__device__ __forceinline__ float ds4lab_gemm_f16(uint32_t bits) {
+    return __half2float(__ushort_as_half((unsigned short)(bits & 0xffffu)));
+}
+
+// The 16 bytes at `bytes` (4-byte aligned) as q[i] = (byte_i >> shift) & mask (the K-quant
+// code layouts).
+__device__ __forceinline__ void ds4lab_gemm_codes16(const uint8_t* bytes, int shift, uint32_t mask, __half q[16]) {
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(bytes);
+    const uint32_t words[4] = {w[0], w[1], w[2], w[3]};
+#pragma unroll
+    for (int k = 0; k < 16; ++k) q[k] = __uint2half_rn(((words[k >> 2] >> (8 * (k & 3) + shift)) & mask));
+}
