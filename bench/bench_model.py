@@ -8,6 +8,7 @@ large array reduction), and the ratio of decode's achieved bytes/s to that bandw
 
     python bench/bench_model.py                          # CPU: tiny, and flash-dims with 2 layers
     python bench/bench_model.py --in-memory --layers 43 --prompt 128 4096 --steps 32   # GPU, no file
+    python bench/bench_model.py --in-memory --layers 43 --prompt 512 2048 8192 --prefill-only
 """
 
 from __future__ import annotations
@@ -107,6 +108,18 @@ def bench(name: str, model: Model, contexts: list[int], steps: int, bw: float, h
             print("    per layer: " + ", ".join(f"{op} {n / layers:.1f}" for op, n in ops.most_common(24)))
 
 
+def bench_prefill(name: str, model: Model, prompts: list[int]) -> None:
+    """Prefill tok/s of each prompt length (one session each, default chunks), after a
+    warm-up prefill that compiles the kernels."""
+    mx.eval(model.session().prefill(list(range(1000, 1000 + min(prompts)))))
+    for n in prompts:
+        tokens = [1000 + i % 50000 for i in range(n)]
+        session = model.session()
+        t = time.perf_counter()
+        mx.eval(session.prefill(tokens))
+        print(f"{name:30s} prompt {n:6d}: prefill {n / (time.perf_counter() - t):8.1f} tok/s")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--in-memory", action="store_true", help="flash-dims with random weights, no file")
@@ -115,6 +128,7 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, nargs="+", default=[128],
                         help="context lengths: each is prefilled, then decoded from (e.g. 128 4096)")
     parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--prefill-only", action="store_true", help="only prefill tok/s of each --prompt length")
     parser.add_argument("--op-histogram", action="store_true", help="print a decode step's primitives by name")
     args = parser.parse_args()
     device = mx.default_device()
@@ -126,8 +140,11 @@ def main() -> None:
         weights = random_weights(cfg, args.variant)
         print(f"built {cfg.n_layer}-layer flash-dims {args.variant} in memory: {weights.nbytes / 2**30:.1f} GiB "
               f"in {time.perf_counter() - t:.0f} s")
-        bench(f"flash-dims {cfg.n_layer}L {args.variant} (memory)", Model(weights), args.prompt, args.steps, bw,
-              args.op_histogram)
+        name = f"flash-dims {cfg.n_layer}L {args.variant} (memory)"
+        if args.prefill_only:
+            bench_prefill(name, Model(weights), args.prompt)
+        else:
+            bench(name, Model(weights), args.prompt, args.steps, bw, args.op_histogram)
         return
     from ds4lab.synth import make_model
 

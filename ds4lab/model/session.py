@@ -14,7 +14,11 @@ from .kv_state import from_state, to_state
 from .model import ChunkResult
 from .state import SessionState
 
+# Tokens per prefill chunk. The reference path holds [T, keys, head_dim] attention rows, so
+# its chunks stay small; the fast path (tensor-core GEMMs, an attention kernel that reads keys
+# in place) wants big ones.
 DEFAULT_PREFILL_CHUNK = 512
+FAST_PREFILL_CHUNK = 2048
 
 
 class Session:
@@ -33,24 +37,27 @@ class Session:
     def logits(self) -> mx.array | None:
         return self.state.logits
 
-    def prefill(self, tokens, chunk: int = DEFAULT_PREFILL_CHUNK, progress: bool = False,
+    def prefill(self, tokens, chunk: int | None = None, progress: bool = False,
                 on_chunk: Callable[[list[int], ChunkResult], None] | None = None) -> mx.array:
-        """Consume `tokens` in chunks (a progress bar over them with `progress`); return the
+        """Consume `tokens` in chunks of `chunk` tokens (default: FAST_PREFILL_CHUNK on the fast
+        path, else DEFAULT_PREFILL_CHUNK; a progress bar over them with `progress`); return the
         logits that predict the next token, [n_vocab]. Afterwards, like ds4, the frontier
         slots past the partial window are reset (they are never read before being overwritten).
         `on_chunk(ids, result)` sees each chunk (its tokens' final HC streams: result.hidden)."""
         self._run(tokens, chunk, progress, last_only=True, on_chunk=on_chunk)
         return self.state.logits
 
-    def prefill_all(self, tokens, chunk: int = DEFAULT_PREFILL_CHUNK, progress: bool = False) -> ChunkResult:
+    def prefill_all(self, tokens, chunk: int | None = None, progress: bool = False) -> ChunkResult:
         """`prefill` keeping every position's logits [T, n_vocab], the experts each layer
         routed to (per layer [T, n_expert_used]) and the final HC streams [T, n_hc, n_embd]:
         teacher-forced scoring of a prompt."""
         return self._run(tokens, chunk, progress, last_only=False)
 
-    def _run(self, tokens, chunk: int, progress: bool, last_only: bool,
+    def _run(self, tokens, chunk: int | None, progress: bool, last_only: bool,
              on_chunk: Callable[[list[int], ChunkResult], None] | None = None) -> ChunkResult:
         ids = [int(t) for t in np.asarray(tokens).reshape(-1)]
+        if chunk is None:
+            chunk = FAST_PREFILL_CHUNK if self.model.numerics.fast else DEFAULT_PREFILL_CHUNK
         if not ids:
             raise ValueError("prefill needs at least one token")
         bar = None
