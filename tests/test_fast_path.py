@@ -114,8 +114,22 @@ def _q8_matvec(inputs, t, grid, threadgroup):
     return [y.reshape(*x.shape[:-1], rows) if groups == 1 else y]
 
 
+def _gemm_split_x(inputs, t, grid, threadgroup):
+    """Rows scaled by 2^xexp to a largest value under 2^14, split into f16 hi + lo, 16-sums."""
+    (x,) = inputs
+    assert x.shape[1] == t["COLS"] and _blocks(grid, threadgroup)[0] == x.shape[0]
+    xs = np.array(x)
+    _, ex = np.frexp(np.abs(xs).max(axis=1))
+    k = np.minimum(14 - ex, 100).astype(np.int32)
+    scaled = (xs * np.exp2(k.astype(np.float32))[:, None]).astype(np.float32)
+    hi = scaled.astype(np.float16)
+    lo = (scaled - hi.astype(np.float32)).astype(np.float16)
+    sums = scaled.reshape(x.shape[0], -1, 16).sum(axis=-1)
+    return [mx.array(hi), mx.array(lo), mx.array(sums), mx.array(k)]
+
+
 STAND_INS = {"q8_matvec": _q8_matvec, "router": _router, "row_finish": _row_finish, "hc_pre": _hc_pre,
-             "hc_post": _hc_post,
+             "hc_post": _hc_post, "gemm_split_x": _gemm_split_x,
              "attention_heads": _attention_heads, "indexer_scores": _indexer_scores}
 
 
@@ -137,11 +151,15 @@ def _quant_gemm(type_name):
     expert whose first tile is at or before it) times 64 output rows; every output row must
     be written exactly once."""
     def run(inputs, t, grid, threadgroup):
-        *weights, x, amax, order, pair_offsets, tile_offsets = inputs
+        *weights, xh, xl, xsum, xexp, order, pair_offsets, tile_offsets = inputs
         rows, cols, n_expert, x_div = t["ROWS"], t["COLS"], t["N_EXPERT"], t["X_DIV"]
         n_tiles, row_tiles = _blocks(grid, threadgroup)
-        assert threadgroup[0] == 128 and row_tiles * kernels.GEMM_TILE >= rows > (row_tiles - 1) * kernels.GEMM_TILE
-        assert x.shape[1] == cols and np.array_equal(np.array(amax), np.abs(np.array(x)).max(axis=1))
+        assert threadgroup[0] == 256 and row_tiles * 128 >= rows > (row_tiles - 1) * 128
+        assert xh.dtype == xl.dtype == mx.float16 and xh.shape[1] == cols and xsum.shape == (xh.shape[0], cols // 16)
+        # the kernel's x: the halves' sum, unscaled (min terms from xsum, checked against it)
+        halves = xh.astype(mx.float32) + xl.astype(mx.float32)
+        assert np.allclose(np.array(halves.reshape(xh.shape[0], -1, 16).sum(-1)), np.array(xsum), rtol=1e-5, atol=1e-2)
+        x = halves * mx.power(2.0, -xexp.astype(mx.float32))[:, None]
         if type_name == "Q8_0":
             codes, scales = weights
             assert codes.shape == (rows, cols // 4) and scales.shape == (rows, cols // 32) and n_expert == 1

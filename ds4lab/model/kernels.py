@@ -18,7 +18,8 @@ reference's steps in the same order, so a Metal port can translate them line by 
   grouped output projection). Every Q8_0 product of a decode step goes through it.
 - `quant_gemm`: prefill's products on the tensor cores, exact to float32, from the block
   bytes: Q8_0 matrices (`q8_gemm`) and the routed experts grouped by expert on the device
-  (`expert_tiles`, `expert_gemm`: each expert's tile of pairs reads its weights once).
+  (`expert_tiles`, `expert_gemm`: each expert's tile of pairs reads its weights once); its
+  input first split into scaled f16 halves by `gemm_split_x`.
 - `router`: router scores, biased top-k selection and route weights of a token in one block.
 - `expert_matvec`: routed-expert matvec on the IQ2_XXS, Q2_K or Q4_K block bytes of the
   selected experts, one warp per output row; a token's input read once for all its experts,
@@ -77,6 +78,7 @@ _KERNELS = {
     "indexer_scores": ("indexer_scores.cu", ("ds4lab_block.cuh",), ["q", "w", "keys", "n_keys"], ["scores"]),
     "router": ("router.cu", (), ["logits", "bias", "scale"], ["probs", "experts", "weights"]),
     "q8_matvec": ("q8_matvec.cu", ("ds4lab_block.cuh",), ["codes", "scales", "x"], ["y"]),
+    "gemm_split_x": ("gemm_split_x.cu", ("ds4lab_block.cuh", "gemm_common.cuh"), ["x"], ["xh", "xl", "xsum", "xexp"]),
 }
 
 
@@ -218,10 +220,11 @@ def router(logits: mx.array, bias: mx.array | None, n_used: int, scale: float) -
         output_shapes=[(t, e), (t, n_used), (t, n_used)], output_dtypes=[mx.float32, mx.int32, mx.float32]))
 
 
-# Pairs (or tokens) per tile of the block-format GEMM (`quant_gemm.cu`'s BM) and output rows
-# per tile (BN); 4 warps per thread block.
+# The block-format GEMM's tiles (`quant_gemm.cu`'s BM and BN): pairs (or tokens) by output
+# rows, 8 warps per thread block.
 GEMM_TILE = 64
-_GEMM_THREADS = 128
+_GEMM_ROWS = 128
+_GEMM_THREADS = 256
 
 
 @cache
@@ -232,7 +235,8 @@ def _gemm_kernel(type_name: str):
     header = "\n".join((KERNEL_DIR / f).read_text()
                        for f in ("ds4lab_block.cuh", "gemm_common.cuh", f"gemm_rows_{name}.cuh"))
     return mx.fast.cuda_kernel(name=f"ds4lab_quant_gemm_{name}",
-                               input_names=weights + ["x", "amax", "order", "pair_offsets", "tile_offsets"],
+                               input_names=weights + ["xh", "xl", "xsum", "xexp", "order", "pair_offsets",
+                                                      "tile_offsets"],
                                output_names=["y"], source=(KERNEL_DIR / "quant_gemm.cu").read_text(), header=header)
 
 
@@ -273,13 +277,15 @@ def _quant_gemm(type_name: str, weights: list[mx.array], template: list, rows: i
     if x.shape[-1] != cols:
         raise ValueError(f"quant_gemm: a {type_name} matrix of {cols} columns, input {tuple(x.shape)}")
     x = x.reshape(-1, cols).astype(mx.float32)
-    amax = mx.abs(x).max(axis=-1)
-    n_out = tiles.order.size
+    split = _fused("gemm_split_x")(
+        inputs=[x], template=[("COLS", cols)], grid=(x.shape[0] * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+        output_shapes=[x.shape, x.shape, (x.shape[0], cols // 16), (x.shape[0],)],
+        output_dtypes=[mx.float16, mx.float16, mx.float32, mx.int32])
     (y,) = _gemm_kernel(type_name)(
-        inputs=weights + [x, amax, tiles.order, tiles.pair_offsets, tiles.tile_offsets],
+        inputs=weights + split + [tiles.order, tiles.pair_offsets, tiles.tile_offsets],
         template=[("ROWS", rows), ("COLS", cols), ("N_EXPERT", n_expert), ("X_DIV", x_div)] + template,
-        grid=(tiles.n_tiles * _GEMM_THREADS, -(-rows // GEMM_TILE), 1), threadgroup=(_GEMM_THREADS, 1, 1),
-        output_shapes=[(n_out, rows)], output_dtypes=[mx.float32])
+        grid=(tiles.n_tiles * _GEMM_THREADS, -(-rows // _GEMM_ROWS), 1), threadgroup=(_GEMM_THREADS, 1, 1),
+        output_shapes=[(tiles.order.size, rows)], output_dtypes=[mx.float32])
     return y
 
 

@@ -15,11 +15,15 @@ __device__ __forceinline__ float ds4lab_gemm_f16(uint32_t bits) {
     return __half2float(__ushort_as_half((unsigned short)(bits & 0xffffu)));
 }
 
-// The 16 bytes at `bytes` (4-byte aligned) as q[i] = (byte_i >> shift) & mask (the K-quant
-// code layouts).
-__device__ __forceinline__ void ds4lab_gemm_codes16(const uint8_t* bytes, int shift, uint32_t mask, __half q[16]) {
-    const uint32_t* w = reinterpret_cast<const uint32_t*>(bytes);
-    const uint32_t words[4] = {w[0], w[1], w[2], w[3]};
+// The 16 bytes at `bytes` (4-byte aligned) as four words.
+__device__ __forceinline__ void ds4lab_gemm_words4(const uint8_t* bytes, uint32_t w[4]) {
+    const uint32_t* src = reinterpret_cast<const uint32_t*>(bytes);
 #pragma unroll
-    for (int k = 0; k < 16; ++k) q[k] = __uint2half_rn(((words[k >> 2] >> (8 * (k & 3) + shift)) & mask));
+    for (int i = 0; i < 4; ++i) w[i] = src[i];
+}
+
+// The 16 bytes of w as q[i] = (byte_i >> shift) & mask (the K-quant code layouts).
+__device__ __forceinline__ void ds4lab_gemm_codes16(const uint32_t w[4], int shift, uint32_t mask, __half q[16]) {
+#pragma unroll
+    for (int k = 0; k < 16; ++k) q[k] = __uint2half_rn((w[k >> 2] >> (8 * (k & 3) + shift)) & mask);
 }
