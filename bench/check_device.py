@@ -107,10 +107,13 @@ def check_fused_kernels() -> None:
                       hc.hc_expand(out, streams, control, ref_mm))
         print(f"hc_pre (n_hc {n}, {t} tokens, width {e}) vs control + collapse + norm: max rel err {err:.2e}; "
               f"hc_post vs hc_expand {expand:.2e}")
-    for t, h, d, n_keys in ((1, 64, 512, 640), (5, 8, 256, 300), (2, 6, 192, 40)):
+    # Decode's kernel, then (more than 8 tokens) prefill's, over keys stored f16 as the model's
+    # are, with more columns than its 1024-column mask segments.
+    for t, h, d, n_keys in ((1, 64, 512, 640), (5, 8, 256, 300), (2, 6, 192, 40), (40, 64, 512, 2700),
+                            (20, 8, 256, 300), (12, 6, 192, 40)):
         q = mx.random.normal((t, h, d))
-        keys = mx.random.normal((n_keys, d))
-        mask = mx.random.uniform(shape=(t, n_keys)) < 0.6
+        keys = mx.random.normal((n_keys, d)).astype(mx.float16).astype(mx.float32)
+        mask = mx.random.uniform(shape=(t, n_keys)) < (0.25 if n_keys > 1024 else 0.6)
         sinks = mx.random.normal((h,))
         rotation = Rotation.at(700, t, 64, 10000.0, None)
         fused = kernels.attention_heads(q, keys, mask, sinks, (rotation.cos, rotation.sin))

@@ -76,6 +76,19 @@ def _attention_heads(inputs, t, grid, threadgroup):
     heads, tokens = _blocks(grid, threadgroup)
     assert q.shape == (tokens, heads, t["D"]) and keys.shape[0] == int(n_keys.item()) == mask.shape[1]
     assert threadgroup[0] == 32 * t["WARPS"] and cos.shape == (tokens, t["NROT"] // 2)
+    return _attention(q, keys, mask, sinks, cos, sin, t)
+
+
+def _prefill_attention(inputs, t, grid, threadgroup):
+    q, keys, mask, sinks, cos, sin, n_keys = inputs
+    head_groups, tokens = _blocks(grid, threadgroup)
+    assert threadgroup[0] == 128 and t["D"] % 64 == 0 and head_groups == -(-t["H"] // 16)
+    assert q.shape == (tokens, t["H"], t["D"]) and keys.shape[0] == int(n_keys.item()) == mask.shape[1]
+    assert cos.shape == (tokens, t["NROT"] // 2)
+    return _attention(q, keys, mask, sinks, cos, sin, t)
+
+
+def _attention(q, keys, mask, sinks, cos, sin, t):
     scores = (q @ keys.T) / math.sqrt(t["D"])
     scores = mx.where(mask[:, None, :], scores, -mx.inf)
     sink = mx.broadcast_to(sinks[None, :, None], (*scores.shape[:2], 1))
@@ -130,7 +143,8 @@ def _gemm_split_x(inputs, t, grid, threadgroup):
 
 STAND_INS = {"q8_matvec": _q8_matvec, "router": _router, "row_finish": _row_finish, "hc_pre": _hc_pre,
              "hc_post": _hc_post, "gemm_split_x": _gemm_split_x,
-             "attention_heads": _attention_heads, "indexer_scores": _indexer_scores}
+             "attention_heads": _attention_heads, "prefill_attention": _prefill_attention,
+             "indexer_scores": _indexer_scores}
 
 
 def _expert_matvec(type_name):

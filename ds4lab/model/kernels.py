@@ -11,7 +11,9 @@ reference's steps in the same order, so a Metal port can translate them line by 
 - `row_finish`: per-row RMSNorm, weight, RoPE (or its inverse), Hadamard + FP4, FP8 and f16
   roundings, each optional: q heads, KV rows, compressed rows, indexer queries and keys.
 - `attention_heads`: softmax attention with sinks over the visible keys (masked ones are not
-  read), online softmax across warps, and the inverse RoPE of the output.
+  read), online softmax across warps, and the inverse RoPE of the output; a chunk of tokens
+  (prefill) runs `prefill_attention` instead: a token's heads 16 at a time on the tensor
+  cores, each visible key read once for them.
 - `indexer_scores`: the lightning indexer's Σ_h w_h·relu(q_h·k) per key row.
 - `q8_matvec`: a Q8_0 matrix (the model's 8-bit codes) times a few vectors, each warp a few
   rows with 16-byte loads; rows may come in groups that each read their own vector (the
@@ -75,6 +77,8 @@ _KERNELS = {
                    ["x", "weight", "rope_cos", "rope_sin", "eps", "hscale", "carry", "n_rows"], ["y"]),
     "attention_heads": ("decode_attention.cu", ("ds4lab_block.cuh",),
                         ["q", "keys", "mask", "sinks", "rope_cos", "rope_sin", "n_keys"], ["out"]),
+    "prefill_attention": ("prefill_attention.cu", ("gemm_common.cuh",),
+                          ["q", "keys", "mask", "sinks", "rope_cos", "rope_sin", "n_keys"], ["out"]),
     "indexer_scores": ("indexer_scores.cu", ("ds4lab_block.cuh",), ["q", "w", "keys", "n_keys"], ["scores"]),
     "router": ("router.cu", (), ["logits", "bias", "scale"], ["probs", "experts", "weights"]),
     "q8_matvec": ("q8_matvec.cu", ("ds4lab_block.cuh",), ["codes", "scales", "x"], ["y"]),
@@ -159,6 +163,14 @@ def attention_heads(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array
     keys [N, D], mask [T, N], sinks [H], rope (cos, sin) [T, n_rot/2] -> [T, H, D]."""
     t, h, d = q.shape
     cos, sin = rope
+    if t > MATVEC_MAX_TOKENS and d % 64 == 0:
+        # A chunk: one thread block per token and 16 heads, on the tensor cores.
+        (out,) = _fused("prefill_attention")(
+            inputs=[q, keys, mask, sinks, cos, sin, _scalar(keys.shape[0], mx.int32)],
+            template=[("D", d), ("NROT", 2 * cos.shape[-1]), ("H", h)],
+            grid=(-(-h // 16) * 128, t, 1), threadgroup=(128, 1, 1),
+            output_shapes=[q.shape], output_dtypes=[mx.float32])
+        return out
     threads = 32 * _ATTENTION_WARPS
     (out,) = _fused("attention_heads")(
         inputs=[q, keys, mask, sinks, cos, sin, _scalar(keys.shape[0], mx.int32)],
