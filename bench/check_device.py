@@ -200,6 +200,12 @@ def check_gemm() -> None:
     x = mx.random.normal((300, 1024)) * scales
     print(f"q8_gemm 300 x 1000x1024 vs float32 GEMM on the decoded matrix: "
           f"max rel err per row {_row_rel(kernels.q8_gemm(w, x), x @ w.dense().T):.2e}")
+    out_a = _q8_matrix(8 * 96, 512)
+    heads = mx.random.normal((300, 8, 512)) * scales[:, :, None]
+    dense = out_a.dense()
+    ref = mx.concatenate([heads[:, g] @ dense[96 * g:96 * (g + 1)].T for g in range(8)], axis=-1)
+    print(f"q8_gemm grouped (300 tokens, 8 groups of 96x512) vs per-group float32 GEMM: max rel err per row "
+          f"{_row_rel(kernels.q8_gemm(out_a, heads, groups=8), ref):.2e}")
     for type_name in ("IQ2_XXS", "Q2_K", "Q4_K"):
         tensor = _expert_blocks(type_name, 16, 200, 512)
         experts = mx.random.randint(0, 12, (300, 6)).astype(mx.int32)   # experts 12..15 unused

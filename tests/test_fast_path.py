@@ -176,8 +176,9 @@ def _quant_gemm(type_name):
         x = halves * mx.power(2.0, -xexp.astype(mx.float32))[:, None]
         if type_name == "Q8_0":
             codes, scales = weights
-            assert codes.shape == (rows, cols // 4) and scales.shape == (rows, cols // 32) and n_expert == 1
-            mats = [mx.dequantize(codes, scales, -128.0 * scales, group_size=32, bits=8)]
+            # "experts": the matrix's row groups (one, or the grouped output projection's)
+            assert codes.shape == (n_expert * rows, cols // 4) and scales.shape == (n_expert * rows, cols // 32)
+            mats = mx.dequantize(codes, scales, -128.0 * scales, group_size=32, bits=8).reshape(n_expert, rows, cols)
         else:
             raw = weights[0]
             assert raw.shape == (n_expert, t["EXPERT_BYTES"]) and t["EXPERT_BYTES"] == rows * t["ROW_BYTES"]

@@ -121,8 +121,9 @@ def grouped_output(layer: LayerWeights, heads: mx.array, n_out_group: int, mm: S
     """Inverse-rotated heads [T, H, D] -> [T, n_embd] through the grouped low-rank projection."""
     t = heads.shape[0]
     out_a: Q8Matrix = layer.q8["attn_output_a.weight"]
-    if mm.fast and t <= kernels.MATVEC_MAX_TOKENS:
-        low = kernels.q8_matvec(out_a, heads, groups=n_out_group)        # every group in one kernel
+    if mm.fast:                                                        # every group in one kernel
+        gemv = t <= kernels.MATVEC_MAX_TOKENS
+        low = (kernels.q8_matvec if gemv else kernels.q8_gemm)(out_a, heads, groups=n_out_group)
     else:
         groups = heads.reshape(t, n_out_group, -1)                     # heads of a group side by side
         rank = out_a.rows // n_out_group

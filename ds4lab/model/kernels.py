@@ -277,11 +277,13 @@ def expert_tiles(experts: mx.array, n_expert: int) -> PairTiles:
 
 
 @cache
-def _dense_tiles(n_tokens: int) -> PairTiles:
-    """The tiles of a dense product: one 'expert', its pairs the tokens in order."""
+def _dense_tiles(n_tokens: int, groups: int = 1) -> PairTiles:
+    """The tiles of a dense product, rows in `groups` equal groups ("experts"), each token's
+    group g reading input row token * groups + g: pairs group by group, tokens in order."""
     n_tiles = -(-n_tokens // GEMM_TILE)
-    return PairTiles(mx.arange(n_tokens, dtype=mx.int32), _constant((0, n_tokens), mx.int32),
-                     _constant((0, n_tiles), mx.int32), n_tiles)
+    order = (mx.arange(n_tokens, dtype=mx.int32)[None, :] * groups + mx.arange(groups, dtype=mx.int32)[:, None])
+    return PairTiles(order.reshape(-1), _constant(tuple(range(0, (groups + 1) * n_tokens, n_tokens)), mx.int32),
+                     _constant(tuple(range(0, (groups + 1) * n_tiles, n_tiles)), mx.int32), groups * n_tiles)
 
 
 def _quant_gemm(type_name: str, weights: list[mx.array], template: list, rows: int, cols: int, n_expert: int,
@@ -301,13 +303,18 @@ def _quant_gemm(type_name: str, weights: list[mx.array], template: list, rows: i
     return y
 
 
-def q8_gemm(matrix: Q8Matrix, x: mx.array) -> mx.array:
+def q8_gemm(matrix: Q8Matrix, x: mx.array, groups: int = 1) -> mx.array:
     """x [..., cols] @ W.T on the tensor cores, exact to float32 (see quant_gemm.cu): the
-    fast path's Q8_0 product for more than MATVEC_MAX_TOKENS tokens."""
-    n_tokens = x.size // matrix.cols
-    y = _quant_gemm("Q8_0", [matrix.codes, matrix.scales], [], matrix.rows, matrix.cols, 1, x, 1,
-                    _dense_tiles(n_tokens))
-    return y.reshape(*x.shape[:-1], matrix.rows)
+    fast path's Q8_0 product for more than MATVEC_MAX_TOKENS tokens. groups = G: as
+    `q8_matvec`'s, the rows in G groups, group g times its own vector, x [T, ...] holding
+    T·G·cols values -> [T, rows] (the grouped output projection in one kernel)."""
+    cols = matrix.cols
+    if matrix.rows % groups or x.size % (groups * cols) or (groups == 1 and x.shape[-1] != cols):
+        raise ValueError(f"q8_gemm: {matrix.rows}x{cols} matrix in {groups} groups, input {tuple(x.shape)}")
+    n_tokens = x.size // (groups * cols)
+    y = _quant_gemm("Q8_0", [matrix.codes, matrix.scales], [], matrix.rows // groups, cols, groups,
+                    x.reshape(-1, cols), 1, _dense_tiles(n_tokens, groups))
+    return y.reshape(*x.shape[:-1], matrix.rows) if groups == 1 else y.reshape(n_tokens, matrix.rows)
 
 
 def expert_gemm(tensor: ExpertBlocks, tiles: PairTiles, x: mx.array, x_div: int) -> mx.array:

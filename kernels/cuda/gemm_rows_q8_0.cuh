@@ -1,6 +1,7 @@
 // Rows of a Q8_0 matrix for quant_gemm.cu, as model/weights.py `Q8Matrix` holds them: codes
-// [ROWS, COLS / 4] uint32 (byte = code + 128), one float32 scale per 32 values. q = code,
-// dl = the block's scale, no min. One matrix: the expert index is ignored.
+// [N_EXPERT * ROWS, COLS / 4] uint32 (byte = code + 128), one float32 scale per 32 values.
+// q = code, dl = the block's scale, no min. "Expert" e is rows [e * ROWS, (e + 1) * ROWS):
+// one matrix, or the groups of the grouped output projection.
 struct ds4lab_gemm_row {
     const uint32_t* codes;
     const float* scales;
@@ -9,7 +10,8 @@ struct ds4lab_gemm_raw {
     uint4 w;
     float scale;
 };
-#define DS4LAB_GEMM_ROW(e, row) ds4lab_gemm_row{codes + (size_t)(row) * (COLS / 4), scales + (size_t)(row) * (COLS / 32)}
+#define DS4LAB_GEMM_ROW(e, row) \
+    ds4lab_gemm_row{codes + ((size_t)(e) * ROWS + (row)) * (COLS / 4), scales + ((size_t)(e) * ROWS + (row)) * (COLS / 32)}
 #define DS4LAB_GEMM_HAS_MIN false
 #define DS4LAB_GEMM_SUB 32
 
