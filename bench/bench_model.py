@@ -30,6 +30,7 @@ from ds4lab.generation import stream
 from ds4lab.model import Model
 from ds4lab.model.random_weights import random_weights
 from ds4lab.model.weights import ModelWeights
+from ds4lab.quants import imatrix
 
 # ds4.c decoding a tiny shape token by token on this VM class (the decode issue's CPU reference).
 DS4C_TINY_CPU_DECODE = 60.0
@@ -110,7 +111,8 @@ def bench(name: str, model: Model, contexts: list[int], steps: int, bw: float, h
 
 def bench_prefill(name: str, model: Model, prompts: list[int]) -> None:
     """Prefill tok/s of each prompt length (one session each, default chunks), after a
-    warm-up prefill that compiles the kernels."""
+    warm-up prefill that compiles the kernels; then imatrix collection over the longest
+    prompt (its hooks keep the fast path)."""
     mx.eval(model.session().prefill(list(range(1000, 1000 + min(prompts)))))
     for n in prompts:
         tokens = [1000 + i % 50000 for i in range(n)]
@@ -118,6 +120,10 @@ def bench_prefill(name: str, model: Model, prompts: list[int]) -> None:
         t = time.perf_counter()
         mx.eval(session.prefill(tokens))
         print(f"{name:30s} prompt {n:6d}: prefill {n / (time.perf_counter() - t):8.1f} tok/s")
+    n = max(prompts)
+    t = time.perf_counter()
+    imatrix.collect(model, [[1000 + i % 50000 for i in range(n)]])
+    print(f"{name:30s} imatrix collection over {n} tokens: {n / (time.perf_counter() - t):8.1f} tok/s")
 
 
 def main() -> None:

@@ -257,6 +257,20 @@ def fast_vs_reference(shape: str, tokens: list[int]) -> None:
           f"fast prefill vs decode {np.abs(fast - fast_decode).max() / scale:.2e}")
 
 
+def imatrix_fast_vs_reference(shape: str) -> None:
+    """imatrix collection on the fast path against the reference composition, same prompts."""
+    from ds4lab.quants import imatrix
+
+    model = Model(random_weights(preset(shape), "q2", seed=3))
+    prompts = [list(range(3000, 3100)), list(range(500, 530))]
+    fast = imatrix.collect(model, prompts)
+    model.numerics.allow_fast = False
+    ref = imatrix.collect(model, prompts)
+    counts_equal = all((fast.entries[k].counts == e.counts).all() for k, e in ref.entries.items())
+    err = max(float(np.abs(fast.entries[k].sum2 - e.sum2).max() / e.sum2.max()) for k, e in ref.entries.items())
+    print(f"{shape}: imatrix fast path vs reference, counts equal {counts_equal}, max |Δ sum2| / max {err:.2e}")
+
+
 def main() -> None:
     check_fused_experts()
     check_fused_kernels()
@@ -264,6 +278,7 @@ def main() -> None:
     check_gemm()
     for shape in ("small", "tiny"):
         fast_vs_reference(shape, list(range(2000, 2048)))
+        imatrix_fast_vs_reference(shape)
     gpu = mx.default_device()
     tokens = list(range(2000, 2048))
     g_full, g_dec = logits_on(gpu, tokens)

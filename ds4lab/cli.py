@@ -527,7 +527,7 @@ def _cmd_imatrix_collect(args: argparse.Namespace) -> int:
     model = load(args.model, numerics=args.numerics)
     prompts = imatrix.dataset_tokens(imatrix.read_prompts(args.prompts), load_tokenizer(mode="ds4"), ctx=args.ctx,
                                      max_tokens=args.max_tokens, max_prompts=args.max_prompts)
-    collected = imatrix.collect(model, prompts, chunk=args.chunk, dataset=str(args.prompts))
+    collected = imatrix.collect(model, prompts, chunk=args.chunk, dataset=str(args.prompts), progress=True)
     routes = sum(int(e.counts.sum()) for name, e in collected.entries.items() if "ffn_down" in name)
     print(f"{collected.save(args.out)}: {len(prompts)} prompts, {sum(map(len, prompts))} tokens, "
           f"{routes} routed expert observations", file=sys.stderr)

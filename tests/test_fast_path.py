@@ -316,6 +316,24 @@ def test_boundary_hooks_keep_the_fast_path_and_their_replacements_count(small_we
     assert np.abs(steered - reference).max() < 1e-4 * base.std()
 
 
+def test_imatrix_collection_keeps_the_fast_path_and_its_values(small_weights, stand_in_kernels):
+    """The points imatrix collection reads (hook_in, hook_experts, hook_routed_mid) keep every
+    block on the fast path, and what it collects there is the reference path's."""
+    from ds4lab.quants import imatrix
+
+    model = Model(small_weights)
+    prompts = [[(13 * i + 5) % 900 + 50 for i in range(40)], [7, 8, 9]]
+    with model.hooks(imatrix._Collector(1, 1, 1, 1).hooks()):
+        assert (model.fast_path_plan().path == "fast").all()
+    fast = imatrix.collect(model, prompts, chunk=16)
+    assert stand_in_kernels["quant_gemm"] > 0                  # the chunks ran the tensor-core GEMMs
+    model.numerics.allow_fast = False
+    reference = imatrix.collect(model, prompts, chunk=16)
+    for name, entry in reference.entries.items():
+        np.testing.assert_array_equal(fast.entries[name].counts, entry.counts)
+        np.testing.assert_allclose(fast.entries[name].sum2, entry.sum2, rtol=1e-4, atol=1e-6 * entry.sum2.max())
+
+
 def test_plan_is_reference_everywhere_off_cuda_and_in_ds4_cpu(small_weights, batched):
     model = Model(small_weights)
     assert (model.fast_path_plan().path == "reference").all()

@@ -45,10 +45,13 @@ if TYPE_CHECKING:
 NUMERICS = MODES
 
 # Hook points the fast path fires, replacements included, at full speed: the block boundaries
-# (and, through them, steering and forced experts). A hook at any other point of a block makes
-# that block run the reference composition for the call (`Model.fast_path_plan` says which).
-FAST_PATH_POINTS = frozenset({"hook_resid_pre", "attn.hook_out", "hook_resid_mid", "ffn.hook_experts",
-                              "ffn.hook_expert_weights", "ffn.hook_out", "hook_resid_post"})
+# (and, through them, steering and forced experts), the sublayers' inputs and the routed
+# experts' SwiGLU activations (read-only; with hook_in and hook_experts, what imatrix
+# collection reads). A hook at any other point of a block makes that block run the reference
+# composition for the call (`Model.fast_path_plan` says which).
+FAST_PATH_POINTS = frozenset({"hook_resid_pre", "attn.hook_in", "attn.hook_out", "hook_resid_mid", "ffn.hook_in",
+                              "ffn.hook_experts", "ffn.hook_expert_weights", "ffn.hook_routed_mid", "ffn.hook_out",
+                              "hook_resid_post"})
 
 
 # ds4 runs the MTP block as layer 1 (`metal_graph_eval_mtp_draft_from_hc`): its SwiGLU clamp.
@@ -220,7 +223,9 @@ class Model:
                 rotations[kind] = Rotation.at(p0, len(tokens), cfg.n_rot, *kind)
             streams, chosen = self.block(layer, new.layers[il], streams, p0, rotations[kind], token_ids, mm)
             if len(tokens) > 1:
-                mx.eval(streams)     # bounds a prefill chunk's graph; a decode step stays one graph
+                # Bounds a prefill chunk's graph (a decode step stays one graph). The fast path
+                # only starts the layer and goes on building the next while the device runs it.
+                (mx.async_eval if mm.fast else mx.eval)(streams)
             experts.append(chosen)
         hidden = streams
         if last_only:

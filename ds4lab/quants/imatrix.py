@@ -143,37 +143,36 @@ class _Collector:
     """Hook functions that sum one layer's statistics as each forward chunk passes.
 
     Within a layer the points fire in the order hook_in, hook_experts, hook_routed_mid; the
-    first two are held until the third arrives and the layer's sums are taken."""
+    first two are held until the third arrives and the layer's sums are taken. The sums stay
+    on the device (float32, scatter-adds: no host round trip, so a prefill on the fast path
+    keeps running ahead of the host) until `result`."""
 
     def __init__(self, n_layer: int, n_expert: int, n_embd: int, n_ff: int) -> None:
         self.n_expert = n_expert
-        self.gate_up = np.zeros((n_layer, n_expert, n_embd))
-        self.down = np.zeros((n_layer, n_expert, n_ff))
-        self.counts = np.zeros((n_layer, n_expert), np.int64)
+        self.gate_up = [mx.zeros((n_expert, n_embd), mx.float32) for _ in range(n_layer)]
+        self.down = [mx.zeros((n_expert, n_ff), mx.float32) for _ in range(n_layer)]
+        self.counts = [mx.zeros((n_expert,), mx.int32) for _ in range(n_layer)]
         self.chunks = 0
         self.chunk_size = 0
-        self._x: dict[int, np.ndarray] = {}
-        self._experts: dict[int, np.ndarray] = {}
+        self._x: dict[int, mx.array] = {}
+        self._experts: dict[int, mx.array] = {}
 
     def on_in(self, act: mx.array, hook: Any) -> None:
-        self._x[hook.layer] = np.array(act, np.float32)
+        self._x[hook.layer] = act
 
     def on_experts(self, act: mx.array, hook: Any) -> None:
-        self._experts[hook.layer] = np.array(act, np.int64)
+        self._experts[hook.layer] = act
 
     def on_mid(self, act: mx.array, hook: Any) -> None:
         layer = hook.layer
         x, experts = self._x.pop(layer), self._experts.pop(layer)
-        mid = np.array(act, np.float32)
         t, u = experts.shape
-        # route[e, t] = 1 when token t chose expert e (a token's experts are distinct)
-        route = np.zeros((self.n_expert, t), np.float32)
-        route[experts, np.arange(t)[:, None]] = 1
-        self.gate_up[layer] += route @ np.square(x)
-        slots = np.zeros((self.n_expert, t * u), np.float32)
-        slots[experts.reshape(-1), np.arange(t * u)] = 1
-        self.down[layer] += slots @ np.square(mid).reshape(t * u, -1)
-        self.counts[layer] += np.bincount(experts.reshape(-1), minlength=self.n_expert)
+        ids = experts.reshape(-1).astype(mx.int32)
+        # every (token, slot) route adds its token's x² to its expert, and its mid² (slot's row)
+        self.gate_up[layer] = self.gate_up[layer].at[ids].add(mx.repeat(mx.square(x.astype(mx.float32)), u, axis=0))
+        self.down[layer] = self.down[layer].at[ids].add(mx.square(act.astype(mx.float32)).reshape(t * u, -1))
+        self.counts[layer] = self.counts[layer].at[ids].add(1)
+        mx.async_eval(self.gate_up[layer], self.down[layer], self.counts[layer])
         self.chunks += 1
         self.chunk_size = max(self.chunk_size, t)
 
@@ -185,22 +184,34 @@ class _Collector:
     def result(self, dataset: str) -> Imatrix:
         entries = {}
         for layer in range(len(self.counts)):
-            counts = self.counts[layer].copy()
+            counts = np.array(self.counts[layer]).astype(np.int64)
             for role in ROLES:
                 sums = self.down[layer] if role == "down" else self.gate_up[layer]
-                entries[f"blk.{layer}.ffn_{role}_exps.weight"] = ImatrixEntry(sums.copy(), counts.copy())
+                entries[f"blk.{layer}.ffn_{role}_exps.weight"] = ImatrixEntry(np.array(sums, np.float64), counts.copy())
         return Imatrix(entries, self.chunks, self.chunk_size, [dataset] if dataset else [])
 
 
-def collect(model: Any, prompts: Iterable[Sequence[int]], chunk: int = 2048, dataset: str = "") -> Imatrix:
+def collect(model: Any, prompts: Iterable[Sequence[int]], chunk: int = 2048, dataset: str = "",
+            progress: bool = False) -> Imatrix:
     """Run each prompt (token ids) from an empty session, `chunk` tokens per forward, and
-    return the routed experts' imatrix; `dataset` names the source in the files written."""
+    return the routed experts' imatrix; `dataset` names the source in the files written.
+    `progress` shows a bar over all the prompts' tokens (tokens/s and the time left). The
+    points it reads keep the fast path, so on a CUDA GPU it runs at prefill speed."""
     cfg = model.config
+    prompts = [list(tokens) for tokens in prompts]
     collector = _Collector(cfg.n_layer, cfg.n_expert, cfg.n_embd, cfg.n_ff_exp)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=sum(len(tokens) for tokens in prompts), unit="tok", desc="imatrix")
     with model.hooks(collector.hooks()):
         for tokens in prompts:
             if len(tokens):
-                model.session().prefill(tokens, chunk=chunk)
+                model.session().prefill(tokens, chunk=chunk,
+                                        on_chunk=None if bar is None else (lambda ids, _: bar.update(len(ids))))
+    if bar is not None:
+        bar.close()
     return collector.result(dataset)
 
 
