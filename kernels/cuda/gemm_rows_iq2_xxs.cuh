@@ -8,31 +8,29 @@ struct ds4lab_gemm_row {
 };
 struct ds4lab_gemm_raw {
     uint32_t d, index, aux;   // the block's d bits; the 2 grid indices of these 16 values; aux
-    int half;                 // which 16 of the 32 values
 };
 #define DS4LAB_GEMM_ROW(e, row) \
     ds4lab_gemm_row{raw + (size_t)(e) * EXPERT_BYTES + (size_t)(row) * ROW_BYTES, grid, ksigns}
 #define DS4LAB_GEMM_HAS_MIN false
-#define DS4LAB_GEMM_SUB 32
 
 __device__ __forceinline__ void ds4lab_gemm_load16(const ds4lab_gemm_row& r, int k0, ds4lab_gemm_raw& v) {
     const int within = k0 & 255;
     const uint16_t* blk = reinterpret_cast<const uint16_t*>(r.w + (k0 >> 8) * 66);
     const uint16_t* s16 = blk + 1 + 4 * (within >> 5);
-    v.half = (within >> 4) & 1;
     v.d = blk[0];
-    v.index = s16[v.half];
+    v.index = s16[(within >> 4) & 1];
     v.aux = (uint32_t)s16[2] | ((uint32_t)s16[3] << 16);
 }
 
-__device__ __forceinline__ void ds4lab_gemm_unpack16(const ds4lab_gemm_row& r, const ds4lab_gemm_raw& v, __half q[16],
-                                                     float& dl, float& ml) {
+__device__ __forceinline__ void ds4lab_gemm_unpack16(const ds4lab_gemm_row& r, const ds4lab_gemm_raw& v, int k0,
+                                                     __half q[16], float& dl, float& ml) {
+    const int half = (k0 >> 4) & 1;
     dl = ds4lab_gemm_f16(v.d) * (0.5f + (float)(v.aux >> 28)) * 0.25f;
     ml = 0.0f;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
         const uint32_t index = (v.index >> (8 * j)) & 0xffu;
-        const uint8_t signs = r.ksigns[(v.aux >> (7 * (2 * v.half + j))) & 127];
+        const uint8_t signs = r.ksigns[(v.aux >> (7 * (2 * half + j))) & 127];
         const uint2 g8 = *reinterpret_cast<const uint2*>(r.grid + 8 * index);   // 8 grid bytes, one load
         const uint32_t gw[2] = {g8.x, g8.y};
 #pragma unroll

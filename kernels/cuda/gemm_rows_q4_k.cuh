@@ -7,11 +7,9 @@ struct ds4lab_gemm_row {
 };
 struct ds4lab_gemm_raw {
     uint32_t w[4], dd, sp, sq, sr;
-    int group;
 };
 #define DS4LAB_GEMM_ROW(e, row) ds4lab_gemm_row{raw + (size_t)(e) * EXPERT_BYTES + (size_t)(row) * ROW_BYTES}
 #define DS4LAB_GEMM_HAS_MIN true
-#define DS4LAB_GEMM_SUB 32
 
 __device__ __forceinline__ void ds4lab_gemm_load16(const ds4lab_gemm_row& r, int k0, ds4lab_gemm_raw& v) {
     const int i0 = k0 & 255, group = i0 >> 5;
@@ -21,14 +19,14 @@ __device__ __forceinline__ void ds4lab_gemm_load16(const ds4lab_gemm_row& r, int
     v.sp = blk[4 + (group < 4 ? group : group + 4)];
     v.sq = blk[4 + (group < 4 ? group + 4 : group - 4)];
     v.sr = blk[4 + group];
-    v.group = group;
 }
 
-__device__ __forceinline__ void ds4lab_gemm_unpack16(const ds4lab_gemm_row&, const ds4lab_gemm_raw& v, __half q[16],
-                                                     float& dl, float& ml) {
-    ds4lab_gemm_codes16(v.w, 4 * (v.group & 1), 15u, q);
-    const uint32_t sc = v.group < 4 ? v.sp & 63 : (v.sp & 15) | ((v.sq >> 6) << 4);
-    const uint32_t mn = v.group < 4 ? v.sq & 63 : (v.sp >> 4) | ((v.sr >> 6) << 4);
+__device__ __forceinline__ void ds4lab_gemm_unpack16(const ds4lab_gemm_row&, const ds4lab_gemm_raw& v, int k0,
+                                                     __half q[16], float& dl, float& ml) {
+    const int group = (k0 & 255) >> 5;
+    ds4lab_gemm_codes16(v.w, 4 * (group & 1), 15u, q);
+    const uint32_t sc = group < 4 ? v.sp & 63 : (v.sp & 15) | ((v.sq >> 6) << 4);
+    const uint32_t mn = group < 4 ? v.sq & 63 : (v.sp >> 4) | ((v.sr >> 6) << 4);
     dl = ds4lab_gemm_f16(v.dd) * (float)sc;
     ml = ds4lab_gemm_f16(v.dd >> 16) * (float)mn;
 }

@@ -13,14 +13,13 @@ struct ds4lab_gemm_raw {
 #define DS4LAB_GEMM_ROW(e, row) \
     ds4lab_gemm_row{codes + ((size_t)(e) * ROWS + (row)) * (COLS / 4), scales + ((size_t)(e) * ROWS + (row)) * (COLS / 32)}
 #define DS4LAB_GEMM_HAS_MIN false
-#define DS4LAB_GEMM_SUB 32
 
 __device__ __forceinline__ void ds4lab_gemm_load16(const ds4lab_gemm_row& r, int k0, ds4lab_gemm_raw& v) {
     v.w = *reinterpret_cast<const uint4*>(r.codes + k0 / 4);
     v.scale = r.scales[k0 / 32];
 }
 
-__device__ __forceinline__ void ds4lab_gemm_unpack16(const ds4lab_gemm_row&, const ds4lab_gemm_raw& v, __half q[16],
+__device__ __forceinline__ void ds4lab_gemm_unpack16(const ds4lab_gemm_row&, const ds4lab_gemm_raw& v, int, __half q[16],
                                                      float& dl, float& ml) {
     const uint32_t words[4] = {v.w.x, v.w.y, v.w.z, v.w.w};
 #pragma unroll

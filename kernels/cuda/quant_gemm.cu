@@ -3,13 +3,13 @@
 // tiles. A dense Q8_0 matrix is the case of one expert whose pairs are the tokens.
 //
 // Why it is exact to float32 (not f16): every block format stores a weight as dl * q - ml
-// with q a small integer (IQ2_XXS grid values up to 43 with a sign, Q2_K 0..3, Q4_K 0..15,
-// Q8_0 -128..127) and (dl, ml) constant over SUB = 16 or 32 consecutive values. Small
-// integers are exact in f16, so the tensor cores multiply q exactly; x comes as two f16
-// halves hi + lo of its row scaled by a power of two (gemm_split_x.cu). The mma products
-// over SUB values are float32 sums of exact products; the scales are applied outside the
-// tensor cores: acc += dl * sum(q * x) - ml * sum(x). llama.cpp's MMQ shape, with f16
-// halves where it has int8 activations.
+// with q a small integer (IQ2_XXS grid values up to 43 with a sign, Q2_K 4-bit scale times
+// 2-bit code, Q4_K 0..15, Q8_0 -128..127), dl constant over 32 consecutive values and ml
+// over 16. Small integers are exact in f16, so the tensor cores multiply q exactly; x comes
+// as two f16 halves hi + lo of its row scaled by a power of two (gemm_split_x.cu). The mma
+// products over 32 values are float32 sums of exact products; the scales are applied
+// outside the tensor cores: acc += dl * sum(q * x) - sum over each 16 of ml * sum(x).
+// llama.cpp's MMQ shape, with f16 halves where it has int8 activations.
 //
 // Tiles: a thread block of 8 warps computes 64 pairs x 128 output rows; each warp 32 x 32
 // as 2 x 4 mma.m16n8k16 tiles. Shared memory holds two stages of 32 columns (x halves and
@@ -17,7 +17,7 @@
 // thread's global loads for the next are in flight, then it decodes them into the other
 // stage; one barrier per stage. Grid x walks the pair tiles fastest, so blocks that run
 // together share a weight tile (read from HBM once). The format header (gemm_rows_*.cuh)
-// says how a row's bytes load (ds4lab_gemm_load16) and decode (ds4lab_gemm_unpack16).
+// says how 16 values of a row load (ds4lab_gemm_load16) and decode (ds4lab_gemm_unpack16).
 //
 // Inputs: the format's weights; xh, xl [n_in, COLS] f16, xsum [n_in, COLS / 16], xexp
 // [n_in] (gemm_split_x.cu); order [P]; pair_offsets [N_EXPERT + 1] (expert e's pairs are
@@ -26,7 +26,7 @@ constexpr int BM = 64, BN = 128, BK = 32, LD = BK + 8;   // LD: padded rows, con
 __shared__ __align__(16) __half sxh[2][BM][LD];
 __shared__ __align__(16) __half sxl[2][BM][LD];
 __shared__ __align__(16) __half swq[2][BN][LD];
-__shared__ float swd[2][BN][2], swm[2][BN][2], sxs[2][BM][2];
+__shared__ float swd[2][BN], swm[2][BN][2], sxs[2][BM][2];
 __shared__ int xrow[BM];
 
 const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -65,18 +65,18 @@ auto load = [&](int k0) {
     if (tid < 2 * BM) rs = x_sum[k0 / 16];
     ds4lab_gemm_load16(w_row, k0 + 16 * w_half, rw);
 };
-auto store = [&](int s) {
+auto store = [&](int s, int k0) {
     *reinterpret_cast<uint4*>(&sxh[s][x_m][8 * x_q]) = rh;
     *reinterpret_cast<uint4*>(&sxl[s][x_m][8 * x_q]) = rl;
     if (tid < 2 * BM) sxs[s][tid >> 1][tid & 1] = rs;
     __half q[16];
     float dl = 0.0f, ml = 0.0f;
-    ds4lab_gemm_unpack16(w_row, rw, q, dl, ml);
+    ds4lab_gemm_unpack16(w_row, rw, k0 + 16 * w_half, q, dl, ml);
 #pragma unroll
     for (int i = 0; i < 16; i += 2)
         *reinterpret_cast<__half2*>(&swq[s][w_n][16 * w_half + i]) =
             w_in ? __halves2half2(q[i], q[i + 1]) : __float2half2_rn(0.0f);
-    swd[s][w_n][w_half] = w_in ? dl : 0.0f;
+    if (w_half == 0) swd[s][w_n] = w_in ? dl : 0.0f;
     swm[s][w_n][w_half] = w_in ? ml : 0.0f;
 };
 
@@ -90,73 +90,68 @@ for (int i = 0; i < 2; ++i)
 const int wm0 = (warp >> 2) * 32, wn0 = (warp & 3) * 32;
 
 load(0);
-store(0);
+store(0, 0);
 __syncthreads();
 constexpr int NK = COLS / BK;
 for (int ks = 0; ks < NK; ++ks) {
     const int s = ks & 1;
     if (ks + 1 < NK) load((ks + 1) * BK);
-    float part[2][4][4];
+    // The B fragments of both 16-value halves, then per 16-row m tile: the products over
+    // the 32 values (A fragments loaded as used), and the scales: acc += dl * part - (ml of
+    // each 16) * (sum of its x). One m tile's partial sums live at a time (registers).
+    uint32_t b[2][4][2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-        const int c = 16 * h + 2 * t4;
-        uint32_t ah[2][4], al[2][4], b[4][2];
-#pragma unroll
-        for (int i = 0; i < 2; ++i) {
-            const int r = wm0 + 16 * i + g;
-            ah[i][0] = *reinterpret_cast<const uint32_t*>(&sxh[s][r][c]);
-            ah[i][1] = *reinterpret_cast<const uint32_t*>(&sxh[s][r + 8][c]);
-            ah[i][2] = *reinterpret_cast<const uint32_t*>(&sxh[s][r][c + 8]);
-            ah[i][3] = *reinterpret_cast<const uint32_t*>(&sxh[s][r + 8][c + 8]);
-            al[i][0] = *reinterpret_cast<const uint32_t*>(&sxl[s][r][c]);
-            al[i][1] = *reinterpret_cast<const uint32_t*>(&sxl[s][r + 8][c]);
-            al[i][2] = *reinterpret_cast<const uint32_t*>(&sxl[s][r][c + 8]);
-            al[i][3] = *reinterpret_cast<const uint32_t*>(&sxl[s][r + 8][c + 8]);
-        }
+    for (int h = 0; h < 2; ++h)
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
-            const int n = wn0 + 8 * j + g;
-            b[j][0] = *reinterpret_cast<const uint32_t*>(&swq[s][n][c]);
-            b[j][1] = *reinterpret_cast<const uint32_t*>(&swq[s][n][c + 8]);
+            const int n = wn0 + 8 * j + g, c = 16 * h + 2 * t4;
+            b[h][j][0] = *reinterpret_cast<const uint32_t*>(&swq[s][n][c]);
+            b[h][j][1] = *reinterpret_cast<const uint32_t*>(&swq[s][n][c + 8]);
         }
 #pragma unroll
-        for (int i = 0; i < 2; ++i)
+    for (int i = 0; i < 2; ++i) {
+        const int m = wm0 + 16 * i + g;
+        float part[4][4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+            for (int c4 = 0; c4 < 4; ++c4) part[j][c4] = 0.0f;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int c = 16 * h + 2 * t4;
+            const uint32_t ah[4] = {*reinterpret_cast<const uint32_t*>(&sxh[s][m][c]),
+                                    *reinterpret_cast<const uint32_t*>(&sxh[s][m + 8][c]),
+                                    *reinterpret_cast<const uint32_t*>(&sxh[s][m][c + 8]),
+                                    *reinterpret_cast<const uint32_t*>(&sxh[s][m + 8][c + 8])};
+            const uint32_t al[4] = {*reinterpret_cast<const uint32_t*>(&sxl[s][m][c]),
+                                    *reinterpret_cast<const uint32_t*>(&sxl[s][m + 8][c]),
+                                    *reinterpret_cast<const uint32_t*>(&sxl[s][m][c + 8]),
+                                    *reinterpret_cast<const uint32_t*>(&sxl[s][m + 8][c + 8])};
 #pragma unroll
             for (int j = 0; j < 4; ++j) {
-                if (h == 0 || DS4LAB_GEMM_SUB == 16) {
-#pragma unroll
-                    for (int c4 = 0; c4 < 4; ++c4) part[i][j][c4] = 0.0f;
-                }
-                ds4lab_mma_f16(part[i][j], ah[i], b[j]);
-                ds4lab_mma_f16(part[i][j], al[i], b[j]);
+                ds4lab_mma_f16(part[j], ah, b[h][j]);
+                ds4lab_mma_f16(part[j], al, b[h][j]);
             }
-        if (h == 1 || DS4LAB_GEMM_SUB == 16) {
-            // The scales of these SUB values: acc += dl * part - ml * sum(x).
+        }
+        const float sa0 = sxs[s][m][0], sa1 = sxs[s][m][1], sb0 = sxs[s][m + 8][0], sb1 = sxs[s][m + 8][1];
 #pragma unroll
-            for (int i = 0; i < 2; ++i) {
-                const int m = wm0 + 16 * i + g;
-                const float sx0 = DS4LAB_GEMM_SUB == 16 ? sxs[s][m][h] : sxs[s][m][0] + sxs[s][m][1];
-                const float sx1 = DS4LAB_GEMM_SUB == 16 ? sxs[s][m + 8][h] : sxs[s][m + 8][0] + sxs[s][m + 8][1];
-#pragma unroll
-                for (int j = 0; j < 4; ++j) {
-                    const int n = wn0 + 8 * j + 2 * t4;
-                    const float dl0 = swd[s][n][h], dl1 = swd[s][n + 1][h];
-                    acc[i][j][0] += dl0 * part[i][j][0];
-                    acc[i][j][1] += dl1 * part[i][j][1];
-                    acc[i][j][2] += dl0 * part[i][j][2];
-                    acc[i][j][3] += dl1 * part[i][j][3];
-                    if (DS4LAB_GEMM_HAS_MIN) {
-                        const float ml0 = swm[s][n][h], ml1 = swm[s][n + 1][h];
-                        acc[i][j][0] -= ml0 * sx0;
-                        acc[i][j][1] -= ml1 * sx0;
-                        acc[i][j][2] -= ml0 * sx1;
-                        acc[i][j][3] -= ml1 * sx1;
-                    }
-                }
+        for (int j = 0; j < 4; ++j) {
+            const int n = wn0 + 8 * j + 2 * t4;
+            const float dl0 = swd[s][n], dl1 = swd[s][n + 1];
+            acc[i][j][0] += dl0 * part[j][0];
+            acc[i][j][1] += dl1 * part[j][1];
+            acc[i][j][2] += dl0 * part[j][2];
+            acc[i][j][3] += dl1 * part[j][3];
+            if (DS4LAB_GEMM_HAS_MIN) {
+                const float m00 = swm[s][n][0], m01 = swm[s][n][1], m10 = swm[s][n + 1][0], m11 = swm[s][n + 1][1];
+                acc[i][j][0] -= m00 * sa0 + m01 * sa1;
+                acc[i][j][1] -= m10 * sa0 + m11 * sa1;
+                acc[i][j][2] -= m00 * sb0 + m01 * sb1;
+                acc[i][j][3] -= m10 * sb0 + m11 * sb1;
             }
         }
     }
-    if (ks + 1 < NK) store(s ^ 1);
+    if (ks + 1 < NK) store(s ^ 1, (ks + 1) * BK);
     __syncthreads();
 }
 #pragma unroll
