@@ -111,9 +111,10 @@ def bench(name: str, model: Model, contexts: list[int], steps: int, bw: float, h
 
 def bench_prefill(name: str, model: Model, prompts: list[int]) -> None:
     """Prefill tok/s of each prompt length (one session each, default chunks), after a
-    warm-up prefill that compiles the kernels; then imatrix collection over the longest
-    prompt (its hooks keep the fast path)."""
-    mx.eval(model.session().prefill(list(range(1000, 1000 + min(prompts)))))
+    warm-up prefill of the longest (kernels are compiled for each new shape on first use, and
+    a long prompt's later chunks reach shapes a short one does not: the indexer's); then
+    imatrix collection over the longest prompt (its hooks keep the fast path)."""
+    mx.eval(model.session().prefill(list(range(1000, 1000 + max(prompts)))))
     for n in prompts:
         tokens = [1000 + i % 50000 for i in range(n)]
         session = model.session()
