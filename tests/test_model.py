@@ -161,3 +161,20 @@ print(float(np.abs(full - decoded).max()))
         out = subprocess.run([sys.executable, "-c", script], env=os.environ | {"OPENBLAS_CORETYPE": core},
                              capture_output=True, text=True, check=True)
         assert float(out.stdout.strip().splitlines()[-1]) == 0.0, core
+
+
+def test_cpu_attention_per_token_gemms_equal_the_batched_form():
+    """The CPU's per-token GEMM attention (keys packed, padded to a multiple of 32 past the
+    mask's width) against the GPU's batched form, and a token's bits alone or in a chunk."""
+    from ds4lab.model import attention
+
+    rng = np.random.default_rng(3)
+    q = mx.array(rng.normal(size=(5, 3, 64)).astype(np.float32))
+    keys = mx.array(rng.normal(size=(40, 64)).astype(np.float32))
+    mask = mx.array(rng.random((5, 40)) < np.array([0.1, 0.5, 0.9, 1.0, 0.3])[:, None])
+    sinks = mx.array(rng.normal(size=3).astype(np.float32))
+    per_token = attention.attend(q, keys, mask, sinks, ordered=True)
+    batched = attention.attend(q, keys, mask, sinks, ordered=False)
+    assert np.abs(np.array(per_token) - np.array(batched)).max() < 1e-5
+    alone = attention.attend(q[3:4], keys, mask[3:4], sinks, ordered=True)
+    assert np.array_equal(np.array(alone)[0], np.array(per_token)[3])

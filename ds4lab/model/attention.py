@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 
 import mlx.core as mx
+import numpy as np
 
 from . import kernels
 from .numerics import Schedule
@@ -58,27 +59,30 @@ def attend_heads(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array, r
     the visible keys."""
     if mm.fast:
         return kernels.attention_heads(q, keys, mask, sinks, (rotation.cos, rotation.sin))
-    heads = attend(q, keys, mask, sinks, ordered=mm.batch_invariant)
+    heads = attend(q, keys, mask, sinks, ordered=mm.batch_invariant, products=mm.numerics.emulate)
     return rotation.apply(heads, inverse=True)
 
 
-def attend(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array, ordered: bool) -> mx.array:
+def attend(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array, ordered: bool,
+           products: bool = False) -> mx.array:
     """Softmax attention with a sink logit per head, K = V.
 
     q [T, H, D]; keys [N, D]; mask [T, N] (True = visible); sinks [H]. Returns [T, H, D].
-    The sink joins the denominator only. On the CPU every sum runs in a fixed order over
-    the packed keys (see `visible_keys` and `linalg`), so a token's output does not depend
-    on the other tokens of its chunk (`ordered`, the batch-invariant path); GPUs use
-    batched matmuls.
+    The sink joins the denominator only. On the CPU (`ordered`, the batch-invariant path) a
+    token's output does not depend on the other tokens of its chunk: each token's two GEMMs
+    (`_attend_per_token`), or with `products` (the "ds4-cpu" numerics, whose comparisons
+    with ds4.c's logits were measured with it) elementwise products summed in order
+    (`_attend_products`, some 4x slower). GPUs use batched matmuls.
     """
     index, valid = visible_keys(mask)
-    scale = 1.0 / math.sqrt(q.shape[-1])
     if not ordered:
         rows = keys[index]                                             # [T, L, D]
         return _sink_softmax(q, rows, valid, sinks)[..., 1:] @ rows
+    if not products:
+        return _attend_per_token(q, keys, index, valid, sinks)
     per_token = q.shape[1] * index.shape[1] * q.shape[2]
     step = max(1, _CPU_ATTENTION_BUDGET // per_token)
-    return mx.concatenate([_attend_ordered(q[i:i + step], keys[index[i:i + step]], valid[i:i + step], sinks, scale)
+    return mx.concatenate([_attend_products(q[i:i + step], keys[index[i:i + step]], valid[i:i + step], sinks)
                            for i in range(0, q.shape[0], step)])
 
 
@@ -102,19 +106,54 @@ def _sink_softmax(q: mx.array, rows: mx.array, valid: mx.array, sinks: mx.array)
     return mx.softmax(mx.concatenate([sink, scores], axis=-1), axis=-1, precise=True)
 
 
-# Floats held at once by the CPU attention's products (q x keys): bounds its memory.
+# Floats held at once by the CPU attention's products or gathered key rows: bounds its memory.
 _CPU_ATTENTION_BUDGET = 1 << 25
+# The CPU attention pads each token's packed keys to a multiple of this (few distinct widths).
+_KEY_WIDTH_STEP = 32
 
 
-def _attend_ordered(q: mx.array, rows: mx.array, valid: mx.array, sinks: mx.array, scale: float) -> mx.array:
-    """The CPU form: products then sums along a non-contiguous axis, which MLX adds in order."""
-    scores = (q[:, :, None, :] * rows[:, None, :, :]).sum(axis=-1) * scale       # [T, H, L]
+def _attend_products(q: mx.array, rows: mx.array, valid: mx.array, sinks: mx.array) -> mx.array:
+    """The CPU form in "ds4-cpu" numerics: products then sums along a non-contiguous axis,
+    which MLX adds in order."""
+    scores = (q[:, :, None, :] * rows[:, None, :, :]).sum(axis=-1) * (1.0 / math.sqrt(q.shape[-1]))   # [T, H, L]
     scores = mx.where(valid[:, None, :], scores, -mx.inf)
     top = mx.maximum(scores.max(axis=-1), sinks[None, :])                         # [T, H]
     weights = mx.exp(scores - top[..., None])                                     # 0 where masked
     denom = mx.exp(sinks[None, :] - top) + weights.transpose(0, 2, 1).sum(axis=1)
     out = (weights[..., None] * rows[:, None, :, :]).sum(axis=2)                  # [T, H, D]
     return out / denom[..., None]
+
+
+def _attend_per_token(q: mx.array, keys: mx.array, index: mx.array, valid: mx.array, sinks: mx.array) -> mx.array:
+    """The CPU form in "float" numerics. Each token is its own pair of GEMMs, q [H, D] @ rows.T [D, W] and weights
+    [H, W] @ rows [W, D], over its packed visible key rows (padding zeroed) with W its visible
+    count rounded up to _KEY_WIDTH_STEP: the same matrices, of the same shape, whether the
+    token is decoded alone or prefilled among others, so the same bits whatever kernel the
+    BLAS picks for that shape. Tokens of one width go through one batched matmul (each item
+    its own GEMM); the softmax reduces each row along its contiguous last axis."""
+    t, h, d = q.shape
+    counts = np.array(valid.sum(axis=1)).astype(np.int64)
+    widths = -(-np.maximum(counts, 1) // _KEY_WIDTH_STEP) * _KEY_WIDTH_STEP
+    if widths.max() > index.shape[1]:                     # room for the widest token's padding
+        pad = int(widths.max()) - index.shape[1]
+        index = mx.concatenate([index, mx.zeros((t, pad), index.dtype)], axis=1)
+        valid = mx.concatenate([valid, mx.zeros((t, pad), mx.bool_)], axis=1)
+    scale = 1.0 / math.sqrt(d)
+    out = mx.zeros(q.shape, mx.float32)
+    for width in np.unique(widths):
+        tokens = np.nonzero(widths == width)[0]
+        step = max(1, _CPU_ATTENTION_BUDGET // (int(width) * d))
+        for i in range(0, len(tokens), step):
+            at = mx.array(tokens[i:i + step])
+            ok = valid[at, :width]                                                # [B, W]
+            rows = mx.where(ok[..., None], keys[index[at, :width]], 0.0)          # [B, W, D]
+            scores = (q[at] @ rows.transpose(0, 2, 1)) * scale                    # [B, H, W]
+            scores = mx.where(ok[:, None, :], scores, -mx.inf)
+            top = mx.maximum(scores.max(axis=-1), sinks[None, :])                 # [B, H]
+            weights = mx.exp(scores - top[..., None])                             # 0 where masked
+            denom = mx.exp(sinks[None, :] - top) + weights.sum(axis=-1)
+            out[at] = (weights @ rows) / denom[..., None]
+    return out
 
 
 def grouped_output(layer: LayerWeights, heads: mx.array, n_out_group: int, mm: Schedule) -> mx.array:
