@@ -46,6 +46,18 @@ def test_cache_matches_the_forward(small):
     assert list(frame.columns) == ["position", "index1", "value"] and len(frame) == 40 * model.config.n_expert_used
 
 
+def test_cache_over_many_prompts_is_each_prompts_cache(small, capsys):
+    model, tokens = small
+    prompts = [tokens[:4], tokens[4:7]]
+    name = "blocks.1.ffn.hook_out"
+    runs = list(model.run_with_cache_over(prompts, [name], progress=True))
+    assert "7/7" in capsys.readouterr().err                       # the bar counted every token
+    for prompt, (logits, cache) in zip(prompts, runs, strict=True):
+        alone_logits, alone = model.run_with_cache(prompt, [name])
+        assert np.array_equal(np.array(logits), np.array(alone_logits))
+        assert np.array_equal(cache[name], alone[name])
+
+
 def test_zeroing_attention_output_removes_the_sublayer(small):
     model, tokens = small
     layer = 2

@@ -18,7 +18,7 @@ their shapes are the table `hooks.POINTS`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import lru_cache
@@ -169,6 +169,27 @@ class Model:
         wanted = names if isinstance(names, list) else [names or (lambda _: True)]
         logits = self.run_with_hooks(tokens, [(which, cache.record) for which in wanted])
         return logits, cache
+
+    def run_with_cache_over(self, prompts: Iterable, names: NameFilter | list[str] | None = None, positions=None,
+                            progress: bool = False) -> Iterator[tuple[mx.array, ActivationCache]]:
+        """`run_with_cache` for each prompt (token ids) in turn, yielding (logits, cache), so
+        that only one prompt's activations are held at a time; `progress` shows a bar over all
+        the prompts' tokens (tokens/s and the time left)."""
+        prompts = [_as_tokens(tokens) for tokens in prompts]
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=sum(len(tokens) for tokens in prompts), unit="tok", desc="run_with_cache")
+        try:
+            for tokens in prompts:
+                result = self.run_with_cache(tokens, names, positions)
+                if bar is not None:
+                    bar.update(len(tokens))
+                yield result
+        finally:
+            if bar is not None:
+                bar.close()
 
     def session(self, state: SessionState | None = None):
         """A new generation session, empty or starting from a snapshot."""
