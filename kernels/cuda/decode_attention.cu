@@ -48,14 +48,7 @@ for (int j = threadIdx.x; j < D / 2; j += blockDim.x) {
         o0 += part_acc[w * D + 2 * j] * part_w[w];
         o1 += part_acc[w * D + 2 * j + 1] * part_w[w];
     }
-    const int tail = 2 * j - (D - NROT);
-    if (tail >= 0) {
-        const float c = rope_cos[t * (NROT / 2) + tail / 2];
-        const float sn = -rope_sin[t * (NROT / 2) + tail / 2];
-        const float r0 = __fsub_rn(__fmul_rn(o0, c), __fmul_rn(o1, sn));
-        o1 = __fadd_rn(__fmul_rn(o0, sn), __fmul_rn(o1, c));
-        o0 = r0;
-    }
+    ds4lab_unrotate_pair(o0, o1, 2 * j, D, NROT, t, rope_cos, rope_sin);
     oh[2 * j] = o0;
     oh[2 * j + 1] = o1;
 }

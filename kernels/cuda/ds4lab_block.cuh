@@ -62,3 +62,17 @@ __device__ void ds4lab_block_minifloat(float* p, float fmax, float amax_floor, c
         p[lane + 32 * k] = (c < 0.0f ? -r : r) * scale;
     }
 }
+
+// The inverse RoPE of one output pair (o0, o1) at dims d, d + 1 of a row whose last NROT of
+// D dims are rotated (d even), at row t's angle: ds4's rotation by -angle, each product
+// rounded as the reference composition rounds it.
+__device__ __forceinline__ void ds4lab_unrotate_pair(float& o0, float& o1, int d, int D_, int NROT_, int t,
+                                                     const float* rope_cos, const float* rope_sin) {
+    const int tail = d - (D_ - NROT_);
+    if (tail < 0) return;
+    const float c = rope_cos[t * (NROT_ / 2) + tail / 2];
+    const float sn = -rope_sin[t * (NROT_ / 2) + tail / 2];
+    const float r0 = __fsub_rn(__fmul_rn(o0, c), __fmul_rn(o1, sn));
+    o1 = __fadd_rn(__fmul_rn(o0, sn), __fmul_rn(o1, c));
+    o0 = r0;
+}

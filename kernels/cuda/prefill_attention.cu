@@ -181,14 +181,7 @@ for (int rr = 0; rr < 2; ++rr) {
     for (int nt = 0; nt < NT; ++nt) {
         const int d0 = d_warp + 8 * nt + 2 * t4;
         float o0 = o[nt][2 * rr] * f, o1 = o[nt][2 * rr + 1] * f;
-        const int tail = d0 - (D - NROT);
-        if (tail >= 0) {
-            const float c = rope_cos[t * (NROT / 2) + tail / 2];
-            const float sn = -rope_sin[t * (NROT / 2) + tail / 2];
-            const float r0 = __fsub_rn(__fmul_rn(o0, c), __fmul_rn(o1, sn));
-            o1 = __fadd_rn(__fmul_rn(o0, sn), __fmul_rn(o1, c));
-            o0 = r0;
-        }
+        ds4lab_unrotate_pair(o0, o1, d0, D, NROT, t, rope_cos, rope_sin);
         oh[d0] = o0;
         oh[d0 + 1] = o1;
     }
