@@ -131,7 +131,7 @@ def _attend_per_token(q: mx.array, keys: mx.array, index: mx.array, valid: mx.ar
     token is decoded alone or prefilled among others, so the same bits whatever kernel the
     BLAS picks for that shape. Tokens of one width go through one batched matmul (each item
     its own GEMM); the softmax reduces each row along its contiguous last axis."""
-    t, h, d = q.shape
+    t, _, d = q.shape
     counts = np.array(valid.sum(axis=1)).astype(np.int64)
     widths = -(-np.maximum(counts, 1) // _KEY_WIDTH_STEP) * _KEY_WIDTH_STEP
     if widths.max() > index.shape[1]:                     # room for the widest token's padding

@@ -247,8 +247,8 @@ def _gemm_kernel(type_name: str):
     header = "\n".join((KERNEL_DIR / f).read_text()
                        for f in ("ds4lab_block.cuh", "gemm_common.cuh", f"gemm_rows_{name}.cuh"))
     return mx.fast.cuda_kernel(name=f"ds4lab_quant_gemm_{name}",
-                               input_names=weights + ["xh", "xl", "xsum", "xexp", "order", "pair_offsets",
-                                                      "tile_offsets"],
+                               input_names=[*weights, "xh", "xl", "xsum", "xexp", "order", "pair_offsets",
+                                            "tile_offsets"],
                                output_names=["y"], source=(KERNEL_DIR / "quant_gemm.cu").read_text(), header=header)
 
 
@@ -297,7 +297,7 @@ def _quant_gemm(type_name: str, weights: list[mx.array], template: list, rows: i
         output_dtypes=[mx.float16, mx.float16, mx.float32, mx.int32])
     (y,) = _gemm_kernel(type_name)(
         inputs=weights + split + [tiles.order, tiles.pair_offsets, tiles.tile_offsets],
-        template=[("ROWS", rows), ("COLS", cols), ("N_EXPERT", n_expert), ("X_DIV", x_div)] + template,
+        template=[("ROWS", rows), ("COLS", cols), ("N_EXPERT", n_expert), ("X_DIV", x_div), *template],
         grid=(tiles.n_tiles * _GEMM_THREADS, -(-rows // _GEMM_ROWS), 1), threadgroup=(_GEMM_THREADS, 1, 1),
         output_shapes=[(tiles.order.size, rows)], output_dtypes=[mx.float32])
     return y
