@@ -7,7 +7,8 @@ sum 1 (denominator at least 2^-14) and scaled. Each expert is a clamped SwiGLU w
 is scaled by its route weight before the down projection; the shared expert runs always.
 
 Routed experts stay in block form: for a chunk of tokens, only the experts some token chose
-are decoded, a few at a time, and each is applied to the tokens that chose it.
+are decoded, a few at a time, and each is applied to the tokens that chose it; on the fast
+path the CUDA kernels read the block bytes themselves (no decoded copy).
 """
 
 from __future__ import annotations
@@ -92,7 +93,7 @@ def routed_experts(layer: LayerWeights, xf: mx.array, experts: mx.array, weights
     reads them, so both schedules stay as they are.
 
     In "ds4-cpu" numerics with ds4's CPU expert types (IQ2_XXS gate/up, Q2_K down) the experts
-    are ds4's integer dots (`kquant_dots`). Otherwise two schedules, the same sums. Few
+    are ds4's integer dots (`kquant_dots`). Otherwise several schedules, the same sums. Few
     (token, expert) pairs on a GPU: decode each pair's expert and multiply, all lazily (no
     host round trip, so a decode step stays one graph). One token on the batch-invariant
     path (CPU decode): the per-expert schedule's products batched, also without a round trip.
