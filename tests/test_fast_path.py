@@ -19,7 +19,7 @@ import pytest
 from ds4lab.config import preset
 from ds4lab.model import Model, hc, kernels, moe
 from ds4lab.model import numerics as nm
-from ds4lab.model.random_weights import random_weights
+from ds4lab.model.random_weights import _expert_blocks, random_weights
 from ds4lab.model.rope import apply_rope_tail
 from ds4lab.quants import gather_experts
 
@@ -276,6 +276,9 @@ def test_expert_tiles_group_every_pair_once_by_expert():
         assert (flat[order[offsets[e]:offsets[e + 1]]] == e).all()
     assert list(np.diff(starts)) == list(-(-counts // kernels.GEMM_TILE))
     assert starts[-1] <= tiles.n_tiles
+    gate = _expert_blocks("IQ2_XXS", 16, 64, 256)
+    with pytest.raises(ValueError, match="150 pairs"):                 # one input row short: refused, not read
+        kernels.expert_gemm(gate, kernels.expert_tiles(experts[:, :1], 16), mx.zeros((149, 256)), x_div=1)
 
 
 def test_a_hook_off_the_boundaries_sends_only_its_block_to_the_reference(small_weights, stand_in_kernels):

@@ -288,8 +288,9 @@ def _dense_tiles(n_tokens: int, groups: int = 1) -> PairTiles:
 
 def _quant_gemm(type_name: str, weights: list[mx.array], template: list, rows: int, cols: int, n_expert: int,
                 x: mx.array, x_div: int, tiles: PairTiles) -> mx.array:
-    if x.shape[-1] != cols:
-        raise ValueError(f"quant_gemm: a {type_name} matrix of {cols} columns, input {tuple(x.shape)}")
+    if x.shape[-1] != cols or x.size // cols * x_div != tiles.order.size:
+        raise ValueError(f"quant_gemm: a {type_name} matrix of {cols} columns, {tiles.order.size} pairs reading "
+                         f"input rows pair // {x_div}, input {tuple(x.shape)}")
     x = x.reshape(-1, cols).astype(mx.float32)
     split = _fused("gemm_split_x")(
         inputs=[x], template=[("COLS", cols)], grid=(x.shape[0] * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
