@@ -198,15 +198,22 @@ MATVEC_MAX_TOKENS = 8
 _Q8_WARPS = 4                            # warps per thread block of the Q8_0 matvec
 
 
+def _grouped_tokens(name: str, matrix: Q8Matrix, x: mx.array, groups: int) -> int:
+    """The tokens in x for a Q8_0 product whose rows come in `groups` groups, each reading
+    its own vector (x holding tokens·groups·cols values; one group: x's last axis is cols)."""
+    cols = matrix.cols
+    if matrix.rows % groups or x.size % (groups * cols) or (groups == 1 and x.shape[-1] != cols):
+        raise ValueError(f"{name}: {matrix.rows}x{cols} matrix in {groups} groups, input {tuple(x.shape)}")
+    return x.size // (groups * cols)
+
+
 def q8_matvec(matrix: Q8Matrix, x: mx.array, groups: int = 1) -> mx.array:
     """W·x for a few tokens, from x's memory as it is (no reshape: each would be one more
     operation of the step). groups = 1: x [..., cols] -> [..., rows]. groups = G: the rows in
     G equal groups, group g multiplied by its own vector, x [T, ...] holding T·G·cols values
     (token-major, then group) -> [T, rows] (the grouped output projection)."""
     cols = matrix.cols
-    if matrix.rows % groups or x.size % (groups * cols) or (groups == 1 and x.shape[-1] != cols):
-        raise ValueError(f"q8_matvec: {matrix.rows}x{cols} matrix in {groups} groups, input {tuple(x.shape)}")
-    t = x.size // (groups * cols)
+    t = _grouped_tokens("q8_matvec", matrix, x, groups)
     group_rows = matrix.rows // groups
     r = 4 if group_rows % 4 == 0 else 2 if group_rows % 2 == 0 else 1
     (y,) = _fused("q8_matvec")(
@@ -309,12 +316,9 @@ def q8_gemm(matrix: Q8Matrix, x: mx.array, groups: int = 1) -> mx.array:
     fast path's Q8_0 product for more than MATVEC_MAX_TOKENS tokens. groups = G: as
     `q8_matvec`'s, the rows in G groups, group g times its own vector, x [T, ...] holding
     T·G·cols values -> [T, rows] (the grouped output projection in one kernel)."""
-    cols = matrix.cols
-    if matrix.rows % groups or x.size % (groups * cols) or (groups == 1 and x.shape[-1] != cols):
-        raise ValueError(f"q8_gemm: {matrix.rows}x{cols} matrix in {groups} groups, input {tuple(x.shape)}")
-    n_tokens = x.size // (groups * cols)
-    y = _quant_gemm("Q8_0", [matrix.codes, matrix.scales], [], matrix.rows // groups, cols, groups,
-                    x.reshape(-1, cols), 1, _dense_tiles(n_tokens, groups))
+    n_tokens = _grouped_tokens("q8_gemm", matrix, x, groups)
+    y = _quant_gemm("Q8_0", [matrix.codes, matrix.scales], [], matrix.rows // groups, matrix.cols, groups,
+                    x.reshape(-1, matrix.cols), 1, _dense_tiles(n_tokens, groups))
     return y.reshape(*x.shape[:-1], matrix.rows) if groups == 1 else y.reshape(n_tokens, matrix.rows)
 
 
@@ -333,7 +337,8 @@ def expert_gemm(tensor: ExpertBlocks, tiles: PairTiles, x: mx.array, x_div: int)
 @cache
 def _kernel(type_name: str):
     name = _TYPES[type_name]
-    header = "\n".join((KERNEL_DIR / f).read_text() for f in ("expert_matvec_common.cuh", f"expert_dot_{name}.cuh"))
+    header = "\n".join((KERNEL_DIR / f).read_text()
+                       for f in ("ds4lab_block.cuh", "expert_matvec_common.cuh", f"expert_dot_{name}.cuh"))
     inputs = ["raw", "ids", "x"] + (["grid", "ksigns"] if type_name == "IQ2_XXS" else [])
     return mx.fast.cuda_kernel(name=f"ds4lab_expert_matvec_{name}", input_names=inputs, output_names=["y"],
                                source=(KERNEL_DIR / "expert_matvec.cu").read_text(), header=header)

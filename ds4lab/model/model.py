@@ -175,21 +175,14 @@ class Model:
         """`run_with_cache` for each prompt (token ids) in turn, yielding (logits, cache), so
         that only one prompt's activations are held at a time; `progress` shows a bar over all
         the prompts' tokens (tokens/s and the time left)."""
-        prompts = [_as_tokens(tokens) for tokens in prompts]
-        bar = None
-        if progress:
-            from tqdm.auto import tqdm
+        from tqdm.auto import tqdm
 
-            bar = tqdm(total=sum(len(tokens) for tokens in prompts), unit="tok", desc="run_with_cache")
-        try:
+        prompts = [_as_tokens(tokens) for tokens in prompts]
+        with tqdm(total=sum(map(len, prompts)), unit="tok", desc="run_with_cache", disable=not progress) as bar:
             for tokens in prompts:
                 result = self.run_with_cache(tokens, names, positions)
-                if bar is not None:
-                    bar.update(len(tokens))
+                bar.update(len(tokens))
                 yield result
-        finally:
-            if bar is not None:
-                bar.close()
 
     def session(self, state: SessionState | None = None):
         """A new generation session, empty or starting from a snapshot."""

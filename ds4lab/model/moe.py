@@ -108,12 +108,12 @@ def routed_experts(layer: LayerWeights, xf: mx.array, experts: mx.array, weights
         return mx.array(kquant_dots.routed_experts(np.array(xf), np.array(experts), np.array(weights),
                                                    layer.experts, clamp, show))
     act_round = mm.experts_in
-    if mm.fast and experts.size > _GATHERED_MAX_PAIRS and all(kernels.available(w.type_name)
-                                                              for w in (gate_t, up_t, down_t)):
+    fused = mm.fast and all(kernels.available(w.type_name) for w in (gate_t, up_t, down_t))
+    if fused and experts.size > _GATHERED_MAX_PAIRS:
         return _routed_grouped(gate_t, up_t, down_t, xf, experts, weights, clamp, on_mid)
     if not mm.batch_invariant and experts.size <= _GATHERED_MAX_PAIRS:
         return _routed_gathered(gate_t, up_t, down_t, act_round(xf), experts, weights, clamp, act_round, on_mid,
-                                mm.fast)
+                                fused)
     if mm.batch_invariant and not mm.numerics.emulate and xf.shape[0] == 1:
         return _routed_one_token(gate_t, up_t, down_t, xf, experts, weights, clamp, int(mm.slots[0]), on_mid)
     route = weights
@@ -149,9 +149,9 @@ def routed_experts(layer: LayerWeights, xf: mx.array, experts: mx.array, weights
 
 def _routed_gathered(gate_t: ExpertBlocks, up_t: ExpertBlocks, down_t: ExpertBlocks, x_in: mx.array,
                      experts: mx.array, weights: mx.array, clamp: float, act_round,
-                     on_mid: Callable[[mx.array], object] | None, fast: bool) -> mx.array:
+                     on_mid: Callable[[mx.array], object] | None, fused: bool) -> mx.array:
     t, u = experts.shape
-    if fast and all(kernels.available(w.type_name) for w in (gate_t, up_t, down_t)):
+    if fused:
         # Three expert kernels and one compiled SwiGLU: each token's input read by its U
         # pairs in place, the weighted down projections summed in the last kernel.
         gate = kernels.expert_matvec(gate_t, experts, x_in, pairs_per_input=u)       # [T, U, n_ff]

@@ -197,21 +197,16 @@ def collect(model: Any, prompts: Iterable[Sequence[int]], chunk: int = 2048, dat
     return the routed experts' imatrix; `dataset` names the source in the files written.
     `progress` shows a bar over all the prompts' tokens (tokens/s and the time left). The
     points it reads keep the fast path, so on a CUDA GPU it runs at prefill speed."""
+    from tqdm.auto import tqdm
+
     cfg = model.config
     prompts = [list(tokens) for tokens in prompts]
     collector = _Collector(cfg.n_layer, cfg.n_expert, cfg.n_embd, cfg.n_ff_exp)
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=sum(len(tokens) for tokens in prompts), unit="tok", desc="imatrix")
-    with model.hooks(collector.hooks()):
+    with (tqdm(total=sum(map(len, prompts)), unit="tok", desc="imatrix", disable=not progress) as bar,
+          model.hooks(collector.hooks())):
         for tokens in prompts:
             if len(tokens):
-                model.session().prefill(tokens, chunk=chunk,
-                                        on_chunk=None if bar is None else (lambda ids, _: bar.update(len(ids))))
-    if bar is not None:
-        bar.close()
+                model.session().prefill(tokens, chunk=chunk, on_chunk=lambda ids, _: bar.update(len(ids)))
     return collector.result(dataset)
 
 

@@ -1,6 +1,7 @@
 // Shared device helpers of the fast-path kernels (ds4lab/model/kernels.py): warp and
 // thread-block reductions, and ds4's scaled small-float round trip (FP8 E4M3FN, FP4 E2M1).
 // Passed as the `header` of every kernel that includes this file's functions.
+#include <cuda_fp16.h>
 
 __device__ __forceinline__ float ds4lab_warp_sum_all(float v) {
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
@@ -23,6 +24,11 @@ __device__ float ds4lab_block_sum(float v, float* scratch) {
     for (int w = 0; w < n_warps; ++w) total += scratch[w];
     __syncthreads();
     return total;
+}
+
+// The f16 in the low 16 bits of `bits` (block scales read as words), as a float.
+__device__ __forceinline__ float ds4lab_f16_bits(uint32_t bits) {
+    return __half2float(__ushort_as_half((unsigned short)(bits & 0xffffu)));
 }
 
 // 2^k for integer k in [-126, 127], from the bits (exact).

@@ -6,12 +6,6 @@
 // A block gives a lane only a few bytes, far too little to hide the memory latency, so each
 // format walks the row U blocks at a time: first the loads of all U blocks (in flight
 // together), then their arithmetic.
-#include <cuda_fp16.h>
-
-__device__ __forceinline__ float ds4lab_f16_bits(uint32_t bits) {
-    return __half2float(__ushort_as_half((unsigned short)(bits & 0xffffu)));
-}
-
 __device__ __forceinline__ float ds4lab_warp_sum(float v) {
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
     return v;

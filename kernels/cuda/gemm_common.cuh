@@ -11,10 +11,6 @@ __device__ __forceinline__ void ds4lab_mma_f16(float d[4], const uint32_t a[4], 
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-__device__ __forceinline__ float ds4lab_gemm_f16(uint32_t bits) {
-    return __half2float(__ushort_as_half((unsigned short)(bits & 0xffffu)));
-}
-
 // The 16 bytes at `bytes` (4-byte aligned) as four words.
 __device__ __forceinline__ void ds4lab_gemm_words4(const uint8_t* bytes, uint32_t w[4]) {
     const uint32_t* src = reinterpret_cast<const uint32_t*>(bytes);

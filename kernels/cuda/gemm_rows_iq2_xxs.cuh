@@ -25,7 +25,7 @@ __device__ __forceinline__ void ds4lab_gemm_load16(const ds4lab_gemm_row& r, int
 __device__ __forceinline__ void ds4lab_gemm_unpack16(const ds4lab_gemm_row& r, const ds4lab_gemm_raw& v, int k0,
                                                      __half q[16], float& dl, float& ml) {
     const int half = (k0 >> 4) & 1;
-    dl = ds4lab_gemm_f16(v.d) * (0.5f + (float)(v.aux >> 28)) * 0.25f;
+    dl = ds4lab_f16_bits(v.d) * (0.5f + (float)(v.aux >> 28)) * 0.25f;
     ml = 0.0f;
 #pragma unroll
     for (int j = 0; j < 2; ++j) {

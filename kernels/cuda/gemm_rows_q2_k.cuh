@@ -26,6 +26,6 @@ __device__ __forceinline__ void ds4lab_gemm_unpack16(const ds4lab_gemm_row&, con
     const uint32_t scale = v.sc & 15;
 #pragma unroll
     for (int k = 0; k < 16; ++k) q[k] = __uint2half_rn(((v.w[k >> 2] >> (8 * (k & 3) + shift)) & 3u) * scale);
-    dl = ds4lab_gemm_f16(v.dd);
-    ml = ds4lab_gemm_f16(v.dd >> 16) * (float)(v.sc >> 4);
+    dl = ds4lab_f16_bits(v.dd);
+    ml = ds4lab_f16_bits(v.dd >> 16) * (float)(v.sc >> 4);
 }

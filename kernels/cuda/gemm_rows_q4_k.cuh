@@ -27,6 +27,6 @@ __device__ __forceinline__ void ds4lab_gemm_unpack16(const ds4lab_gemm_row&, con
     ds4lab_gemm_codes16(v.w, 4 * (group & 1), 15u, q);
     const uint32_t sc = group < 4 ? v.sp & 63 : (v.sp & 15) | ((v.sq >> 6) << 4);
     const uint32_t mn = group < 4 ? v.sq & 63 : (v.sp >> 4) | ((v.sr >> 6) << 4);
-    dl = ds4lab_gemm_f16(v.dd) * (float)sc;
-    ml = ds4lab_gemm_f16(v.dd >> 16) * (float)mn;
+    dl = ds4lab_f16_bits(v.dd) * (float)sc;
+    ml = ds4lab_f16_bits(v.dd >> 16) * (float)mn;
 }
