@@ -32,8 +32,10 @@ from ds4lab.model.random_weights import random_weights
 from ds4lab.model.weights import ModelWeights
 from ds4lab.quants import imatrix
 
-# ds4.c decoding a tiny shape token by token on this VM class (the decode issue's CPU reference).
+# ds4.c decoding a tiny shape token by token on this VM class (the decode issue's CPU reference),
+# and prefilling tiny-a's 392-token prompt (the prefill issue's).
 DS4C_TINY_CPU_DECODE = 60.0
+DS4C_TINY_CPU_PREFILL = (392, 2.43)
 
 
 def bandwidth() -> float:
@@ -159,6 +161,9 @@ def main() -> None:
         tiny = make_model(Path(tmp) / "tiny.gguf", "tiny", args.variant, seed=0)[0]
         bench(f"tiny {args.variant}", ds4lab.load(tiny), args.prompt, args.steps, bw)
         print(f"{'':30s} (ds4.c's CPU path on a tiny shape, token by token: {DS4C_TINY_CPU_DECODE:.0f} tok/s)")
+        n, ds4c_s = DS4C_TINY_CPU_PREFILL
+        bench_prefill(f"tiny {args.variant}", ds4lab.load(tiny), [n])
+        print(f"{'':30s} (ds4.c's CPU path prefilling {n} tokens of a tiny shape: {n / ds4c_s:.0f} tok/s)")
         flash = make_model(Path(tmp) / "flash.gguf", "flash-dims", args.variant, n_layer=args.layers,
                            seed=0, vocab_rows=4096)[0]
         bench(f"flash-dims {args.layers}L {args.variant}", ds4lab.load(flash), args.prompt, args.steps, bw)
