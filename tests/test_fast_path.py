@@ -287,6 +287,7 @@ def test_a_hook_off_the_boundaries_sends_only_its_block_to_the_reference(small_w
     model(tokens)
     fast_calls = dict(stand_in_kernels)
     stand_in_kernels.clear()
+    model = Model(small_weights)             # a decode-sized chunk's parts run compiled: traced anew
     seen = []
     with model.hooks([("blocks.1.attn.hook_q", lambda act, hook: seen.append(hook.name)),
                       ("blocks.2.ffn.hook_out", lambda act, hook: None)]):

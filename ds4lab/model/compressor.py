@@ -19,8 +19,9 @@ KV files agree with ds4.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from functools import lru_cache
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import lru_cache, partial
 
 import mlx.core as mx
 import numpy as np
@@ -78,6 +79,7 @@ class Compressor:
     yarn: YarnParams | None
     n_rot: int
     eps: float
+    _decode_update: Callable | None = field(default=None, repr=False)   # see `_decode_step`
 
     @classmethod
     def of(cls, layer: LayerWeights, cfg, kind: str) -> Compressor:
@@ -97,6 +99,8 @@ class Compressor:
     def step(self, frontier: Frontier, x: mx.array, p0: int, mm: Schedule) -> tuple[mx.array, Frontier]:
         """Feed a chunk of tokens at positions p0..: the rows it completes, [E, width], normed, rotated to each window's
         first position, rounded and stored as f16; and the new frontier."""
+        if mm.fast and x.shape[0] == 1 and (p0 + 1) % self.ratio:
+            return mx.zeros((0, self.width), mx.float32), self._decode_step(frontier, x, p0)
         kv, score = self.project(x, p0, mm)
         pooled, frontier = compress_chunk(frontier, kv, score, p0, self.ratio, self.width)
         if pooled.shape[0] == 0:
@@ -108,8 +112,32 @@ class Compressor:
                               f16=True)
         return rows, frontier
 
+    def _decode_step(self, frontier: Frontier, x: mx.array, p0: int) -> Frontier:
+        """The fast path's decode step that completes no window: the token's kv and score rows
+        written into its frontier slot (what `compress_chunk` does with one such token), as one
+        compiled function of this compressor (the slot comes in as a row mask and its APE row)."""
+        if self._decode_update is None:
+            self._decode_update = mx.compile(partial(_write_slot, self.kv_weight, self.gate_weight, self.ape))
+        cur_base = self.ratio if overlaps(self.ratio) else 0
+        at_slot = _row_mask(cur_base + p0 % self.ratio, frontier.kv.shape[0])
+        return Frontier(*self._decode_update(frontier.kv, frontier.score, x, at_slot,
+                                             _slots(p0 % self.ratio, 1, self.ratio)))
 
-@lru_cache(maxsize=16)
+
+def _write_slot(kv_weight: mx.array, gate_weight: mx.array, ape: mx.array, kv: mx.array, score: mx.array,
+                x: mx.array, at_slot: mx.array, slot: mx.array) -> tuple[mx.array, mx.array]:
+    """(kv, score) with the rows where `at_slot` holds replaced by the token x's projections
+    (the score with the APE row of its window slot, `slot` [1])."""
+    return mx.where(at_slot, x @ kv_weight.T, kv), mx.where(at_slot, x @ gate_weight.T + ape[slot], score)
+
+
+@lru_cache(maxsize=512)
+def _row_mask(row: int, rows: int) -> mx.array:
+    """[rows, 1], True at `row`."""
+    return mx.array(np.arange(rows) == row)[:, None]
+
+
+@lru_cache(maxsize=512)
 def _slots(first: int, t: int, ratio: int) -> mx.array:
     """The window slots of t consecutive tokens, the first at slot `first`."""
     return mx.array((first + np.arange(t)) % ratio)

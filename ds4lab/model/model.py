@@ -18,10 +18,10 @@ their shapes are the table `hooks.POINTS`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import lru_cache, partial
 from typing import TYPE_CHECKING
 
 import mlx.core as mx
@@ -30,7 +30,7 @@ import pandas as pd
 
 from ..config import ModelConfig, has_indexer
 from ..hooks import ActivationCache, HookFn, HookRegistry, NameFilter, Scope, floats_per_token, hook_names
-from . import attention, indexer, moe
+from . import attention, indexer, kernels, moe
 from .compressor import Compressor, Frontier, row_span
 from .hc import HCControl, hc_collapse, hc_control, hc_expand, hc_fused_input, hc_head_weights
 from .numerics import MODES, Numerics, Schedule
@@ -82,6 +82,7 @@ class Model:
             {kind: Compressor.of(layer, self.config, kind) for kind in ("attn", "indexer")
              if layer.ratio and (kind == "attn" or has_indexer(layer.ratio))}
             for layer in weights.layers]
+        self._compiled: dict[tuple[int | None, str], Callable] = {}   # see `_sublayer`
 
     # ---- public entry points --------------------------------------------------------
     def __call__(self, tokens, experts=None) -> mx.array:
@@ -262,7 +263,7 @@ class Model:
         streams = h("hook_resid_pre", streams)
         streams = self._attention_block(layer, cache, streams, p0, rotation, mm)
         streams = h("hook_resid_mid", streams)
-        streams, experts = self._ffn_block(layer, streams, token_ids, mm)
+        streams, experts = self._sublayer("ffn", layer, mm, self._ffn_block, streams, token_ids)
         return h("hook_resid_post", streams), experts
 
     def _attention_block(self, layer: LayerWeights, cache: LayerCache, streams: mx.array, p0: int,
@@ -271,10 +272,8 @@ class Model:
         compressed rows; extends `cache`. Masks are built on the host: positions are known."""
         cfg, d = self.config, layer.dense
         h = self._hooks.scope(f"{_prefix(layer)}.attn")
-        xa, control = self._sublayer_input(h, streams, "attn", layer, mm)
-        q, qr_n = attention.project_q(layer, xa, rotation, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm)
-        q = h("hook_q", q)
-        kv = h("hook_kv", attention.kv_row(layer, xa, rotation, cfg.rms_eps, mm))
+        xa, pre, post, comb, q, qr_n, kv = self._sublayer("attn_in", layer, mm, self._attention_inputs, streams,
+                                                          rotation.cos, rotation.sin)
         t, n_kept = kv.shape[0], cache.raw.shape[0]
         keys = cache.update_window(kv, cfg.n_swa)
         mask = _window_mask(p0, t, n_kept, cfg.n_swa)
@@ -288,8 +287,45 @@ class Model:
         if h.wants("hook_pattern") or h.wants("hook_key_span"):
             self._read_pattern(h, q, keys, mask, d["attn_sinks.weight"], mx.arange(p0 - n_kept, p0 + t), layer.ratio)
         heads = h("hook_z", attention.attend_heads(q, keys, mask, d["attn_sinks.weight"], rotation, mm))
-        out = h("hook_out", attention.grouped_output(layer, heads, cfg.n_out_group, mm))
-        return hc_expand(out, streams, control, mm)
+        return self._sublayer("attn_out", layer, mm, self._attention_output, heads, streams, pre, post, comb)
+
+    def _attention_inputs(self, layer: LayerWeights, mm: Schedule, streams: mx.array, cos: mx.array,
+                          sin: mx.array) -> tuple[mx.array, ...]:
+        """The attention sublayer before the cache: (xa, pre, post, comb, q, qr_n, kv), hooked."""
+        cfg = self.config
+        h = self._hooks.scope(f"{_prefix(layer)}.attn")
+        rotation = Rotation(cos, sin)
+        xa, control = self._sublayer_input(h, streams, "attn", layer, mm)
+        q, qr_n = attention.project_q(layer, xa, rotation, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm)
+        q = h("hook_q", q)
+        kv = h("hook_kv", attention.kv_row(layer, xa, rotation, cfg.rms_eps, mm))
+        return xa, control.pre, control.post, control.comb, q, qr_n, kv
+
+    def _attention_output(self, layer: LayerWeights, mm: Schedule, heads: mx.array, streams: mx.array,
+                          pre: mx.array, post: mx.array, comb: mx.array) -> mx.array:
+        """The heads through the grouped output projection (`hook_out`) into new streams."""
+        h = self._hooks.scope(f"{_prefix(layer)}.attn")
+        out = h("hook_out", attention.grouped_output(layer, heads, self.config.n_out_group, mm))
+        return hc_expand(out, streams, HCControl(pre, post, comb), mm)
+
+    def _sublayer(self, part: str, layer: LayerWeights, mm: Schedule, fn: Callable, *arrays: mx.array):
+        """fn(layer, mm, *arrays): one of the parts of a block with no cache inside (the
+        attention's inputs and its output, the FFN). On the fast path a decode step's part runs
+        compiled (`mx.compile`, traced once per block, part and token count): building its
+        graph then costs one call instead of some twenty kernel wrappers', and MLX fuses its
+        elementwise steps. A hook in the sublayer keeps the part as written, as does the
+        reference path; both compute the same steps."""
+        sub = "ffn" if part == "ffn" else "attn"
+        hooked = any(name.startswith(f"{_prefix(layer)}.{sub}.") for name in self._hooks.by_name)
+        if hooked or not mm.fast or arrays[0].shape[0] > kernels.MATVEC_MAX_TOKENS:
+            return fn(layer, mm, *arrays)
+        key = (layer.index, part)
+        if key not in self._compiled:
+            # Weights enter the traced graph as constants: evaluated first, so that none of
+            # them brings its own graph (a lazy view) into every call.
+            mx.eval(layer.fast_inputs())
+            self._compiled[key] = mx.compile(partial(fn, layer, Schedule(self.numerics, None, True)))
+        return self._compiled[key](*arrays)
 
     def _compressed_keys(self, layer: LayerWeights, cache: LayerCache, h: Scope, xa: mx.array, qr_n: mx.array,
                          p0: int, rotation: Rotation, mm: Schedule) -> tuple[mx.array, mx.array | None]:
@@ -353,8 +389,8 @@ class Model:
             x = mm.rms_norm(hc_collapse(streams, control.pre), norm, cfg.rms_eps)
         return h("hook_in", x), control
 
-    def _ffn_block(self, layer: LayerWeights, streams: mx.array, token_ids: mx.array,
-                   mm: Schedule) -> tuple[mx.array, mx.array]:
+    def _ffn_block(self, layer: LayerWeights, mm: Schedule, streams: mx.array,
+                   token_ids: mx.array) -> tuple[mx.array, mx.array]:
         """Router (probs -> experts -> weights, each hooked, each replacement used by the next
         step), routed and shared experts; returns the new streams and the experts used."""
         cfg = self.config

@@ -118,6 +118,16 @@ class LayerWeights:
             self._transposed[role] = self.dense[role].T
         return self._transposed[role]
 
+    def fast_inputs(self) -> list[mx.array]:
+        """Every array the fast path reads from this block (the block-format weights' bytes and
+        scales, the float tensors, the transposed mixers and router), those views made."""
+        for role in ("hc_attn_fn.weight", "hc_ffn_fn.weight", "ffn_gate_inp.weight"):
+            if role in self.dense:
+                self.transposed(role)
+        return [*self.dense.values(), *self._transposed.values(),
+                *(a for m in self.q8.values() for a in (m.codes, m.scales)), *(e.raw for e in self.experts.values()),
+                *([] if self.tid2eid is None else [self.tid2eid])]
+
 
 @dataclass
 class ModelWeights:
