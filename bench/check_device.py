@@ -114,11 +114,11 @@ def check_fused_kernels() -> None:
         ref_x = ref_mm.rms_norm(hc.hc_collapse(streams, ref_control.pre), norm, 1e-6)
         err = max(_rel(a, b) for a, b in zip((x, control.pre, control.post, control.comb),
                                              (ref_x, ref_control.pre, ref_control.post, ref_control.comb), strict=True))
-        out = mx.random.normal((t, e))
-        expand = _rel(kernels.hc_post(out, streams, control.post, control.comb),
-                      hc.hc_expand(out, streams, control, ref_mm))
+        out, add = mx.random.normal((t, e)), mx.random.normal((t, e))
+        expand = max(_rel(kernels.hc_post(out, streams, control.post, control.comb, *extra),
+                          hc.hc_expand(out, streams, control, ref_mm, *extra)) for extra in ((), (add,)))
         print(f"hc_pre (n_hc {n}, {t} tokens, width {e}) vs control + collapse + norm: max rel err {err:.2e}; "
-              f"hc_post vs hc_expand {expand:.2e}")
+              f"hc_post vs hc_expand (out, and out + add) {expand:.2e}")
     # Decode's kernel, then (more than 8 tokens) prefill's, over keys stored f16 as the model's
     # are, with more columns than its 1024-column mask segments.
     for t, h, d, n_keys in ((1, 64, 512, 640), (5, 8, 256, 300), (2, 6, 192, 40), (40, 64, 512, 2700),

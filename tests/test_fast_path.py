@@ -66,8 +66,11 @@ def _hc_pre(inputs, t, grid, threadgroup):
 
 
 def _hc_post(inputs, t, grid, threadgroup):
-    out, streams, post, comb, n_tok = inputs
+    out, add, streams, post, comb, n_tok = inputs
     assert grid[0] >= streams.size and streams.shape == (int(n_tok.item()), t["N"], t["E"])
+    if t["ADD"]:
+        assert add.shape == out.shape
+        out = out + add
     return [post[:, :, None] * out[:, None, :] + (comb[:, :, :, None] * streams[:, :, None, :]).sum(axis=1)]
 
 
@@ -201,6 +204,8 @@ def _launcher(name, emulate, calls):
     def launch(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
         calls[name] = calls.get(name, 0) + 1
         outs = emulate(inputs, dict(template), grid, threadgroup)
+        if name == "q8_matvec":          # it writes its values in the shape it is asked for (q heads)
+            outs = [o.reshape(shape) for o, shape in zip(outs, output_shapes, strict=True)]
         assert [tuple(o.shape) for o in outs] == [tuple(s) for s in output_shapes], name
         return [o.astype(dt) for o, dt in zip(outs, output_dtypes, strict=True)]
     return launch

@@ -25,7 +25,7 @@ def project_q(layer: LayerWeights, xa: mx.array, rotation: Rotation, n_head: int
     """(q [T, H, D] with per-head weightless RMS, rotated; qr_n [T, q_lora_rank], which also feeds the indexer)."""
     qr = mm.q8(layer.q8["attn_q_a.weight"], xa)
     qr_n = mm.rms_norm(qr, layer.dense["attn_q_a_norm.weight"], eps)
-    q = mm.q8(layer.q8["attn_q_b.weight"], qr_n).reshape(xa.shape[0], n_head, head_dim)
+    q = mm.q8(layer.q8["attn_q_b.weight"], qr_n, shape=(xa.shape[0], n_head, head_dim))
     return mm.finish_rows(q, eps=eps, rotation=rotation), qr_n
 
 

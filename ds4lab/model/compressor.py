@@ -117,18 +117,21 @@ class Compressor:
         written into its frontier slot (what `compress_chunk` does with one such token), as one
         compiled function of this compressor (the slot comes in as a row mask and its APE row)."""
         if self._decode_update is None:
-            self._decode_update = mx.compile(partial(_write_slot, self.kv_weight, self.gate_weight, self.ape))
+            # the matrices transposed once (views, evaluated: no transpose inside each call)
+            kv_t, gate_t = self.kv_weight.T, self.gate_weight.T
+            mx.eval(kv_t, gate_t)
+            self._decode_update = mx.compile(partial(_write_slot, kv_t, gate_t, self.ape))
         cur_base = self.ratio if overlaps(self.ratio) else 0
         at_slot = _row_mask(cur_base + p0 % self.ratio, frontier.kv.shape[0])
         return Frontier(*self._decode_update(frontier.kv, frontier.score, x, at_slot,
                                              _slots(p0 % self.ratio, 1, self.ratio)))
 
 
-def _write_slot(kv_weight: mx.array, gate_weight: mx.array, ape: mx.array, kv: mx.array, score: mx.array,
+def _write_slot(kv_t: mx.array, gate_t: mx.array, ape: mx.array, kv: mx.array, score: mx.array,
                 x: mx.array, at_slot: mx.array, slot: mx.array) -> tuple[mx.array, mx.array]:
     """(kv, score) with the rows where `at_slot` holds replaced by the token x's projections
     (the score with the APE row of its window slot, `slot` [1])."""
-    return mx.where(at_slot, x @ kv_weight.T, kv), mx.where(at_slot, x @ gate_weight.T + ape[slot], score)
+    return mx.where(at_slot, x @ kv_t, kv), mx.where(at_slot, x @ gate_t + ape[slot], score)
 
 
 @lru_cache(maxsize=512)

@@ -75,10 +75,14 @@ def hc_collapse(streams: mx.array, weights: mx.array) -> mx.array:
     return (streams * weights[:, :, None]).sum(axis=1)
 
 
-def hc_expand(out: mx.array, streams: mx.array, control: HCControl, mm: Schedule) -> mx.array:
-    """New streams: stream c gets post[c]·out + Σ_a comb[a, c]·streams[a] (one kernel on the fast path)."""
+def hc_expand(out: mx.array, streams: mx.array, control: HCControl, mm: Schedule,
+              add: mx.array | None = None) -> mx.array:
+    """New streams: stream c gets post[c]·out + Σ_a comb[a, c]·streams[a] (one kernel on the
+    fast path); `add`, when given, is added to out first (inside that kernel)."""
     if mm.fast:
-        return kernels.hc_post(out, streams, control.post, control.comb)
+        return kernels.hc_post(out, streams, control.post, control.comb, add)
+    if add is not None:
+        out = out + add
     mixed = (control.comb[:, :, :, None] * streams[:, :, None, :]).sum(axis=1)
     return control.post[:, :, None] * out[:, None, :] + mixed
 

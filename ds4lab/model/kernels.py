@@ -72,7 +72,7 @@ def available(type_name: str) -> bool:
 _KERNELS = {
     "hc_pre": ("hc_pre.cu", ("ds4lab_block.cuh", "hc_split.cuh"),
                ["streams", "mix", "scale", "base", "norm", "eps", "n_tok"], ["x", "pre", "post", "comb"]),
-    "hc_post": ("hc_post.cu", (), ["out", "streams", "post", "comb", "n_tok"], ["y"]),
+    "hc_post": ("hc_post.cu", (), ["out", "add", "streams", "post", "comb", "n_tok"], ["y"]),
     "row_finish": ("row_finish.cu", ("ds4lab_block.cuh",),
                    ["x", "weight", "rope_cos", "rope_sin", "eps", "hscale", "carry", "n_rows"], ["y"]),
     "attention_heads": ("decode_attention.cu", ("ds4lab_block.cuh",),
@@ -121,12 +121,14 @@ def hc_pre(streams: mx.array, mix: mx.array, scale: mx.array, base: mx.array, no
         output_shapes=[(t, e), (t, n), (t, n), (t, n, n)], output_dtypes=[mx.float32] * 4))
 
 
-def hc_post(out: mx.array, streams: mx.array, post: mx.array, comb: mx.array) -> mx.array:
-    """New streams [T, N, E]: stream c gets post[c]·out + Σ_a comb[a, c]·streams[a]."""
+def hc_post(out: mx.array, streams: mx.array, post: mx.array, comb: mx.array, add: mx.array | None = None) -> mx.array:
+    """New streams [T, N, E]: stream c gets post[c]·out + Σ_a comb[a, c]·streams[a]; with
+    `add` [T, E], out + add in its place (the FFN's routed and shared outputs)."""
     t, n, e = streams.shape
     threads = 256
     (y,) = _fused("hc_post")(
-        inputs=[out, streams, post, comb, _scalar(t, mx.int32)], template=[("N", n), ("E", e)],
+        inputs=[out, _scalar(0.0) if add is None else add, streams, post, comb, _scalar(t, mx.int32)],
+        template=[("N", n), ("E", e), ("ADD", add is not None)],
         grid=(-(-t * n * e // threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
         output_shapes=[streams.shape], output_dtypes=[mx.float32])
     return y
@@ -207,11 +209,12 @@ def _grouped_tokens(name: str, matrix: Q8Matrix, x: mx.array, groups: int) -> in
     return x.size // (groups * cols)
 
 
-def q8_matvec(matrix: Q8Matrix, x: mx.array, groups: int = 1) -> mx.array:
+def q8_matvec(matrix: Q8Matrix, x: mx.array, groups: int = 1, shape: tuple[int, ...] | None = None) -> mx.array:
     """W·x for a few tokens, from x's memory as it is (no reshape: each would be one more
     operation of the step). groups = 1: x [..., cols] -> [..., rows]. groups = G: the rows in
     G equal groups, group g multiplied by its own vector, x [T, ...] holding T·G·cols values
-    (token-major, then group) -> [T, rows] (the grouped output projection)."""
+    (token-major, then group) -> [T, rows] (the grouped output projection). `shape`, when
+    given, is the output's shape instead (the same values in order: q heads [T, H, D])."""
     cols = matrix.cols
     t = _grouped_tokens("q8_matvec", matrix, x, groups)
     group_rows = matrix.rows // groups
@@ -220,7 +223,7 @@ def q8_matvec(matrix: Q8Matrix, x: mx.array, groups: int = 1) -> mx.array:
         inputs=[matrix.codes, matrix.scales, x.astype(mx.float32)],
         template=[("ROWS", matrix.rows), ("COLS", cols), ("GROUP_ROWS", group_rows), ("R", r)],
         grid=(-(-matrix.rows // (r * _Q8_WARPS)) * 32 * _Q8_WARPS, t, 1), threadgroup=(32 * _Q8_WARPS, 1, 1),
-        output_shapes=[(*x.shape[:-1], matrix.rows) if groups == 1 else (x.shape[0], matrix.rows)],
+        output_shapes=[shape or ((*x.shape[:-1], matrix.rows) if groups == 1 else (x.shape[0], matrix.rows))],
         output_dtypes=[mx.float32])
     return y
 

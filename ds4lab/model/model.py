@@ -410,7 +410,9 @@ class Model:
         on_mid = (lambda mid: h("hook_routed_mid", mid)) if h.wants("hook_routed_mid") else None
         routed = h("hook_routed_out", moe.routed_experts(layer, xf, experts, weights, clamp, mm, on_mid))
         shared = h("hook_shared_out", moe.shared_expert(layer, xf, clamp, mm))
-        return hc_expand(h("hook_out", routed + shared), streams, control, mm), experts
+        if h.wants("hook_out"):
+            routed, shared = h("hook_out", routed + shared), None
+        return hc_expand(routed, streams, control, mm, add=shared), experts
 
     def _head(self, streams: mx.array, mm: Schedule, prefix: str = "") -> mx.array:
         """Collapse, norm and output matrix; with prefix "mtp." the MTP head's own collapse and

@@ -354,15 +354,20 @@ class Schedule:
         slots = (self.slots[:, None] * per_token + np.arange(per_token)).reshape(-1)
         return slotted_linear(x.reshape(-1, x.shape[-1]), w, slots_of(slots)).reshape(*x.shape[:-1], w.shape[0])
 
-    def q8(self, matrix: Q8Matrix, x: mx.array) -> mx.array:
+    def q8(self, matrix: Q8Matrix, x: mx.array, shape: tuple[int, ...] | None = None) -> mx.array:
+        """x [..., cols] @ W.T for a Q8_0 matrix; `shape` gives the product another shape (the
+        same values: q heads [T, H, D]), which the fast path's matvec writes directly."""
+        if self.fast and x.size // x.shape[-1] <= kernels.MATVEC_MAX_TOKENS:
+            return kernels.q8_matvec(matrix, x, shape=shape)
+        y = self._q8(matrix, x)
+        return y if shape is None else y.reshape(shape)
+
+    def _q8(self, matrix: Q8Matrix, x: mx.array) -> mx.array:
         if self.numerics.emulate:
             codes, scales = q8_0_act_codes(x, as_built=True)
             return matrix.ds4_cpu(x, codes, scales)
         if self.slots is None:
-            if self.fast:
-                small = x.size // x.shape[-1] <= kernels.MATVEC_MAX_TOKENS
-                return kernels.q8_matvec(matrix, x) if small else kernels.q8_gemm(matrix, x)
-            return matrix.quantized(x)
+            return kernels.q8_gemm(matrix, x) if self.fast else matrix.quantized(x)
         # On the CPU, MLX's quantized matmul runs near 1 GFLOP/s, a float32 GEMM through
         # OpenBLAS near 100: multiply by the decoded matrix (exact, kept while a budget allows).
         return self.linear(x, matrix.dense())
