@@ -58,8 +58,12 @@ def _hc_pre(inputs, t, grid, threadgroup):
     streams, mix, scale, base, norm, eps, n_tok = inputs
     n, e, tokens = t["N"], t["E"], int(n_tok.item())
     assert streams.shape == (tokens, n, e) and _blocks(grid, threadgroup)[0] == tokens
+    assert threadgroup[0] % 32 == 0 and threadgroup[0] <= 1024
     rms_eps, hc_eps = (float(v) for v in eps.tolist())
     flat = streams.reshape(tokens, -1)
+    if t["MIX"]:                                   # the mixer matrix itself: the kernel's matvec
+        assert mix.shape == ((2 + n) * n, n * e)
+        mix = flat @ mix.T
     inv = 1.0 / mx.sqrt(mx.mean(mx.square(flat), axis=-1, keepdims=True) + rms_eps)
     pre, post, comb = hc._split(mix * inv, scale, base, n, t["ITERS"], hc_eps)
     return [nm.rms_norm((streams * pre[:, :, None]).sum(axis=1), norm, rms_eps), pre, post, comb]
@@ -75,10 +79,14 @@ def _hc_post(inputs, t, grid, threadgroup):
 
 
 def _attention_heads(inputs, t, grid, threadgroup):
-    q, keys, mask, sinks, cos, sin, n_keys = inputs
+    q, keys, comp, mask, sinks, cos, sin, n_keys = inputs
     heads, tokens = _blocks(grid, threadgroup)
-    assert q.shape == (tokens, heads, t["D"]) and keys.shape[0] == int(n_keys.item()) == mask.shape[1]
+    n_raw, n_all = n_keys.tolist()
+    assert q.shape == (tokens, heads, t["D"]) and keys.shape[0] == n_raw and n_all == mask.shape[1]
     assert threadgroup[0] == 32 * t["WARPS"] and cos.shape == (tokens, t["NROT"] // 2)
+    if n_all > n_raw:                             # the compressed rows follow the window's
+        assert comp.shape == (n_all - n_raw, t["D"])
+        keys = mx.concatenate([keys, comp])
     return _attention(q, keys, mask, sinks, cos, sin, t)
 
 

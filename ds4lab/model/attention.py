@@ -53,12 +53,14 @@ def visible_keys(mask: mx.array) -> tuple[mx.array, mx.array]:
 
 
 def attend_heads(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array, rotation: Rotation,
-                 mm: Schedule) -> mx.array:
-    """Head outputs [T, H, D]: `attend`, then turned back by the query position's angle (ds4's
-    inverse RoPE). One kernel on the fast path (`kernels.attention_heads`), which reads only
-    the visible keys."""
+                 mm: Schedule, comp: mx.array | None = None) -> mx.array:
+    """Head outputs [T, H, D]: `attend` over keys (then `comp`, the compressed rows, when
+    given), then turned back by the query position's angle (ds4's inverse RoPE). One kernel on
+    the fast path (`kernels.attention_heads`), which reads only the visible keys."""
     if mm.fast:
-        return kernels.attention_heads(q, keys, mask, sinks, (rotation.cos, rotation.sin))
+        return kernels.attention_heads(q, keys, mask, sinks, (rotation.cos, rotation.sin), comp)
+    if comp is not None:
+        keys = mx.concatenate([keys, comp])
     heads = attend(q, keys, mask, sinks, ordered=mm.batch_invariant, products=mm.numerics.emulate)
     return rotation.apply(heads, inverse=True)
 

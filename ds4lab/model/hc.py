@@ -42,14 +42,12 @@ def hc_control(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array,
     return HCControl(*split(mix, scale, base, streams.shape[1], sinkhorn_iters, hc_eps))
 
 
-def hc_fused_input(streams: mx.array, fn_t: mx.array, scale: mx.array, base: mx.array, norm: mx.array,
+def hc_fused_input(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array, norm: mx.array,
                    sinkhorn_iters: int, rms_eps: float, hc_eps: float) -> tuple[mx.array, HCControl]:
-    """The fast path's `hc_control` + `hc_collapse` + the sublayer's RMSNorm: the mixer matvec
-    (`fn_t`: the mixer matrix transposed), then one kernel (`kernels/cuda/hc_pre.cu`, the split
-    of a token in one thread as ds4's `hc_split_sinkhorn`). Returns (sublayer input [T, n_embd],
-    control)."""
-    mix = streams.reshape(streams.shape[0], -1) @ fn_t
-    x, pre, post, comb = kernels.hc_pre(streams, mix, scale, base, norm, sinkhorn_iters, rms_eps, hc_eps)
+    """The fast path's `hc_control` + `hc_collapse` + the sublayer's RMSNorm in one kernel
+    (`kernels/cuda/hc_pre.cu`, the split of a token in one thread as ds4's `hc_split_sinkhorn`;
+    a decode step's mixer matvec inside it too). Returns (sublayer input [T, n_embd], control)."""
+    x, pre, post, comb = kernels.hc_pre(streams, fn, scale, base, norm, sinkhorn_iters, rms_eps, hc_eps)
     return x, HCControl(pre, post, comb)
 
 

@@ -20,22 +20,29 @@ from .rope import Rotation
 from .weights import LayerWeights
 
 
-def indexer_scores(layer: LayerWeights, xa: mx.array, qr_n: mx.array, keys: mx.array, rotation: Rotation,
-                   n_heads: int, head_dim: int, mm: Schedule) -> mx.array:
-    """Scores [T, N] of every key row for every token (visibility not applied).
+def indexer_queries(layer: LayerWeights, xa: mx.array, qr_n: mx.array, rotation: Rotation, n_heads: int,
+                    head_dim: int, mm: Schedule) -> tuple[mx.array, mx.array]:
+    """A chunk's indexer queries: (q [T, H, DH] from the q low-rank path, rotated and rounded
+    with Hadamard + FP4; per-head weights [T, H] from the layer input, scaled)."""
+    q = mm.linear(qr_n, layer.dense["indexer.attn_q_b.weight"]).reshape(xa.shape[0], n_heads, head_dim)
+    q = mm.finish_rows(q, rotation=rotation, qat=True)
+    return q, mm.linear(xa, layer.dense["indexer.proj.weight"]) * (1.0 / math.sqrt(head_dim * n_heads))
+
+
+def indexer_scores(q: mx.array, weights: mx.array, keys: mx.array, mm: Schedule) -> mx.array:
+    """Scores [T, N] of every key row for every token (visibility not applied), from
+    `indexer_queries`: Σ_h w_h·relu(q_h·k).
 
     On the batch-invariant path the q·k dots are summed in a fixed order outside the BLAS:
     the key count differs between a prefill chunk and a decode step, and so would a GEMM's
     kernel, and a near-tie in the top-k could then go the other way. The fast path scores
     in one kernel (`kernels.indexer_scores`)."""
-    q = mm.linear(qr_n, layer.dense["indexer.attn_q_b.weight"]).reshape(xa.shape[0], n_heads, head_dim)
-    q = mm.finish_rows(q, rotation=rotation, qat=True)
-    weights = mm.linear(xa, layer.dense["indexer.proj.weight"]) * (1.0 / math.sqrt(head_dim * n_heads))
     if mm.fast:
         return kernels.indexer_scores(q, weights, keys)
     if not mm.batch_invariant:
         dots = q @ keys.T                                               # [T, H, N]
     else:
+        n_heads, head_dim = q.shape[1:]
         step = max(1, _ORDERED_BUDGET // max(1, n_heads * keys.shape[0] * head_dim))
         dots = mx.concatenate([(q[i:i + step, :, None, :] * keys[None, None]).sum(axis=-1)
                                for i in range(0, q.shape[0], step)])

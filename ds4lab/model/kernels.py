@@ -56,6 +56,7 @@ _TYPES = {"IQ2_XXS": "iq2_xxs", "Q2_K": "q2_k", "Q4_K": "q4_k"}
 _ROWS_PER_BLOCK = 4                      # warps per thread block of the expert matvec
 _THREADS = 128                           # threads per block of the row and HC kernels
 _ATTENTION_WARPS = 8
+_HC_MIX_THREADS = 1024                   # hc_pre's block when it also runs the mixer matvec (reads it all)
 
 
 def cuda_ready() -> bool:
@@ -76,7 +77,7 @@ _KERNELS = {
     "row_finish": ("row_finish.cu", ("ds4lab_block.cuh",),
                    ["x", "weight", "rope_cos", "rope_sin", "eps", "hscale", "carry", "n_rows"], ["y"]),
     "attention_heads": ("decode_attention.cu", ("ds4lab_block.cuh",),
-                        ["q", "keys", "mask", "sinks", "rope_cos", "rope_sin", "n_keys"], ["out"]),
+                        ["q", "keys", "comp", "mask", "sinks", "rope_cos", "rope_sin", "n_keys"], ["out"]),
     "prefill_attention": ("prefill_attention.cu", ("ds4lab_block.cuh", "gemm_common.cuh"),
                           ["q", "keys", "mask", "sinks", "rope_cos", "rope_sin", "n_keys"], ["out"]),
     "indexer_scores": ("indexer_scores.cu", ("ds4lab_block.cuh",), ["q", "w", "keys", "n_keys"], ["scores"]),
@@ -109,15 +110,19 @@ def _scalar(value, dtype=mx.float32) -> mx.array:
     return _constant((value,), dtype)
 
 
-def hc_pre(streams: mx.array, mix: mx.array, scale: mx.array, base: mx.array, norm: mx.array, sinkhorn_iters: int,
+def hc_pre(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array, norm: mx.array, sinkhorn_iters: int,
            rms_eps: float, hc_eps: float) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """(x [T, E], pre [T, N], post [T, N], comb [T, N, N]) from the streams [T, N, E] and the
-    mixer matvec of the raw flattened streams, mix [T, (2 + N)·N]."""
+    mixer matrix fn [(2 + N)·N, N·E]. Up to MATVEC_MAX_TOKENS tokens the kernel multiplies
+    by the mixer itself (a thread block per token); a chunk's mixer product is one GEMM first."""
     t, n, e = streams.shape
+    in_kernel = t <= MATVEC_MAX_TOKENS
+    threads = _HC_MIX_THREADS if in_kernel else _THREADS
+    mix = fn if in_kernel else streams.reshape(t, -1) @ fn.T
     return tuple(_fused("hc_pre")(
         inputs=[streams, mix, scale, base, norm, _constant((rms_eps, hc_eps)), _scalar(t, mx.int32)],
-        template=[("N", n), ("E", e), ("ITERS", sinkhorn_iters)],
-        grid=(t * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+        template=[("N", n), ("E", e), ("ITERS", sinkhorn_iters), ("MIX", in_kernel)],
+        grid=(t * threads, 1, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(t, e), (t, n), (t, n), (t, n, n)], output_dtypes=[mx.float32] * 4))
 
 
@@ -160,13 +165,15 @@ def row_finish(x: mx.array, *, eps: float | None = None, weight: mx.array | None
 
 
 def attention_heads(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array,
-                    rope: tuple[mx.array, mx.array]) -> mx.array:
+                    rope: tuple[mx.array, mx.array], comp: mx.array | None = None) -> mx.array:
     """Sink softmax attention, K = V, then the inverse RoPE of the query positions: q [T, H, D],
-    keys [N, D], mask [T, N], sinks [H], rope (cos, sin) [T, n_rot/2] -> [T, H, D]."""
+    keys [N, D] (then `comp` [C, D], the compressed rows, when given), mask [T, N (+ C)],
+    sinks [H], rope (cos, sin) [T, n_rot/2] -> [T, H, D]."""
     t, h, d = q.shape
     cos, sin = rope
     if t > MATVEC_MAX_TOKENS and d % 64 == 0:
         # A chunk: one thread block per token and 16 heads, on the tensor cores.
+        keys = keys if comp is None else mx.concatenate([keys, comp])
         (out,) = _fused("prefill_attention")(
             inputs=[q, keys, mask, sinks, cos, sin, _scalar(keys.shape[0], mx.int32)],
             template=[("D", d), ("NROT", 2 * cos.shape[-1]), ("H", h)],
@@ -174,8 +181,10 @@ def attention_heads(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array
             output_shapes=[q.shape], output_dtypes=[mx.float32])
         return out
     threads = 32 * _ATTENTION_WARPS
+    n_comp = 0 if comp is None else comp.shape[0]
     (out,) = _fused("attention_heads")(
-        inputs=[q, keys, mask, sinks, cos, sin, _scalar(keys.shape[0], mx.int32)],
+        inputs=[q, keys, _scalar(0.0) if comp is None else comp, mask, sinks, cos, sin,
+                _constant((keys.shape[0], keys.shape[0] + n_comp), mx.int32)],
         template=[("D", d), ("NROT", 2 * cos.shape[-1]), ("WARPS", _ATTENTION_WARPS)],
         grid=(h * threads, t, 1), threadgroup=(threads, 1, 1),
         output_shapes=[q.shape], output_dtypes=[mx.float32])

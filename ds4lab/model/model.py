@@ -272,26 +272,32 @@ class Model:
         compressed rows; extends `cache`. Masks are built on the host: positions are known."""
         cfg, d = self.config, layer.dense
         h = self._hooks.scope(f"{_prefix(layer)}.attn")
-        xa, pre, post, comb, q, qr_n, kv = self._sublayer("attn_in", layer, mm, self._attention_inputs, streams,
-                                                          rotation.cos, rotation.sin)
+        # The indexer scores once more rows are visible than it keeps: its queries are then
+        # computed with the attention's (position p0 + t - 1 completes (p0 + t) // ratio windows).
+        indexed = has_indexer(layer.ratio) and (p0 + streams.shape[0]) // layer.ratio > cfg.indexer_top_k
+        xa, pre, post, comb, q, kv, *queries = self._sublayer(
+            "attn_in+indexer" if indexed else "attn_in", layer, mm, partial(self._attention_inputs, indexed=indexed),
+            streams, rotation.cos, rotation.sin)
         t, n_kept = kv.shape[0], cache.raw.shape[0]
         keys = cache.update_window(kv, cfg.n_swa)
         mask = _window_mask(p0, t, n_kept, cfg.n_swa)
+        comp = None                           # the compressed rows, after the window's in key order
         if layer.ratio:
-            comp, comp_mask = self._compressed_keys(layer, cache, h, xa, qr_n, p0, rotation, mm)
-            keys = mx.concatenate([keys, comp])
+            comp, comp_mask = self._compressed_keys(layer, cache, h, xa, queries, p0, mm)
             if comp_mask is None:             # every visible row: the whole mask is made on the host
                 mask = _window_and_rows_mask(p0, t, n_kept, cfg.n_swa, comp.shape[0], layer.ratio)
             else:
                 mask = mx.concatenate([mask, comp_mask], axis=1)
         if h.wants("hook_pattern") or h.wants("hook_key_span"):
-            self._read_pattern(h, q, keys, mask, d["attn_sinks.weight"], mx.arange(p0 - n_kept, p0 + t), layer.ratio)
-        heads = h("hook_z", attention.attend_heads(q, keys, mask, d["attn_sinks.weight"], rotation, mm))
+            self._read_pattern(h, q, keys if comp is None else mx.concatenate([keys, comp]), mask,
+                               d["attn_sinks.weight"], mx.arange(p0 - n_kept, p0 + t), layer.ratio)
+        heads = h("hook_z", attention.attend_heads(q, keys, mask, d["attn_sinks.weight"], rotation, mm, comp))
         return self._sublayer("attn_out", layer, mm, self._attention_output, heads, streams, pre, post, comb)
 
     def _attention_inputs(self, layer: LayerWeights, mm: Schedule, streams: mx.array, cos: mx.array,
-                          sin: mx.array) -> tuple[mx.array, ...]:
-        """The attention sublayer before the cache: (xa, pre, post, comb, q, qr_n, kv), hooked."""
+                          sin: mx.array, indexed: bool) -> tuple[mx.array, ...]:
+        """The attention sublayer before the cache: (xa, pre, post, comb, q, kv), hooked, then
+        with `indexed` the indexer's queries and head weights (`indexer.indexer_queries`)."""
         cfg = self.config
         h = self._hooks.scope(f"{_prefix(layer)}.attn")
         rotation = Rotation(cos, sin)
@@ -299,7 +305,9 @@ class Model:
         q, qr_n = attention.project_q(layer, xa, rotation, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm)
         q = h("hook_q", q)
         kv = h("hook_kv", attention.kv_row(layer, xa, rotation, cfg.rms_eps, mm))
-        return xa, control.pre, control.post, control.comb, q, qr_n, kv
+        queries = indexer.indexer_queries(layer, xa, qr_n, rotation, cfg.indexer_heads, cfg.indexer_head_dim,
+                                          mm) if indexed else ()
+        return xa, control.pre, control.post, control.comb, q, kv, *queries
 
     def _attention_output(self, layer: LayerWeights, mm: Schedule, heads: mx.array, streams: mx.array,
                           pre: mx.array, post: mx.array, comb: mx.array) -> mx.array:
@@ -327,8 +335,8 @@ class Model:
             self._compiled[key] = mx.compile(partial(fn, layer, Schedule(self.numerics, None, True)))
         return self._compiled[key](*arrays)
 
-    def _compressed_keys(self, layer: LayerWeights, cache: LayerCache, h: Scope, xa: mx.array, qr_n: mx.array,
-                         p0: int, rotation: Rotation, mm: Schedule) -> tuple[mx.array, mx.array | None]:
+    def _compressed_keys(self, layer: LayerWeights, cache: LayerCache, h: Scope, xa: mx.array, queries: list,
+                         p0: int, mm: Schedule) -> tuple[mx.array, mx.array | None]:
         """The compressed rows after this chunk and the mask of those each token attends
         (rows of windows it has completed; on ratio-4 layers the indexer's top-k of them);
         None for the mask when that is every row the token may see, unhooked."""
@@ -342,10 +350,8 @@ class Model:
             rows, cache.index_frontier = comps["indexer"].step(cache.index_frontier, xa, p0, mm)
             index_keys = cache.append_index_keys(h("indexer.hook_rows", rows))
             cache.index_frontier = self._hook_frontier(h, "indexer.hook_frontier", cache.index_frontier)
-            if index_keys.shape[0] > cfg.indexer_top_k:
-                scores = indexer.indexer_scores(layer, xa, qr_n, index_keys, rotation, cfg.indexer_heads,
-                                                cfg.indexer_head_dim, mm)
-                scores = h("indexer.hook_scores", scores)
+            if queries:                          # more rows than the indexer keeps (see `_attention_block`)
+                scores = h("indexer.hook_scores", indexer.indexer_scores(*queries, index_keys, mm))
                 comp_mask = indexer.select_rows(scores, visible, n_visible, cfg.indexer_top_k)
             # A hook may choose other rows, never ones the token cannot see yet.
             comp_mask = _within(h, "indexer.hook_selected", comp_mask, visible)
@@ -380,7 +386,7 @@ class Model:
         cfg, d = self.config, layer.dense
         scale, base, norm = d[f"hc_{sub}_scale.weight"], d[f"hc_{sub}_base.weight"], d[f"{sub}_norm.weight"]
         if mm.fast:
-            x, control = hc_fused_input(streams, layer.transposed(f"hc_{sub}_fn.weight"), scale, base, norm,
+            x, control = hc_fused_input(streams, d[f"hc_{sub}_fn.weight"], scale, base, norm,
                                         cfg.hc_sinkhorn_iter, cfg.rms_eps, cfg.hc_eps)
         else:
             c = hc_control(streams, d[f"hc_{sub}_fn.weight"], scale, base, cfg.hc_sinkhorn_iter, cfg.rms_eps,

@@ -120,10 +120,9 @@ class LayerWeights:
 
     def fast_inputs(self) -> list[mx.array]:
         """Every array the fast path reads from this block (the block-format weights' bytes and
-        scales, the float tensors, the transposed mixers and router), those views made."""
-        for role in ("hc_attn_fn.weight", "hc_ffn_fn.weight", "ffn_gate_inp.weight"):
-            if role in self.dense:
-                self.transposed(role)
+        scales, the float tensors, the transposed router), that view made."""
+        if "ffn_gate_inp.weight" in self.dense:
+            self.transposed("ffn_gate_inp.weight")
         return [*self.dense.values(), *self._transposed.values(),
                 *(a for m in self.q8.values() for a in (m.codes, m.scales)), *(e.raw for e in self.experts.values()),
                 *([] if self.tid2eid is None else [self.tid2eid])]

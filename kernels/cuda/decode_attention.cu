@@ -1,15 +1,17 @@
 // Attention of one (token, head) per thread block over the keys the token may see, with the
 // head's sink logit in the denominator, K = V, then the inverse RoPE of the query position
 // on the output's last NROT dims (model/attention.py `attend` + `output_heads`).
-//   q [T, H, D]; keys [n_keys, D] (raw window rows, then compressed rows); mask [T, n_keys];
-//   sinks [H]; rope_cos/rope_sin [T, NROT/2] of the query positions. Output [T, H, D].
+//   q [T, H, D]; keys [n_keys[0], D]: the raw window rows, comp [n_keys[1] - n_keys[0], D]:
+//   the compressed rows after them (two arrays: no copy of the cache into one); mask [T,
+//   n_keys[1]] over both; sinks [H]; rope_cos/rope_sin [T, NROT/2] of the query positions.
+//   Output [T, H, D].
 // Each of the WARPS warps runs an online softmax over every WARPS-th key (a lane holds D/32
 // dims); the warps' partial sums are then combined with the sink. Masked keys are skipped,
 // so only the selected compressed rows are read.
 constexpr int PER = D / 32;
 const int h = blockIdx.x, t = blockIdx.y, n_head = gridDim.x;
 const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-const int nk = n_keys[0];
+const int n_raw = n_keys[0], nk = n_keys[1];
 const float scale = 1.0f / sqrtf((float)D);
 const float* qh = q + ((size_t)t * n_head + h) * D;
 const bool* visible = mask + (size_t)t * nk;
@@ -18,7 +20,7 @@ for (int k = 0; k < PER; ++k) { qv[k] = qh[lane + 32 * k]; acc[k] = 0.0f; }
 float m = -INFINITY, l = 0.0f;
 for (int n = warp; n < nk; n += WARPS) {
     if (!visible[n]) continue;
-    const float* kr = keys + (size_t)n * D;
+    const float* kr = n < n_raw ? keys + (size_t)n * D : comp + (size_t)(n - n_raw) * D;
     float kv[PER];
     float dot = 0.0f;
     for (int k = 0; k < PER; ++k) { kv[k] = kr[lane + 32 * k]; dot += qv[k] * kv[k]; }

@@ -4,19 +4,40 @@
 //   mix: the mixer matvec of the raw flattened streams, [T, (2 + N) * N]; RMSNorm of the
 //        flat streams is a per-token scale, applied here (inv_rms * mix) rather than before
 //        the matvec as the reference does (same value up to float rounding).
-//   eps[0]: the RMS epsilon, eps[1]: the HC epsilon. Templates: N (streams), E (width), ITERS.
+//        With MIX, `mix` is the mixer matrix itself, [(2 + N) * N, N * E], and the block
+//        computes the matvec while it reads the streams for their sum of squares (a decode
+//        step's token: two operations fewer per sublayer than a separate product).
+//   eps[0]: the RMS epsilon, eps[1]: the HC epsilon. Templates: N (streams), E (width), ITERS, MIX.
 const int t = blockIdx.x;
 if (t >= n_tok[0]) return;
 const float* s = streams + (size_t)t * N * E;
+constexpr int M = (2 + N) * N;
 __shared__ float scratch[32];
 __shared__ float weights[N];
+__shared__ float mixed[MIX ? 32 * M : 1];             // per warp, then summed in warp order
 float ss = 0.0f;
-for (int i = threadIdx.x; i < N * E; i += blockDim.x) ss += s[i] * s[i];
-ss = ds4lab_block_sum(ss, scratch);
+float acc[MIX ? M : 1] = {};
+for (int i = threadIdx.x; i < N * E; i += blockDim.x) {
+    const float v = s[i];
+    ss += v * v;
+    if (MIX)
+        for (int j = 0; j < M; ++j) acc[j] += v * mix[(size_t)j * N * E + i];
+}
+if (MIX)
+    for (int j = 0; j < M; ++j) {
+        const float w = ds4lab_warp_sum_all(acc[j]);
+        if ((threadIdx.x & 31) == 0) mixed[(threadIdx.x >> 5) * M + j] = w;
+    }
+ss = ds4lab_block_sum(ss, scratch);                    // also orders the writes above before the reads
 if (threadIdx.x == 0) {
     const float inv = 1.0f / sqrtf(ss / (float)(N * E) + eps[0]);
-    float m[(2 + N) * N];
-    for (int i = 0; i < (2 + N) * N; ++i) m[i] = mix[(size_t)t * (2 + N) * N + i] * inv;
+    float m[M];
+    for (int i = 0; i < M; ++i) {
+        float v = 0.0f;
+        if (MIX)
+            for (int w = 0; w < (int)(blockDim.x >> 5); ++w) v += mixed[w * M + i];
+        m[i] = (MIX ? v : mix[(size_t)t * M + i]) * inv;
+    }
     ds4lab_hc_split<N, ITERS>(m, scale, base, eps[1], pre + t * N, post + t * N, comb + (size_t)t * N * N);
     for (int i = 0; i < N; ++i) weights[i] = pre[t * N + i];
 }
