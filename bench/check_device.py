@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from ds4lab.config import preset
-from ds4lab.model import Model, attention, hc, kernels
+from ds4lab.model import Model, attention, hc, indexer, kernels
 from ds4lab.model.moe import _decode
 from ds4lab.model.numerics import Numerics
 from ds4lab.model.random_weights import _expert_blocks, random_weights
@@ -141,6 +141,16 @@ def check_fused_kernels() -> None:
         ref = (mx.maximum(q @ keys.T, 0.0) * w[:, :, None]).sum(axis=1)
         print(f"indexer_scores ({t} tokens, {h} heads, dim {dh}, {n_keys} keys) vs dots: "
               f"max rel err {_rel(kernels.indexer_scores(q, w, keys), ref):.2e}")
+    # Scores on a coarse grid (many ties), tokens that see more and fewer rows than top-k.
+    for t, n_rows, top_k, w in ((1, 1024, 512, 129), (4, 3000, 512, 130), (3, 40, 16, 7)):
+        scores = mx.round(mx.random.normal((t, n_rows)) * 4) / 4
+        n_seen = mx.array(np.linspace(top_k // 2, n_rows, t).astype(np.int32))
+        visible = mx.arange(n_rows)[None, :] < n_seen[:, None]
+        window = mx.random.uniform(shape=(t, w)) < 0.5
+        ref = mx.concatenate([window, indexer.select_rows(scores, visible, np.array(n_seen), top_k)], axis=1)
+        equal = bool(mx.array_equal(kernels.indexer_mask(scores, visible, window, top_k), ref))
+        _bar(f"indexer_mask {t} tokens, {n_rows} rows", equal)
+        print(f"indexer_mask ({t} tokens, {n_rows} rows, top {top_k}, ties) vs window + select_rows: equal {equal}")
 
 
 def _q8_matrix(rows: int, cols: int) -> Q8Matrix:

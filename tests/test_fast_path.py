@@ -117,6 +117,21 @@ def _indexer_scores(inputs, t, grid, threadgroup):
     return [(mx.maximum(q @ keys.T, 0.0) * w[:, :, None]).sum(axis=1)]
 
 
+def _indexer_mask(inputs, t, grid, threadgroup):
+    """Per token: the window's columns, then every visible row when at most K are visible,
+    else the K visible rows of highest score, ties to the lower row (numpy's stable sort)."""
+    scores, visible, window, sizes = (np.array(a) for a in inputs)
+    n, w = sizes.tolist()
+    assert scores.shape[1] == visible.shape[1] == n and window.shape[1] == w and threadgroup[0] == 1024
+    assert _blocks(grid, threadgroup)[0] == scores.shape[0]
+    rows = visible.copy()
+    for i in np.nonzero(visible.sum(axis=1) > t["K"])[0]:
+        best = np.argsort(-np.where(visible[i], scores[i], -np.inf), kind="stable")[:t["K"]]
+        rows[i] = False
+        rows[i, best] = True
+    return [mx.array(np.concatenate([window, rows], axis=1))]
+
+
 def _router(inputs, t, grid, threadgroup):
     logits, bias, scale = inputs
     assert logits.shape[1] == t["E"] and grid[0] // threadgroup[0] == logits.shape[0] >= 1
@@ -155,7 +170,7 @@ def _gemm_split_x(inputs, t, grid, threadgroup):
 STAND_INS = {"q8_matvec": _q8_matvec, "router": _router, "row_finish": _row_finish, "hc_pre": _hc_pre,
              "hc_post": _hc_post, "gemm_split_x": _gemm_split_x,
              "attention_heads": _attention_heads, "prefill_attention": _prefill_attention,
-             "indexer_scores": _indexer_scores}
+             "indexer_scores": _indexer_scores, "indexer_mask": _indexer_mask}
 
 
 def _expert_matvec(type_name):

@@ -15,6 +15,8 @@ reference's steps in the same order, so a Metal port can translate them line by 
   (prefill) runs `prefill_attention` instead: a token's heads 16 at a time on the tensor
   cores, each visible key read once for them.
 - `indexer_scores`: the lightning indexer's Σ_h w_h·relu(q_h·k) per key row.
+- `indexer_mask`: the indexer's top-k of those rows, written with the window's columns as
+  the attention mask (a radix select of the k-th score, ties ranked by row).
 - `q8_matvec`: a Q8_0 matrix (the model's 8-bit codes) times a few vectors, each warp a few
   rows with 16-byte loads; rows may come in groups that each read their own vector (the
   grouped output projection). Every Q8_0 product of a decode step goes through it.
@@ -81,6 +83,7 @@ _KERNELS = {
     "prefill_attention": ("prefill_attention.cu", ("ds4lab_block.cuh", "gemm_common.cuh"),
                           ["q", "keys", "mask", "sinks", "rope_cos", "rope_sin", "n_keys"], ["out"]),
     "indexer_scores": ("indexer_scores.cu", ("ds4lab_block.cuh",), ["q", "w", "keys", "n_keys"], ["scores"]),
+    "indexer_mask": ("indexer_mask.cu", (), ["scores", "visible", "window", "sizes"], ["mask"]),
     "router": ("router.cu", (), ["logits", "bias", "scale"], ["probs", "experts", "weights"]),
     "q8_matvec": ("q8_matvec.cu", ("ds4lab_block.cuh",), ["codes", "scales", "x"], ["y"]),
     "gemm_split_x": ("gemm_split_x.cu", ("ds4lab_block.cuh", "gemm_common.cuh"), ["x"], ["xh", "xl", "xsum", "xexp"]),
@@ -201,6 +204,19 @@ def indexer_scores(q: mx.array, w: mx.array, keys: mx.array) -> mx.array:
         grid=(-(-n // warps) * 32 * warps, t, 1), threadgroup=(32 * warps, 1, 1),
         output_shapes=[(t, n)], output_dtypes=[mx.float32])
     return scores
+
+
+def indexer_mask(scores: mx.array, visible: mx.array, window: mx.array, top_k: int) -> mx.array:
+    """The attention mask [T, W + N] of a chunk on a ratio-4 layer: the window's columns
+    (window [T, W]) then the compressed rows the indexer keeps from scores [T, N] (every
+    visible row when at most top_k are, else the top_k best visible ones; `indexer.select_rows`)."""
+    t, n = scores.shape
+    w = window.shape[1]
+    (mask,) = _fused("indexer_mask")(
+        inputs=[scores, visible, window, _constant((n, w), mx.int32)], template=[("K", top_k)],
+        grid=(t * 1024, 1, 1), threadgroup=(1024, 1, 1),
+        output_shapes=[(t, w + n)], output_dtypes=[mx.bool_])
+    return mask
 
 
 # Up to this many tokens (decode, MTP verification) Q8_0 products are matvec kernels on the

@@ -283,11 +283,7 @@ class Model:
         mask = _window_mask(p0, t, n_kept, cfg.n_swa)
         comp = None                           # the compressed rows, after the window's in key order
         if layer.ratio:
-            comp, comp_mask = self._compressed_keys(layer, cache, h, xa, queries, p0, mm)
-            if comp_mask is None:             # every visible row: the whole mask is made on the host
-                mask = _window_and_rows_mask(p0, t, n_kept, cfg.n_swa, comp.shape[0], layer.ratio)
-            else:
-                mask = mx.concatenate([mask, comp_mask], axis=1)
+            comp, mask = self._compressed_keys(layer, cache, h, xa, queries, p0, n_kept, mm)
         if h.wants("hook_pattern") or h.wants("hook_key_span"):
             self._read_pattern(h, q, keys if comp is None else mx.concatenate([keys, comp]), mask,
                                d["attn_sinks.weight"], mx.arange(p0 - n_kept, p0 + t), layer.ratio)
@@ -336,26 +332,33 @@ class Model:
         return self._compiled[key](*arrays)
 
     def _compressed_keys(self, layer: LayerWeights, cache: LayerCache, h: Scope, xa: mx.array, queries: list,
-                         p0: int, mm: Schedule) -> tuple[mx.array, mx.array | None]:
-        """The compressed rows after this chunk and the mask of those each token attends
-        (rows of windows it has completed; on ratio-4 layers the indexer's top-k of them);
-        None for the mask when that is every row the token may see, unhooked."""
-        cfg, comps = self.config, self._compressors[layer.index]
+                         p0: int, n_kept: int, mm: Schedule) -> tuple[mx.array, mx.array]:
+        """The compressed rows after this chunk, and the attention mask [T, n_kept + T + rows]:
+        the raw window's columns, then the rows each token attends (rows of windows it has
+        completed; on ratio-4 layers the indexer's top-k of them)."""
+        cfg, comps, t = self.config, self._compressors[layer.index], xa.shape[0]
+        window = _window_mask(p0, t, n_kept, cfg.n_swa)
         rows, cache.frontier = comps["attn"].step(cache.frontier, xa, p0, mm)
         comp = cache.append_compressed(h("compressor.hook_rows", rows))
         cache.frontier = self._hook_frontier(h, "compressor.hook_frontier", cache.frontier)
-        visible, n_visible = _visible_rows(p0, xa.shape[0], comp.shape[0], layer.ratio)
-        comp_mask = None
+        visible, n_visible = _visible_rows(p0, t, comp.shape[0], layer.ratio)
+        comp_mask = None                         # every visible row
         if has_indexer(layer.ratio):
             rows, cache.index_frontier = comps["indexer"].step(cache.index_frontier, xa, p0, mm)
             index_keys = cache.append_index_keys(h("indexer.hook_rows", rows))
             cache.index_frontier = self._hook_frontier(h, "indexer.hook_frontier", cache.index_frontier)
             if queries:                          # more rows than the indexer keeps (see `_attention_block`)
                 scores = h("indexer.hook_scores", indexer.indexer_scores(*queries, index_keys, mm))
+                if mm.fast and t <= kernels.MATVEC_MAX_TOKENS and not (
+                        h.wants("indexer.hook_selected") or h.wants("hook_comp_mask")):
+                    return comp, kernels.indexer_mask(scores, visible, window, cfg.indexer_top_k)
                 comp_mask = indexer.select_rows(scores, visible, n_visible, cfg.indexer_top_k)
             # A hook may choose other rows, never ones the token cannot see yet.
             comp_mask = _within(h, "indexer.hook_selected", comp_mask, visible)
-        return comp, _within(h, "hook_comp_mask", comp_mask, visible)
+        comp_mask = _within(h, "hook_comp_mask", comp_mask, visible)
+        if comp_mask is None:                    # the whole mask is made on the host
+            return comp, _window_and_rows_mask(p0, t, n_kept, cfg.n_swa, comp.shape[0], layer.ratio)
+        return comp, mx.concatenate([window, comp_mask], axis=1)
 
     def _hook_frontier(self, h: Scope, suffix: str, frontier: Frontier) -> Frontier:
         """The frontier after the chunk as [2 (kv, score), rows, width]; a replacement becomes the state."""
