@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from ds4lab.config import preset
-from ds4lab.model import Model, attention, hc, indexer, kernels
+from ds4lab.model import Model, attention, hc, kernels
 from ds4lab.model.moe import _decode
 from ds4lab.model.numerics import Numerics
 from ds4lab.model.random_weights import _expert_blocks, random_weights
@@ -147,10 +147,16 @@ def check_fused_kernels() -> None:
         n_seen = mx.array(np.linspace(top_k // 2, n_rows, t).astype(np.int32))
         visible = mx.arange(n_rows)[None, :] < n_seen[:, None]
         window = mx.random.uniform(shape=(t, w)) < 0.5
-        ref = mx.concatenate([window, indexer.select_rows(scores, visible, np.array(n_seen), top_k)], axis=1)
-        equal = bool(mx.array_equal(kernels.indexer_mask(scores, visible, window, top_k), ref))
+        rows = np.array(visible)                # ds4's choice: best first, ties to the lower row
+        for i in range(t):
+            if rows[i].sum() > top_k:
+                best = np.argsort(-np.where(rows[i], np.array(scores[i]), -np.inf), kind="stable")[:top_k]
+                rows[i] = False
+                rows[i, best] = True
+        ref = np.concatenate([np.array(window), rows], axis=1)
+        equal = bool((np.array(kernels.indexer_mask(scores, visible, window, top_k)) == ref).all())
         _bar(f"indexer_mask {t} tokens, {n_rows} rows", equal)
-        print(f"indexer_mask ({t} tokens, {n_rows} rows, top {top_k}, ties) vs window + select_rows: equal {equal}")
+        print(f"indexer_mask ({t} tokens, {n_rows} rows, top {top_k}, ties) vs a stable sort: equal {equal}")
 
 
 def _q8_matrix(rows: int, cols: int) -> Q8Matrix:
