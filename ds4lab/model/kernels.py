@@ -6,12 +6,15 @@ elementwise chains, not reductions: the reference composition of a decode step i
 reference's steps in the same order, so a Metal port can translate them line by line:
 
 - `hc_pre`: the hyper-connection split (pre, post, Sinkhorn comb; one thread per token, as
-  ds4's `hc_split_sinkhorn`), the collapse of the streams and the sublayer's RMSNorm.
-- `hc_post`: the new streams from the sublayer output (`hc.hc_expand`).
+  ds4's `hc_split_sinkhorn`), the collapse of the streams and the sublayer's RMSNorm; for a
+  few tokens (decode) also the mixer matvec before it.
+- `hc_post`: the new streams from the sublayer output (`hc.hc_expand`), optionally the sum
+  of two outputs (the FFN's routed and shared experts).
 - `row_finish`: per-row RMSNorm, weight, RoPE (or its inverse), Hadamard + FP4, FP8 and f16
   roundings, each optional: q heads, KV rows, compressed rows, indexer queries and keys.
 - `attention_heads`: softmax attention with sinks over the visible keys (masked ones are not
-  read), online softmax across warps, and the inverse RoPE of the output; a chunk of tokens
+  read; the raw window and the compressed rows from their own arrays), online softmax
+  across warps, and the inverse RoPE of the output; a chunk of tokens
   (prefill) runs `prefill_attention` instead: a token's heads 16 at a time on the tensor
   cores, each visible key read once for them.
 - `indexer_scores`: the lightning indexer's Σ_h w_h·relu(q_h·k) per key row.
