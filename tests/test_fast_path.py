@@ -324,9 +324,17 @@ def test_a_hook_off_the_boundaries_sends_only_its_block_to_the_reference(small_w
     assert seen == ["blocks.1.attn.hook_q"]
     assert list(plan.path) == ["fast", "reference", "fast", "fast", "fast"]
     assert plan.hooks[1] == "blocks.1.attn.hook_q"
+    # block 2's boundary hook keeps it fast, its FFN as written (a decode step's FFN not compiled)
+    assert list(plan.compiled) == ["attn, ffn", "", "attn", "attn, ffn", "attn, ffn"]
     # one block of five on the reference: its two HC inputs and outputs leave the kernels
     assert stand_in_kernels["hc_pre"] == fast_calls["hc_pre"] - 2
     assert stand_in_kernels["hc_post"] == fast_calls["hc_post"] - 2
+    # the compiled parts are traced once: the same chunk again launches only the uncompiled
+    # blocks' kernels (block 1 on the reference: none; block 2's FFN as written)
+    stand_in_kernels.clear()
+    with model.hooks([(name, lambda act, hook: None) for name in ("blocks.1.attn.hook_q", "blocks.2.ffn.hook_out")]):
+        model(tokens)
+    assert stand_in_kernels["hc_pre"] == 1 and stand_in_kernels["hc_post"] == 1
 
 
 def test_boundary_hooks_keep_the_fast_path_and_their_replacements_count(small_weights, stand_in_kernels):

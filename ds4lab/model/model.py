@@ -114,17 +114,25 @@ class Model:
 
     def fast_path_plan(self) -> pd.DataFrame:
         """Which blocks run the fast path with the hooks registered now (ask inside
-        `with model.hooks(...)`): one row per block with its path ("fast" or "reference") and
-        the hook points that put it on the reference path. Hooks at `FAST_PATH_POINTS` keep a
-        block fast; off a CUDA GPU, and in "ds4-cpu" numerics, every block is "reference"."""
+        `with model.hooks(...)`): one row per block with its path ("fast" or "reference"), the
+        hook points that put it on the reference path, and which of its sublayers ("attn",
+        "ffn") a decode step runs compiled (none has a hook). Hooks at `FAST_PATH_POINTS` keep
+        a block fast; off a CUDA GPU, and in "ds4-cpu" numerics, every block is "reference"."""
         fast = self.numerics.fast
         slow = self._reference_blocks()
+        path = ["reference" if not fast or f"blocks.{il}" in slow else "fast" for il in range(self.config.n_layer)]
         return pd.DataFrame({
             "block": np.arange(self.config.n_layer, dtype=np.int64),
-            "path": pd.Categorical([("reference" if not fast or f"blocks.{il}" in slow else "fast")
-                                    for il in range(self.config.n_layer)], categories=["fast", "reference"]),
+            "path": pd.Categorical(path, categories=["fast", "reference"]),
             "hooks": [", ".join(slow.get(f"blocks.{il}", [])) for il in range(self.config.n_layer)],
+            "compiled": [", ".join(sub for sub in ("attn", "ffn") if not self._sublayer_hooked(f"blocks.{il}", sub))
+                         if kind == "fast" else "" for il, kind in enumerate(path)],
         })
+
+    def _sublayer_hooked(self, prefix: str, sub: str) -> bool:
+        """Whether a hook is registered in a block's sublayer (`prefix` "blocks.L" or "mtp", sub
+        "attn" or "ffn"): its decode step then runs as written, not compiled (`_sublayer`)."""
+        return any(name.startswith(f"{prefix}.{sub}.") for name in self._hooks.by_name)
 
     def _reference_blocks(self) -> dict[str, list[str]]:
         """Blocks whose hooks need the reference composition: `blocks.L` (or `mtp`, the MTP
@@ -319,8 +327,7 @@ class Model:
         graph then costs one call instead of some twenty kernel wrappers', and MLX fuses its
         elementwise steps. A hook in the sublayer keeps the part as written, as does the
         reference path; both compute the same steps."""
-        sub = "ffn" if part == "ffn" else "attn"
-        hooked = any(name.startswith(f"{_prefix(layer)}.{sub}.") for name in self._hooks.by_name)
+        hooked = self._sublayer_hooked(_prefix(layer), "ffn" if part == "ffn" else "attn")
         if hooked or not mm.fast or arrays[0].shape[0] > kernels.MATVEC_MAX_TOKENS:
             return fn(layer, mm, *arrays)
         key = (layer.index, part)
