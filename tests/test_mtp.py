@@ -300,6 +300,18 @@ def test_teacher_forced_equals_online(plain):
     assert shifted <= 0.2
 
 
+def test_target_passes_of_a_greedy_continuation_are_aligned(plain):
+    # What `fit` learns from: row i holds the streams the head reads online after t_i, and on
+    # the model's greedy continuation row i's final normed vector picks t_{i+1} (so under v3
+    # the row (h_i, t_{i+1}) is fitted to row i + 1's vector: the greedy choice after t_{i+1}).
+    model, prompt, tokens, _ = plain
+    ids = prompt + tokens
+    run = mtp.target_passes(model, [ids])[0]
+    assert np.array_equal(run.hidden, np.array(model.session().prefill_all(ids).hidden))
+    logits = run.final_norm @ np.array(model.weights.output.dense()).T
+    assert logits.argmax(axis=1)[len(prompt) - 1:-1].tolist() == tokens
+
+
 def _tv(a, b):
     return 0.5 * np.abs(a - b).sum()
 
