@@ -49,6 +49,11 @@ def slotted_linear(x: mx.array, w: mx.array, slots: np.ndarray) -> mx.array:
     n, n_in = x.shape
     if len(slots) != n:
         raise ValueError(f"{n} rows but {len(slots)} tile slots")
+    if n == 1:
+        # A decode step's row: the same tile as below (the row at its slot among zero rows),
+        # made by one pad instead of a gather, and the same product.
+        slot = int(slots[0])
+        return tile_product(mx.pad(x, [(slot, ROW_TILE - 1 - slot), (0, 0)]), w.T)[slot:slot + 1]
     places = _tile_places(slots)
     n_tiles = int(places.max()) // ROW_TILE + 1
     source = np.full(n_tiles * ROW_TILE, n, np.int64)      # row n: the zero padding row

@@ -219,6 +219,8 @@ def _matvec(tensor: ExpertBlocks, ids: mx.array, x: mx.array) -> mx.array:
 
 
 def _decode(tensor: ExpertBlocks, ids: mx.array) -> mx.array:
+    if tensor.float32 is not None:                      # kept decoded (the CPU, within its budget)
+        return tensor.float32[ids]
     return gather_experts(tensor.raw, ids, tensor.type_name, tensor.rows, tensor.cols)
 
 
