@@ -348,6 +348,8 @@ class Schedule:
         return self._slotted(x, w)
 
     def _slotted(self, x: mx.array, w: mx.array) -> mx.array:
+        if x.ndim == 2 and x.shape[0] == len(self.slots):          # a row per token: the token's slot
+            return slotted_linear(x, w, self.slots)
         per_token = x.size // (len(self.slots) * x.shape[-1])
         # Row j of a token at position p takes slot (p·per_token + j) mod ROW_TILE: a
         # function of (p, j) alone, the same in prefill and decode.
