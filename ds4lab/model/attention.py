@@ -147,10 +147,10 @@ def _attend_per_token(q: mx.array, keys: mx.array, index: mx.array, valid: mx.ar
             # Every token of the chunk in one batch (a decode step's token): no gathers, no scatter.
             whole = step >= t == len(tokens)
             at = None if whole else mx.array(tokens[i:i + step])
-            pick = (lambda a: a) if whole else (lambda a: a[at])
-            ok = pick(valid)[:, :width]                                           # [B, W]
-            rows = mx.where(ok[..., None], keys[pick(index)[:, :width]], 0.0)     # [B, W, D]
-            scores = (pick(q) @ rows.transpose(0, 2, 1)) * scale                  # [B, H, W]
+            q_at, index_at, valid_at = (q, index, valid) if whole else (q[at], index[at], valid[at])
+            ok = valid_at[:, :width]                                              # [B, W]
+            rows = mx.where(ok[..., None], keys[index_at[:, :width]], 0.0)        # [B, W, D]
+            scores = (q_at @ rows.transpose(0, 2, 1)) * scale                     # [B, H, W]
             scores = mx.where(ok[:, None, :], scores, -mx.inf)
             top = mx.maximum(scores.max(axis=-1), sinks[None, :])                 # [B, H]
             weights = mx.exp(scores - top[..., None])                             # 0 where masked

@@ -95,7 +95,7 @@ class ExpertBlocks:
     type_name: str
     rows: int
     cols: int
-    float32: mx.array | None = None   # every expert decoded, [n_expert, rows, cols], kept on the CPU while a budget allows
+    float32: mx.array | None = None   # every expert decoded, [n_expert, rows, cols], kept while a CPU budget allows
 
     def dense(self) -> mx.array:
         """Every expert decoded to float32, [n_expert, rows, cols]: the kept copy if there is one."""
