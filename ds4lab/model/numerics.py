@@ -123,11 +123,12 @@ def hadamard(x: mx.array) -> mx.array:
     if n < 1 or n & (n - 1):
         raise ValueError(f"Hadamard length {n} is not a power of two")
     lead = x.shape[:-1]
+    # (a, a) + (b, b) * (1, -1) per pair: a + b and a + (-b), which is a - b, in fewer operations.
+    signs = mx.array([[1.0], [-1.0]], mx.float32)
     stride = 1
     while stride < n:
         pairs = x.reshape(*lead, n // (2 * stride), 2, stride)
-        a, b = pairs[..., 0, :], pairs[..., 1, :]
-        x = mx.stack([a + b, a - b], axis=-2).reshape(*lead, n)
+        x = (pairs[..., :1, :] + pairs[..., 1:, :] * signs).reshape(*lead, n)
         stride *= 2
     return x * mx.array(1.0 / math.sqrt(n), mx.float32)
 
