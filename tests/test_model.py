@@ -178,3 +178,13 @@ def test_cpu_attention_per_token_gemms_equal_the_batched_form():
     assert np.abs(np.array(per_token) - np.array(batched)).max() < 1e-5
     alone = attention.attend(q[3:4], keys, mask[3:4], sinks, ordered=True)
     assert np.array_equal(np.array(alone)[0], np.array(per_token)[3])
+
+
+def test_cpu_sinkhorn_in_numpy_equals_the_mlx_ops():
+    """The CPU runs the HC split's Sinkhorn iterations in numpy: bit for bit the MLX ops."""
+    from ds4lab.model import hc
+
+    rng = np.random.default_rng(5)
+    comb = mx.softmax(mx.array(rng.normal(scale=4.0, size=(2048, 4, 4)).astype(np.float32)), axis=-1) + 1e-6
+    ours = hc._sinkhorn(np.array(comb), 20, 1e-6)
+    assert ours.dtype == np.float32 and np.array_equal(ours, np.array(hc._sinkhorn(comb, 20, 1e-6)))

@@ -146,15 +146,21 @@ def _attend_per_token(q: mx.array, keys: mx.array, index: mx.array, valid: mx.ar
         tokens = np.nonzero(widths == width)[0]
         step = max(1, _CPU_ATTENTION_BUDGET // (int(width) * d))
         for i in range(0, len(tokens), step):
-            at = mx.array(tokens[i:i + step])
-            ok = valid[at, :width]                                                # [B, W]
-            rows = mx.where(ok[..., None], keys[index[at, :width]], 0.0)          # [B, W, D]
-            scores = (q[at] @ rows.transpose(0, 2, 1)) * scale                    # [B, H, W]
+            # Every token of the chunk in one batch (a decode step's token): no gathers, no scatter.
+            whole = step >= t == len(tokens)
+            at = None if whole else mx.array(tokens[i:i + step])
+            q_at, index_at, valid_at = (q, index, valid) if whole else (q[at], index[at], valid[at])
+            ok = valid_at[:, :width]                                              # [B, W]
+            rows = mx.where(ok[..., None], keys[index_at[:, :width]], 0.0)        # [B, W, D]
+            scores = (q_at @ rows.transpose(0, 2, 1)) * scale                     # [B, H, W]
             scores = mx.where(ok[:, None, :], scores, -mx.inf)
             top = mx.maximum(scores.max(axis=-1), sinks[None, :])                 # [B, H]
             weights = mx.exp(scores - top[..., None])                             # 0 where masked
             denom = mx.exp(sinks[None, :] - top) + weights.sum(axis=-1)
-            out[at] = (weights @ rows) / denom[..., None]
+            heads = (weights @ rows) / denom[..., None]
+            if whole:
+                return heads
+            out[at] = heads
     return out
 
 

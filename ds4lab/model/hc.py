@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 from . import kernels
 from .numerics import Schedule
@@ -33,13 +34,17 @@ def hc_control(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array,
                sinkhorn_iters: int, rms_eps: float, hc_eps: float, mm: Schedule) -> HCControl:
     """pre/post/comb for one sublayer, from the streams right before it (ds4's order of steps).
 
-    The batch-invariant path runs the ~80 small steps of the split one by one so that the
-    float operations stay exactly ds4's; a GPU runs them compiled (the fast path fuses them
-    with the collapse and norm: `hc_fused_input`).
+    The batch-invariant path keeps the float operations of the split exactly ds4's: the
+    sigmoids and the softmax as MLX ops, then the Sinkhorn iterations (~120 steps on
+    [T, n_hc, n_hc], a few µs of dispatch each as MLX ops) in numpy on the host, the same
+    float32 divisions and sums in the same order. A GPU runs the split compiled (the fast
+    path fuses it with the collapse and norm: `hc_fused_input`).
     """
     mix = _control_vector(streams, fn, rms_eps, mm)
-    split = _split if mm.batch_invariant else _split_compiled
-    return HCControl(*split(mix, scale, base, streams.shape[1], sinkhorn_iters, hc_eps))
+    if not mm.batch_invariant:
+        return HCControl(*_split_compiled(mix, scale, base, streams.shape[1], sinkhorn_iters, hc_eps))
+    pre, post, comb = _split_start(mix, scale, base, streams.shape[1], hc_eps)
+    return HCControl(pre, post, mx.array(_sinkhorn(np.array(comb), sinkhorn_iters, hc_eps)))
 
 
 def hc_fused_input(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array, norm: mx.array,
@@ -51,18 +56,30 @@ def hc_fused_input(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.ar
     return x, HCControl(pre, post, comb)
 
 
-def _split(mix: mx.array, scale: mx.array, base: mx.array, n: int, sinkhorn_iters: int,
-           hc_eps: float) -> tuple[mx.array, mx.array, mx.array]:
+def _split_start(mix: mx.array, scale: mx.array, base: mx.array, n: int,
+                 hc_eps: float) -> tuple[mx.array, mx.array, mx.array]:
+    """pre, post, and comb before the Sinkhorn iterations: its softmax (+ eps)."""
     pre = mx.sigmoid(mix[:, :n] * scale[0] + base[:n]) + hc_eps
     post = 2.0 * mx.sigmoid(mix[:, n:2 * n] * scale[1] + base[n:2 * n])
     # comb[t, i, j]: row i is the destination-major index ds4 softmaxes over j first.
     logits = (mix[:, 2 * n:] * scale[2] + base[2 * n:]).reshape(-1, n, n)
-    comb = mx.softmax(logits, axis=-1, precise=True) + hc_eps
+    return pre, post, mx.softmax(logits, axis=-1, precise=True) + hc_eps
+
+
+def _sinkhorn(comb, sinkhorn_iters: int, hc_eps: float):
+    """ds4's Sinkhorn normalisation of comb [T, n, n], float32 mx.array or numpy array alike
+    (the same operations: sums over n values in order, then the divisions)."""
     comb = comb / (comb.sum(axis=1, keepdims=True) + hc_eps)
     for _ in range(sinkhorn_iters - 1):
         comb = comb / (comb.sum(axis=2, keepdims=True) + hc_eps)
         comb = comb / (comb.sum(axis=1, keepdims=True) + hc_eps)
-    return pre, post, comb
+    return comb
+
+
+def _split(mix: mx.array, scale: mx.array, base: mx.array, n: int, sinkhorn_iters: int,
+           hc_eps: float) -> tuple[mx.array, mx.array, mx.array]:
+    pre, post, comb = _split_start(mix, scale, base, n, hc_eps)
+    return pre, post, _sinkhorn(comb, sinkhorn_iters, hc_eps)
 
 
 _split_compiled = mx.compile(_split)

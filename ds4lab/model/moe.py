@@ -190,16 +190,18 @@ def _routed_one_token(gate_t: ExpertBlocks, up_t: ExpertBlocks, down_t: ExpertBl
                       experts: mx.array, weights: mx.array, clamp: float, slot: int,
                       on_mid: Callable[[mx.array], object] | None) -> mx.array:
     """The per-expert schedule below for a chunk of one token, batched and lazy: the same
-    ROW_TILE-row products (the token at its tile slot among zero rows, times each chosen
-    expert's decoded matrix; `linalg.tile_product` on a stack of tiles runs each as its own
-    GEMM, so the bits are the per-expert loop's) and the same sum, expert by expert in
-    ascending id from zero."""
+    products (the token at its tile slot among zero rows in a tile of an expert matrix's
+    height, times each chosen expert's decoded matrix; `linalg.tile_product` on a stack of
+    tiles runs each as its own GEMM, so the bits are the per-expert loop's) and the same sum,
+    expert by expert in ascending id from zero."""
     order = mx.argsort(experts[0])                      # the loop's order: ascending expert id
     ids, w = experts[0][order], weights[0][order]
-    at_slot = mx.array(np.arange(linalg.ROW_TILE) == slot)[:, None]
+    height = linalg.tile_rows(gate_t.rows * gate_t.cols)     # gate, up and down alike
+    slot %= height
+    at_slot = mx.array(np.arange(height) == slot)[:, None]
 
     def through(tensor: ExpertBlocks, tiles: mx.array) -> mx.array:
-        """tiles [1 or U, ROW_TILE, in] times expert ids[u]'s matrix -> the slot's row [U, out]."""
+        """tiles [1 or U, height, in] times expert ids[u]'s matrix -> the slot's row [U, out]."""
         return linalg.tile_product(tiles, _decode(tensor, ids).transpose(0, 2, 1))[:, slot]
 
     tile = mx.where(at_slot, x, 0.0)[None]
@@ -219,6 +221,8 @@ def _matvec(tensor: ExpertBlocks, ids: mx.array, x: mx.array) -> mx.array:
 
 
 def _decode(tensor: ExpertBlocks, ids: mx.array) -> mx.array:
+    if tensor.float32 is not None:                      # kept decoded (the CPU, within its budget)
+        return tensor.float32[ids]
     return gather_experts(tensor.raw, ids, tensor.type_name, tensor.rows, tensor.cols)
 
 

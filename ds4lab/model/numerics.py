@@ -24,7 +24,7 @@ import numpy as np
 
 from ..floats import log2f_carry_table
 from . import kernels
-from .linalg import slots_of, slotted_linear
+from .linalg import ROW_TILE, slots_of, slotted_linear, tile_rows
 
 if TYPE_CHECKING:
     from .rope import Rotation
@@ -123,11 +123,12 @@ def hadamard(x: mx.array) -> mx.array:
     if n < 1 or n & (n - 1):
         raise ValueError(f"Hadamard length {n} is not a power of two")
     lead = x.shape[:-1]
+    # (a, a) + (b, b) * (1, -1) per pair: a + b and a + (-b), which is a - b, in fewer operations.
+    signs = mx.array([[1.0], [-1.0]], mx.float32)
     stride = 1
     while stride < n:
         pairs = x.reshape(*lead, n // (2 * stride), 2, stride)
-        a, b = pairs[..., 0, :], pairs[..., 1, :]
-        x = mx.stack([a + b, a - b], axis=-2).reshape(*lead, n)
+        x = (pairs[..., :1, :] + pairs[..., 1:, :] * signs).reshape(*lead, n)
         stride *= 2
     return x * mx.array(1.0 / math.sqrt(n), mx.float32)
 
@@ -344,15 +345,19 @@ class Schedule:
         if self.slots is None:
             return x @ w.T
         if self.numerics.emulate:
-            return self._slotted(x.astype(mx.float64), w.astype(mx.float64)).astype(mx.float32)
-        return self._slotted(x, w)
+            # ROW_TILE tiles whatever the weights: "ds4-cpu" keeps the products its comparisons were measured with.
+            return self._slotted(x.astype(mx.float64), w.astype(mx.float64), ROW_TILE).astype(mx.float32)
+        return self._slotted(x, w, tile_rows(w.size))
 
-    def _slotted(self, x: mx.array, w: mx.array) -> mx.array:
+    def _slotted(self, x: mx.array, w: mx.array, height: int) -> mx.array:
+        if x.ndim == 2 and x.shape[0] == len(self.slots):          # a row per token: the token's slot
+            return slotted_linear(x, w, self.slots, height)
         per_token = x.size // (len(self.slots) * x.shape[-1])
         # Row j of a token at position p takes slot (p·per_token + j) mod ROW_TILE: a
         # function of (p, j) alone, the same in prefill and decode.
         slots = (self.slots[:, None] * per_token + np.arange(per_token)).reshape(-1)
-        return slotted_linear(x.reshape(-1, x.shape[-1]), w, slots_of(slots)).reshape(*x.shape[:-1], w.shape[0])
+        return slotted_linear(x.reshape(-1, x.shape[-1]), w, slots_of(slots), height).reshape(*x.shape[:-1],
+                                                                                             w.shape[0])
 
     def q8(self, matrix: Q8Matrix, x: mx.array, shape: tuple[int, ...] | None = None) -> mx.array:
         """x [..., cols] @ W.T for a Q8_0 matrix; `shape` gives the product another shape (the

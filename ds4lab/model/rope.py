@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, cached_property
 from typing import Any
 
 import mlx.core as mx
@@ -180,15 +180,26 @@ def apply_rope_tail(x: mx.array, cos: mx.array, sin: mx.array, inverse: bool = F
     x.shape[:-1] (e.g. x [T, H, D], positions [T]). inverse=True turns back by the same
     angle: ds4 negates sin, which is exact.
     """
-    n_pairs = cos.shape[-1]
-    lead = x.shape[:-1]
-    fill = (1,) * (len(lead) - (cos.ndim - 1))
-    c, s = cos.reshape(*cos.shape[:-1], *fill, n_pairs), sin.reshape(*sin.shape[:-1], *fill, n_pairs)
+    return _turn(x, *_pair_factors(cos, sin, inverse))
+
+
+def _pair_factors(cos: mx.array, sin: mx.array, inverse: bool) -> tuple[mx.array, mx.array]:
+    """(c, c) and (-s, s) per pair, [..., n_pairs, 2], s negated for the inverse rotation."""
     if inverse:
-        s = -s
+        sin = -sin
+    return mx.stack([cos, cos], axis=-1), mx.stack([-sin, sin], axis=-1)
+
+
+def _turn(x: mx.array, cc: mx.array, ss: mx.array) -> mx.array:
+    """ds4's x0*c - x1*s, x0*s + x1*c on each pair of x's tail, as pair * (c, c) + swapped pair
+    * (-s, s): the same IEEE results (a - b is a + (-b), x1*(-s) is -(x1*s), and a sum does
+    not depend on its operands' order) in fewer operations."""
+    n_pairs = cc.shape[-2]
+    lead = x.shape[:-1]
+    fill = (1,) * (len(lead) - (cc.ndim - 2))
+    cc, ss = cc.reshape(*cc.shape[:-2], *fill, n_pairs, 2), ss.reshape(*ss.shape[:-2], *fill, n_pairs, 2)
     tail = x[..., x.shape[-1] - 2 * n_pairs:].reshape(*lead, n_pairs, 2)
-    x0, x1 = tail[..., 0], tail[..., 1]
-    turned = mx.stack([x0 * c - x1 * s, x0 * s + x1 * c], axis=-1).reshape(*lead, 2 * n_pairs)
+    turned = (tail * cc + tail[..., ::-1] * ss).reshape(*lead, 2 * n_pairs)
     return mx.concatenate([x[..., : x.shape[-1] - 2 * n_pairs], turned], axis=-1)
 
 
@@ -245,4 +256,13 @@ class Rotation:
         return cls(cos[first:end:step], sin[first:end:step])
 
     def apply(self, x: mx.array, inverse: bool = False) -> mx.array:
-        return apply_rope_tail(x, self.cos, self.sin, inverse)
+        return _turn(x, *(self._inverse if inverse else self._forward))
+
+    # The pair factors, made once per Rotation and shared by every tensor it turns.
+    @cached_property
+    def _forward(self) -> tuple[mx.array, mx.array]:
+        return _pair_factors(self.cos, self.sin, inverse=False)
+
+    @cached_property
+    def _inverse(self) -> tuple[mx.array, mx.array]:
+        return _pair_factors(self.cos, self.sin, inverse=True)

@@ -5,7 +5,8 @@ What each GGUF type becomes, and why:
   matrices with group 32: code q+128, scale d, bias -128·d, all exact in float32. They
   multiply through `mx.quantized_matmul` and take 40 bytes per 32 weights (Q8_0: 34).
 - Routed experts stay as their GGUF block bytes, one uint8 row per expert; a forward pass
-  decodes only the experts its tokens selected (`gather_experts`).
+  decodes only the experts its tokens selected (`gather_experts`). On the CPU they are also
+  kept decoded while a budget allows (`keep_decoded`).
 - F16 matrices (HC mixers, compressors, indexer, router) are small (about 1 GiB in Flash)
   and are widened to float32 once, since ds4 multiplies them with float32 activations.
 - F32 vectors stay as they are; the token embedding stays F16 and is gathered by row.
@@ -22,6 +23,7 @@ import numpy as np
 from ..config import ModelConfig
 from ..errors import ModelFileError
 from ..gguf import ModelFile
+from ..quants.mlx_decode import dequantize_mx
 from .numerics import batch_invariant_device
 
 
@@ -93,10 +95,17 @@ class ExpertBlocks:
     type_name: str
     rows: int
     cols: int
+    float32: mx.array | None = None   # every expert decoded, [n_expert, rows, cols], kept while a CPU budget allows
+
+    def dense(self) -> mx.array:
+        """Every expert decoded to float32, [n_expert, rows, cols]: the kept copy if there is one."""
+        if self.float32 is not None:
+            return self.float32
+        return dequantize_mx(self.raw, self.type_name, (self.raw.shape[0], self.rows, self.cols))
 
     @property
     def nbytes(self) -> int:
-        return self.raw.nbytes
+        return self.raw.nbytes + (self.float32.nbytes if self.float32 is not None else 0)
 
 
 @dataclass
@@ -175,18 +184,20 @@ def load_block(model_file: ModelFile, prefix: str, index: int | None, ratio: int
     return layer
 
 
-# Q8_0 matrices kept decoded in float32 on the CPU, so that decode steps do not decode
-# them again: up to this many bytes (the output head first), DS4LAB_CPU_DENSE_MB to change.
+# Q8_0 matrices and routed experts kept decoded in float32 on the CPU, so that decode steps
+# do not decode them again: up to this many bytes (the output head first, the routed experts
+# last), DS4LAB_CPU_DENSE_MB to change.
 CPU_DENSE_BUDGET_MB = 1024
 
 
-def keep_decoded(matrices: list[Q8Matrix]) -> None:
-    """On the CPU, keep these matrices decoded in float32 while the budget allows (first come first)."""
+def keep_decoded(matrices: list[Q8Matrix | ExpertBlocks]) -> None:
+    """On the CPU, keep these matrices (or expert tensors) decoded in float32 while the budget
+    allows (first come first)."""
     if not batch_invariant_device():
         return
     budget = int(os.environ.get("DS4LAB_CPU_DENSE_MB", CPU_DENSE_BUDGET_MB)) << 20
     for matrix in matrices:
-        size = matrix.rows * matrix.cols * 4
+        size = matrix.rows * matrix.cols * 4 * (matrix.raw.shape[0] if isinstance(matrix, ExpertBlocks) else 1)
         if size <= budget:
             matrix.float32 = matrix.dense()
             mx.eval(matrix.float32)
@@ -208,7 +219,8 @@ def load_weights(model_file: ModelFile) -> ModelWeights:
         head=head,
         layers=layers,
     )
-    keep_decoded([weights.output] + [m for layer in weights.layers for m in layer.q8.values()])
+    keep_decoded([weights.output] + [m for layer in weights.layers for m in layer.q8.values()]
+                 + [e for layer in weights.layers for e in layer.experts.values()])
     return weights
 
 
