@@ -42,8 +42,8 @@ def _q8_products(model, tokens, monkeypatch) -> list[tuple[np.ndarray, np.ndarra
     seen = []
     original = Schedule.q8
 
-    def spy(self, matrix, x):
-        y = original(self, matrix, x)
+    def spy(self, matrix, x, shape=None):
+        y = original(self, matrix, x, shape)
         seen.append((np.array(x).reshape(-1, matrix.cols), np.array(matrix.dense(), np.float64),
                      np.array(y).reshape(-1, matrix.rows)))
         return y
