@@ -288,10 +288,10 @@ class Model:
             streams, rotation.cos, rotation.sin)
         t, n_kept = kv.shape[0], cache.raw.shape[0]
         keys = cache.update_window(kv, cfg.n_swa)
-        mask = _window_mask(p0, t, n_kept, cfg.n_swa)
-        comp = None                           # the compressed rows, after the window's in key order
-        if layer.ratio:
+        if layer.ratio:                       # the compressed rows follow the window's in key order
             comp, mask = self._compressed_keys(layer, cache, h, xa, queries, p0, n_kept, mm)
+        else:
+            comp, mask = None, _window_mask(p0, t, n_kept, cfg.n_swa)
         if h.wants("hook_pattern") or h.wants("hook_key_span"):
             self._read_pattern(h, q, keys if comp is None else mx.concatenate([keys, comp]), mask,
                                d["attn_sinks.weight"], mx.arange(p0 - n_kept, p0 + t), layer.ratio)
