@@ -309,6 +309,14 @@ def test_expert_tiles_group_every_pair_once_by_expert():
         kernels.expert_gemm(gate, kernels.expert_tiles(experts[:, :1], 16), mx.zeros((149, 256)), x_div=1)
 
 
+def test_q8_matvec_refuses_an_output_shape_of_other_size(small_weights):
+    """The matvec writes tokens x rows values into the shape it is given: one of another size
+    is refused before any launch (the kernel would write past it or leave values unset)."""
+    q_b = small_weights.layers[0].q8["attn_q_b.weight"]
+    with pytest.raises(ValueError, match="does not hold"):
+        kernels.q8_matvec(q_b, mx.zeros((1, q_b.cols)), shape=(1, 2, q_b.rows))
+
+
 def test_a_hook_off_the_boundaries_sends_only_its_block_to_the_reference(small_weights, stand_in_kernels):
     model = Model(small_weights)
     tokens = [5, 6, 7]

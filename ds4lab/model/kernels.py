@@ -245,13 +245,16 @@ def q8_matvec(matrix: Q8Matrix, x: mx.array, groups: int = 1, shape: tuple[int, 
     given, is the output's shape instead (the same values in order: q heads [T, H, D])."""
     cols = matrix.cols
     t = _grouped_tokens("q8_matvec", matrix, x, groups)
+    natural = (*x.shape[:-1], matrix.rows) if groups == 1 else (x.shape[0], matrix.rows)
+    if shape is not None and int(np.prod(shape)) != t * matrix.rows:    # the kernel writes t·rows values
+        raise ValueError(f"q8_matvec: output shape {tuple(shape)} does not hold {t}x{matrix.rows} values")
     group_rows = matrix.rows // groups
     r = 4 if group_rows % 4 == 0 else 2 if group_rows % 2 == 0 else 1
     (y,) = _fused("q8_matvec")(
         inputs=[matrix.codes, matrix.scales, x.astype(mx.float32)],
         template=[("ROWS", matrix.rows), ("COLS", cols), ("GROUP_ROWS", group_rows), ("R", r)],
         grid=(-(-matrix.rows // (r * _Q8_WARPS)) * 32 * _Q8_WARPS, t, 1), threadgroup=(32 * _Q8_WARPS, 1, 1),
-        output_shapes=[shape or ((*x.shape[:-1], matrix.rows) if groups == 1 else (x.shape[0], matrix.rows))],
+        output_shapes=[shape or natural],
         output_dtypes=[mx.float32])
     return y
 
