@@ -91,8 +91,12 @@ def bench(name: str, model: Model, contexts: list[int], steps: int, bw: float, h
         start = session.snapshot()
         # Untimed first: this context's first steps compile what the warm-up did not reach (a
         # compressed row's emission every 4 tokens, the indexer's kernels past 2048 tokens).
+        # The greedy stream too: its steps take the token as a device scalar (new kernels once).
         for _ in range(WARM_STEPS):
             mx.eval(session.decode(int(mx.argmax(logits).item())))
+        session.restore(start)
+        for _ in stream(model, [], max_tokens=WARM_STEPS, session=session):
+            pass
         session.restore(start)
         t = time.perf_counter()
         for _ in range(steps):
