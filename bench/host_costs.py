@@ -24,7 +24,7 @@ import mlx.core as mx
 from ds4lab.model import kernels
 
 _COPY = """
-    uint i = blockIdx.x * blockDim.x + threadIdx.x;
+    unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < x_shape[0]) out[i] = x[i] + 1.0f;
 """
 
