@@ -142,6 +142,20 @@ def check_fused_kernels() -> None:
         ref = (mx.maximum(q @ keys.T, 0.0) * w[:, :, None]).sum(axis=1)
         print(f"indexer_scores ({t} tokens, {h} heads, dim {dh}, {n_keys} keys) vs dots: "
               f"max rel err {_rel(kernels.indexer_scores(q, w, keys), ref):.2e}")
+    # A compressor's slot write (decode, no window completed): ratio 4 (two windows of rows,
+    # twice the width), ratio 128, the indexer's, the small shape's.
+    for r, cols, rows, ratio in ((1024, 4096, 8, 4), (512, 4096, 128, 128), (256, 4096, 8, 4), (384, 256, 8, 4)):
+        x, w_kv, w_gate = mx.random.normal((1, cols)), mx.random.normal((r, cols)), mx.random.normal((r, cols))
+        ape, kv, score = mx.random.normal((ratio, r)), mx.random.normal((rows, r)), mx.random.normal((rows, r))
+        slot = ratio - 2
+        row = rows - 2 if ratio == 4 else slot
+        at_row = mx.arange(rows)[:, None] == row
+        refs = (mx.where(at_row, x @ w_kv.T, kv), mx.where(at_row, x @ w_gate.T + ape[slot], score))
+        outs = kernels.compressor_slot(x, w_kv, w_gate, ape, kv, score, row, slot)
+        err = max(_rel(a, b) for a, b in zip(outs, refs, strict=True))
+        _bar(f"compressor_slot {r}x{cols}, {rows} rows", err <= _KERNEL_BAR)
+        print(f"compressor_slot ({r} x {cols}, frontier of {rows} rows) vs two GEMVs and selects: "
+              f"max rel err {err:.2e}")
     # Scores on a coarse grid (many ties), tokens that see more and fewer rows than top-k.
     for t, n_rows, top_k, w in ((1, 1024, 512, 129), (4, 3000, 512, 130), (3, 40, 16, 7)):
         scores = mx.round(mx.random.normal((t, n_rows)) * 4) / 4

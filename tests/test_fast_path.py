@@ -132,6 +132,20 @@ def _indexer_mask(inputs, t, grid, threadgroup):
     return [mx.array(np.concatenate([window, rows], axis=1))]
 
 
+def _compressor_slot(inputs, t, grid, threadgroup):
+    """The frontier with row at[0] replaced: kv by w_kv·x, score by w_gate·x + ape[at[1]]; one
+    warp per column of each matrix, each warp's values written once."""
+    x, w_kv, w_gate, ape, kv, score, at = inputs
+    row, slot = np.array(at).tolist()
+    r, rows = t["R"], t["ROWS"]
+    assert kv.shape == score.shape == (rows, r) and w_kv.shape == w_gate.shape == (r, t["COLS"]) == (r, x.size)
+    assert ape.shape[1] == r and 0 <= slot < ape.shape[0] and 0 <= row < rows
+    assert 2 * r <= _blocks(grid, threadgroup)[0] * threadgroup[0] // 32 < 2 * r + threadgroup[0] // 32
+    at_row = mx.arange(rows)[:, None] == row
+    x = x.reshape(1, -1)
+    return [mx.where(at_row, x @ w_kv.T, kv), mx.where(at_row, x @ w_gate.T + ape[slot], score)]
+
+
 def _router(inputs, t, grid, threadgroup):
     logits, bias, scale = inputs
     assert logits.shape[1] == t["E"] and grid[0] // threadgroup[0] == logits.shape[0] >= 1
@@ -170,7 +184,7 @@ def _gemm_split_x(inputs, t, grid, threadgroup):
 STAND_INS = {"q8_matvec": _q8_matvec, "router": _router, "row_finish": _row_finish, "hc_pre": _hc_pre,
              "hc_post": _hc_post, "gemm_split_x": _gemm_split_x,
              "attention_heads": _attention_heads, "prefill_attention": _prefill_attention,
-             "indexer_scores": _indexer_scores, "indexer_mask": _indexer_mask}
+             "indexer_scores": _indexer_scores, "indexer_mask": _indexer_mask, "compressor_slot": _compressor_slot}
 
 
 def _expert_matvec(type_name):

@@ -21,12 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from functools import lru_cache, partial
+from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
 
 from ..config import coff, overlaps
+from . import kernels
 from .numerics import Schedule
 from .rope import Rotation, YarnParams, yarn_for
 from .weights import LayerWeights
@@ -79,7 +80,6 @@ class Compressor:
     yarn: YarnParams | None
     n_rot: int
     eps: float
-    _decode_update: Callable | None = field(default=None, repr=False)   # see `_decode_step`
     _emit: Callable | None = field(default=None, repr=False)            # see `_decode_emit`
 
     @classmethod
@@ -136,30 +136,12 @@ class Compressor:
 
     def _decode_step(self, frontier: Frontier, x: mx.array, p0: int) -> Frontier:
         """The fast path's decode step that completes no window: the token's kv and score rows
-        written into its frontier slot (what `compress_chunk` does with one such token), as one
-        compiled function of this compressor (the slot comes in as a row mask and its APE row)."""
-        if self._decode_update is None:
-            # the matrices transposed once (views, evaluated: no transpose inside each call)
-            kv_t, gate_t = self.kv_weight.T, self.gate_weight.T
-            mx.eval(kv_t, gate_t)
-            self._decode_update = mx.compile(partial(_write_slot, kv_t, gate_t, self.ape))
-        cur_base = self.ratio if overlaps(self.ratio) else 0
-        at_slot = _row_mask(cur_base + p0 % self.ratio, frontier.kv.shape[0])
-        return Frontier(*self._decode_update(frontier.kv, frontier.score, x, at_slot,
-                                             _slots(p0 % self.ratio, 1, self.ratio)))
-
-
-def _write_slot(kv_t: mx.array, gate_t: mx.array, ape: mx.array, kv: mx.array, score: mx.array,
-                x: mx.array, at_slot: mx.array, slot: mx.array) -> tuple[mx.array, mx.array]:
-    """(kv, score) with the rows where `at_slot` holds replaced by the token x's projections
-    (the score with the APE row of its window slot, `slot` [1])."""
-    return mx.where(at_slot, x @ kv_t, kv), mx.where(at_slot, x @ gate_t + ape[slot], score)
-
-
-@lru_cache(maxsize=512)
-def _row_mask(row: int, rows: int) -> mx.array:
-    """[rows, 1], True at `row`."""
-    return mx.array(np.arange(rows) == row)[:, None]
+        written into its frontier slot (what `compress_chunk` does with one such token), one
+        kernel (`kernels.compressor_slot`)."""
+        slot = p0 % self.ratio
+        row = (self.ratio if overlaps(self.ratio) else 0) + slot
+        return Frontier(*kernels.compressor_slot(x, self.kv_weight, self.gate_weight, self.ape, frontier.kv,
+                                                 frontier.score, row, slot))
 
 
 @lru_cache(maxsize=512)

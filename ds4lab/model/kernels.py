@@ -87,6 +87,8 @@ _KERNELS = {
                           ["q", "keys", "mask", "sinks", "rope_cos", "rope_sin", "n_keys"], ["out"]),
     "indexer_scores": ("indexer_scores.cu", ("ds4lab_block.cuh",), ["q", "w", "keys", "n_keys"], ["scores"]),
     "indexer_mask": ("indexer_mask.cu", (), ["scores", "visible", "window", "sizes"], ["mask"]),
+    "compressor_slot": ("compressor_slot.cu", (), ["x", "w_kv", "w_gate", "ape", "kv", "score", "at"],
+                        ["kv_out", "score_out"]),
     "router": ("router.cu", (), ["logits", "bias", "scale"], ["probs", "experts", "weights"]),
     "q8_matvec": ("q8_matvec.cu", ("ds4lab_block.cuh",), ["codes", "scales", "x"], ["y"]),
     "gemm_split_x": ("gemm_split_x.cu", ("ds4lab_block.cuh", "gemm_common.cuh"), ["x"], ["xh", "xl", "xsum", "xexp"]),
@@ -220,6 +222,19 @@ def indexer_mask(scores: mx.array, visible: mx.array, window: mx.array, top_k: i
         grid=(t * 1024, 1, 1), threadgroup=(1024, 1, 1),
         output_shapes=[(t, w + n)], output_dtypes=[mx.bool_])
     return mask
+
+
+def compressor_slot(x: mx.array, w_kv: mx.array, w_gate: mx.array, ape: mx.array, kv: mx.array, score: mx.array,
+                    row: int, slot: int) -> tuple[mx.array, mx.array]:
+    """A compressor's frontier (kv, score [rows, R]) after one token x [1, cols] that completes
+    no window: row `row` replaced by w_kv·x and w_gate·x + ape[slot] (model/compressor.py)."""
+    rows, r = kv.shape
+    threads = 256
+    return tuple(_fused("compressor_slot")(
+        inputs=[x, w_kv, w_gate, ape, kv, score, _constant((row, slot), mx.int32)],
+        template=[("R", r), ("COLS", x.shape[-1]), ("ROWS", rows)],
+        grid=(-(-2 * r * 32 // threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
+        output_shapes=[kv.shape, score.shape], output_dtypes=[mx.float32] * 2))
 
 
 # Up to this many tokens (decode, MTP verification) Q8_0 products are matvec kernels on the
