@@ -1,7 +1,10 @@
 // A compressor's decode step that completes no window (model/compressor.py `_decode_step`):
 // the token's kv and score rows written into its frontier slot. The new frontier is the old
 // one with row `at[0]` replaced: kv_out[at] = W_kv · x, score_out[at] = W_gate · x + ape[at[1]]
-// (the APE row of the token's window slot). Every other row is copied unchanged.
+// (the APE row of the token's window slot). Every other row is copied unchanged, except with
+// SHIFT (a ratio-4 compressor's step that completes its window, whose frontier holds two
+// windows): rows 0..RATIO-1 then take the window just completed, rows RATIO..2·RATIO-1 with
+// the token's row in its place (row 2·RATIO-1), so the last output row of that half is the token.
 //
 // One warp per output column c of one of the two matrices (warp w: matrix w / R, column
 // w % R, R = the frontier's width): the lanes read the matrix row c (contiguous, COLS values)
@@ -24,4 +27,7 @@ const int row = at[0];
 const float value = is_score ? acc + ape[(size_t)at[1] * R + c] : acc;
 const float* src = is_score ? score : kv;
 float* dst = is_score ? score_out : kv_out;
-for (int i = lane; i < ROWS; i += 32) dst[(size_t)i * R + c] = i == row ? value : src[(size_t)i * R + c];
+for (int i = lane; i < ROWS; i += 32) {
+    const int from = SHIFT && i < RATIO ? i + RATIO : i;
+    dst[(size_t)i * R + c] = from == row ? value : src[(size_t)from * R + c];
+}
