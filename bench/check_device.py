@@ -142,6 +142,28 @@ def check_fused_kernels() -> None:
         ref = (mx.maximum(q @ keys.T, 0.0) * w[:, :, None]).sum(axis=1)
         print(f"indexer_scores ({t} tokens, {h} heads, dim {dh}, {n_keys} keys) vs dots: "
               f"max rel err {_rel(kernels.indexer_scores(q, w, keys), ref):.2e}")
+    # A compressor's decode step: the slot write, and when the token completes a window the
+    # ratio-4 frontier's shift and the pooled row; ratio 4 (two windows of rows, twice the
+    # width), ratio 128, the indexer's, the small shape's.
+    from ds4lab.model.compressor import Frontier, compress_chunk
+    for width, cols, ratio in ((512, 4096, 4), (512, 4096, 128), (128, 4096, 4), (192, 256, 4)):
+        r = width * (2 if ratio == 4 else 1)
+        x, w_kv, w_gate = mx.random.normal((1, cols)), mx.random.normal((r, cols)), mx.random.normal((r, cols))
+        ape = mx.random.normal((ratio, r))
+        old = Frontier(mx.random.normal((r // width * ratio, r)), mx.random.normal((r // width * ratio, r)))
+        errs = []
+        for slot in (ratio - 2, ratio - 1):
+            row = slot + (ratio if ratio == 4 else 0)
+            pooled_ref, ref = compress_chunk(old, x @ w_kv.T, x @ w_gate.T + ape[slot], slot, ratio, width)
+            new = kernels.compressor_slot(x, w_kv, w_gate, ape, old.kv, old.score, row, slot,
+                                          ratio == 4 and slot == ratio - 1)
+            errs += [_rel(new[0], ref.kv), _rel(new[1], ref.score)]
+            if slot == ratio - 1:
+                errs.append(_rel(kernels.compressor_pool((old.kv, old.score), new, ratio, width), pooled_ref))
+        err = max(errs)
+        _bar(f"compressor_slot/pool width {width}, ratio {ratio}", err <= _KERNEL_BAR)
+        print(f"compressor_slot and compressor_pool (width {width}, ratio {ratio}, {cols} inputs) vs "
+              f"compress_chunk: max rel err {err:.2e}")
     # Scores on a coarse grid (many ties), tokens that see more and fewer rows than top-k.
     for t, n_rows, top_k, w in ((1, 1024, 512, 129), (4, 3000, 512, 130), (3, 40, 16, 7)):
         scores = mx.round(mx.random.normal((t, n_rows)) * 4) / 4

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from ds4lab.config import preset
-from ds4lab.model import Model, hc, kernels, moe
+from ds4lab.model import Model, compressor, hc, kernels, moe
 from ds4lab.model import numerics as nm
 from ds4lab.model.random_weights import _expert_blocks, random_weights
 from ds4lab.model.rope import apply_rope_tail
@@ -132,6 +132,36 @@ def _indexer_mask(inputs, t, grid, threadgroup):
     return [mx.array(np.concatenate([window, rows], axis=1))]
 
 
+def _compressor_slot(inputs, t, grid, threadgroup):
+    """The frontier with row at[0] replaced: kv by w_kv·x, score by w_gate·x + ape[at[1]]; with
+    SHIFT the second half of the rows (token included) copied over the first. One warp per
+    column of each matrix, each warp's values written once."""
+    x, w_kv, w_gate, ape, kv, score, at = inputs
+    row, slot = np.array(at).tolist()
+    r, rows, ratio = t["R"], t["ROWS"], t["RATIO"]
+    assert kv.shape == score.shape == (rows, r) and w_kv.shape == w_gate.shape == (r, t["COLS"]) == (r, x.size)
+    assert ape.shape == (ratio, r) and 0 <= slot < ratio and 0 <= row < rows
+    assert not t["SHIFT"] or (rows == 2 * ratio and row == rows - 1)
+    assert 2 * r <= _blocks(grid, threadgroup)[0] * threadgroup[0] // 32 < 2 * r + threadgroup[0] // 32
+    at_row = mx.arange(rows)[:, None] == row
+    x = x.reshape(1, -1)
+    outs = [mx.where(at_row, x @ w_kv.T, kv), mx.where(at_row, x @ w_gate.T + ape[slot], score)]
+    return [mx.concatenate([o[ratio:], o[ratio:]]) for o in outs] if t["SHIFT"] else outs
+
+
+def _compressor_pool(inputs, t, grid, threadgroup):
+    """compress_chunk's candidates of the completed window, pooled: one thread per output dim."""
+    old_kv, old_score, new_kv, new_score = inputs
+    ratio, width = t["RATIO"], t["WIDTH"]
+    assert grid[0] >= width > grid[0] - threadgroup[0] and new_kv.shape[1] == t["R"] == (1 + t["OVERLAP"]) * width
+    if t["OVERLAP"]:
+        kv = mx.concatenate([old_kv[:ratio, :width], new_kv[:ratio, width:]])
+        score = mx.concatenate([old_score[:ratio, :width], new_score[:ratio, width:]])
+    else:
+        kv, score = new_kv[:ratio], new_score[:ratio]
+    return [compressor._pool(kv[None], score[None])]
+
+
 def _router(inputs, t, grid, threadgroup):
     logits, bias, scale = inputs
     assert logits.shape[1] == t["E"] and grid[0] // threadgroup[0] == logits.shape[0] >= 1
@@ -170,7 +200,8 @@ def _gemm_split_x(inputs, t, grid, threadgroup):
 STAND_INS = {"q8_matvec": _q8_matvec, "router": _router, "row_finish": _row_finish, "hc_pre": _hc_pre,
              "hc_post": _hc_post, "gemm_split_x": _gemm_split_x,
              "attention_heads": _attention_heads, "prefill_attention": _prefill_attention,
-             "indexer_scores": _indexer_scores, "indexer_mask": _indexer_mask}
+             "indexer_scores": _indexer_scores, "indexer_mask": _indexer_mask,
+             "compressor_slot": _compressor_slot, "compressor_pool": _compressor_pool}
 
 
 def _expert_matvec(type_name):
@@ -288,6 +319,43 @@ def test_fast_path_wiring_matches_the_reference(request, weights_fixture, stand_
     assert np.abs(fast_full - ref_full).max() / scale < 1e-4
     assert np.abs(fast_decoded - ref_decoded).max() / scale < 1e-4
     assert np.abs(fast_decoded - fast_full[-6:]).max() / scale < 1e-4
+
+
+def _decoded_state(model: Model, tokens: list[int], decoded: int):
+    """The session's layers after a prefill of all but `decoded` tokens, then those decoded."""
+    session = model.session()
+    session.prefill(tokens[:-decoded])
+    for t in tokens[-decoded:]:
+        session.decode(t)
+    return session.state.layers
+
+
+def test_fast_decode_compressor_state_matches_the_reference(small_weights, stand_in_kernels):
+    """A decode token's compressor kernels leave the state the reference leaves: frontiers
+    and compressed rows, across a ratio-4 and a ratio-128 window's completion (positions
+    124..131: ratio 128 emits at 127)."""
+    model = Model(small_weights)
+    tokens = [(53 * i + 7) % 900 + 200 for i in range(132)]
+    fast = _decoded_state(model, tokens, 8)
+    assert stand_in_kernels.get("compressor_slot", 0) and stand_in_kernels.get("compressor_pool", 0)
+    model.numerics.allow_fast = False
+    ref = _decoded_state(model, tokens, 8)
+    ratios = model.config.compress_ratios[: model.config.n_layer]
+    assert 128 in ratios and 4 in ratios
+    for ratio, a, b in zip(ratios, fast, ref, strict=True):
+        if not ratio:
+            continue
+        assert a.comp.shape == b.comp.shape == (len(tokens) // ratio, model.config.head_dim)
+        frontiers, rows = [(a.frontier, b.frontier)], [(a.comp, b.comp)]
+        if a.index_frontier is not None:
+            frontiers.append((a.index_frontier, b.index_frontier))
+            rows.append((a.index_comp, b.index_comp))
+        for x, y in frontiers:                  # float sums in another order
+            for u, v in ((x.kv, y.kv), (x.score, y.score)):
+                v = np.array(v)
+                assert np.abs(np.array(u) - v).max() <= 1e-5 * max(np.abs(v[np.abs(v) < 1e29]).max(), 1.0)
+        for x, y in rows:         # FP8 / FP4 codes: a float-order difference flips a rare rounding
+            assert x.shape == y.shape and np.mean(np.array(x) == np.array(y)) > 0.99
 
 
 def test_expert_tiles_group_every_pair_once_by_expert():

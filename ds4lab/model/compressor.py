@@ -19,14 +19,14 @@ KV files agree with ds4.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from functools import lru_cache, partial
+from dataclasses import dataclass
+from functools import lru_cache
 
 import mlx.core as mx
 import numpy as np
 
 from ..config import coff, overlaps
+from . import kernels
 from .numerics import Schedule
 from .rope import Rotation, YarnParams, yarn_for
 from .weights import LayerWeights
@@ -79,8 +79,6 @@ class Compressor:
     yarn: YarnParams | None
     n_rot: int
     eps: float
-    _decode_update: Callable | None = field(default=None, repr=False)   # see `_decode_step`
-    _emit: Callable | None = field(default=None, repr=False)            # see `_decode_emit`
 
     @classmethod
     def of(cls, layer: LayerWeights, cfg, kind: str) -> Compressor:
@@ -99,67 +97,37 @@ class Compressor:
 
     def step(self, frontier: Frontier, x: mx.array, p0: int, mm: Schedule) -> tuple[mx.array, Frontier]:
         """Feed a chunk of tokens at positions p0..: the rows it completes, [E, width], normed, rotated to each window's
-        first position, rounded and stored as f16; and the new frontier."""
-        if mm.fast and x.shape[0] == 1:
-            if (p0 + 1) % self.ratio:
-                return mx.zeros((0, self.width), mx.float32), self._decode_step(frontier, x, p0)
-            return self._decode_emit(frontier, x, p0, mm)
-        return self._feed(frontier, x, p0, mm)
+        first position, rounded and stored as f16; and the new frontier.
 
-    def _feed(self, frontier: Frontier, x: mx.array, p0: int, mm: Schedule,
-              first: Rotation | None = None) -> tuple[mx.array, Frontier]:
-        """`step` as written; `first`, when given, is the rotation of the rows it emits."""
-        kv, score = self.project(x, p0, mm)
-        pooled, frontier = compress_chunk(frontier, kv, score, p0, self.ratio, self.width)
-        if pooled.shape[0] == 0:
-            return pooled, frontier
-        if first is None:
-            # rotated to each window's first position: p0 // ratio · ratio, then every ratio tokens
-            first = Rotation.at(p0 // self.ratio * self.ratio, pooled.shape[0], self.n_rot, self.rope_base,
-                                self.yarn, step=self.ratio)
+        A fast-path decode token takes kernels: the frontier's update (`_decode_step`) and, when
+        the token completes a window, its pooling from the frontiers before and after."""
+        if mm.fast and x.shape[0] == 1:
+            after = self._decode_step(frontier, x, p0)
+            if (p0 + 1) % self.ratio:
+                return mx.zeros((0, self.width), mx.float32), after
+            pooled = kernels.compressor_pool((frontier.kv, frontier.score), (after.kv, after.score), self.ratio,
+                                             self.width)
+        else:
+            kv, score = self.project(x, p0, mm)
+            pooled, after = compress_chunk(frontier, kv, score, p0, self.ratio, self.width)
+            if pooled.shape[0] == 0:
+                return pooled, after
+        # rotated to each window's first position: p0 // ratio · ratio, then every ratio tokens
+        first = Rotation.at(p0 // self.ratio * self.ratio, pooled.shape[0], self.n_rot, self.rope_base, self.yarn,
+                            step=self.ratio)
         rows = mm.finish_rows(pooled, eps=self.eps, weight=self.norm, rotation=first, qat=self.qat, fp8=self.fp8,
                               f16=True)
-        return rows, frontier
-
-    def _decode_emit(self, frontier: Frontier, x: mx.array, p0: int, mm: Schedule) -> tuple[mx.array, Frontier]:
-        """The fast path's decode step that completes a window, as one compiled function of
-        this compressor: every such step has the same slots (p0 % ratio = ratio - 1, all that
-        `compress_chunk` reads of p0), so only the emitted row's rotation comes in."""
-        if self._emit is None:
-            def emit(kv, score, x, cos, sin):
-                rows, after = self._feed(Frontier(kv, score), x, self.ratio - 1, mm, Rotation(cos, sin))
-                return rows, after.kv, after.score
-            self._emit = mx.compile(emit)
-        first = Rotation.at(p0 // self.ratio * self.ratio, 1, self.n_rot, self.rope_base, self.yarn)
-        rows, kv, score = self._emit(frontier.kv, frontier.score, x, first.cos, first.sin)
-        return rows, Frontier(kv, score)
+        return rows, after
 
     def _decode_step(self, frontier: Frontier, x: mx.array, p0: int) -> Frontier:
-        """The fast path's decode step that completes no window: the token's kv and score rows
-        written into its frontier slot (what `compress_chunk` does with one such token), as one
-        compiled function of this compressor (the slot comes in as a row mask and its APE row)."""
-        if self._decode_update is None:
-            # the matrices transposed once (views, evaluated: no transpose inside each call)
-            kv_t, gate_t = self.kv_weight.T, self.gate_weight.T
-            mx.eval(kv_t, gate_t)
-            self._decode_update = mx.compile(partial(_write_slot, kv_t, gate_t, self.ape))
-        cur_base = self.ratio if overlaps(self.ratio) else 0
-        at_slot = _row_mask(cur_base + p0 % self.ratio, frontier.kv.shape[0])
-        return Frontier(*self._decode_update(frontier.kv, frontier.score, x, at_slot,
-                                             _slots(p0 % self.ratio, 1, self.ratio)))
-
-
-def _write_slot(kv_t: mx.array, gate_t: mx.array, ape: mx.array, kv: mx.array, score: mx.array,
-                x: mx.array, at_slot: mx.array, slot: mx.array) -> tuple[mx.array, mx.array]:
-    """(kv, score) with the rows where `at_slot` holds replaced by the token x's projections
-    (the score with the APE row of its window slot, `slot` [1])."""
-    return mx.where(at_slot, x @ kv_t, kv), mx.where(at_slot, x @ gate_t + ape[slot], score)
-
-
-@lru_cache(maxsize=512)
-def _row_mask(row: int, rows: int) -> mx.array:
-    """[rows, 1], True at `row`."""
-    return mx.array(np.arange(rows) == row)[:, None]
+        """The fast path's frontier after one decode token (what `compress_chunk` does with
+        it): its kv and score rows written into its slot and, when it completes a ratio-4
+        window, that window moved to the first half; one kernel (`kernels.compressor_slot`)."""
+        slot = p0 % self.ratio
+        overlap = overlaps(self.ratio)
+        row = (self.ratio if overlap else 0) + slot
+        return Frontier(*kernels.compressor_slot(x, self.kv_weight, self.gate_weight, self.ape, frontier.kv,
+                                                 frontier.score, row, slot, overlap and slot == self.ratio - 1))
 
 
 @lru_cache(maxsize=512)

@@ -87,6 +87,9 @@ _KERNELS = {
                           ["q", "keys", "mask", "sinks", "rope_cos", "rope_sin", "n_keys"], ["out"]),
     "indexer_scores": ("indexer_scores.cu", ("ds4lab_block.cuh",), ["q", "w", "keys", "n_keys"], ["scores"]),
     "indexer_mask": ("indexer_mask.cu", (), ["scores", "visible", "window", "sizes"], ["mask"]),
+    "compressor_slot": ("compressor_slot.cu", (), ["x", "w_kv", "w_gate", "ape", "kv", "score", "at"],
+                        ["kv_out", "score_out"]),
+    "compressor_pool": ("compressor_pool.cu", (), ["old_kv", "old_score", "new_kv", "new_score"], ["out"]),
     "router": ("router.cu", (), ["logits", "bias", "scale"], ["probs", "experts", "weights"]),
     "q8_matvec": ("q8_matvec.cu", ("ds4lab_block.cuh",), ["codes", "scales", "x"], ["y"]),
     "gemm_split_x": ("gemm_split_x.cu", ("ds4lab_block.cuh", "gemm_common.cuh"), ["x"], ["xh", "xl", "xsum", "xexp"]),
@@ -220,6 +223,33 @@ def indexer_mask(scores: mx.array, visible: mx.array, window: mx.array, top_k: i
         grid=(t * 1024, 1, 1), threadgroup=(1024, 1, 1),
         output_shapes=[(t, w + n)], output_dtypes=[mx.bool_])
     return mask
+
+
+def compressor_slot(x: mx.array, w_kv: mx.array, w_gate: mx.array, ape: mx.array, kv: mx.array, score: mx.array,
+                    row: int, slot: int, shift: bool = False) -> tuple[mx.array, mx.array]:
+    """A compressor's frontier (kv, score [rows, R]) after one decode token x [1, cols]: row
+    `row` replaced by w_kv·x and w_gate·x + ape[slot] (model/compressor.py). With `shift` (a
+    ratio-4 window completed) the first half of the rows then takes the second half's."""
+    rows, r = kv.shape
+    threads = 256
+    return tuple(_fused("compressor_slot")(
+        inputs=[x, w_kv, w_gate, ape, kv, score, _constant((row, slot), mx.int32)],
+        template=[("R", r), ("COLS", x.shape[-1]), ("ROWS", rows), ("RATIO", ape.shape[0]), ("SHIFT", shift)],
+        grid=(-(-2 * r * 32 // threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
+        output_shapes=[kv.shape, score.shape], output_dtypes=[mx.float32] * 2))
+
+
+def compressor_pool(old: tuple[mx.array, mx.array], new: tuple[mx.array, mx.array], ratio: int,
+                    width: int) -> mx.array:
+    """The pooled row [1, width] of the window a decode token completes, from the frontier
+    (kv, score) before it (`old`) and after it (`new`, `compressor_slot`); before the row steps."""
+    threads = 128
+    (out,) = _fused("compressor_pool")(
+        inputs=[*old, *new], template=[("R", new[0].shape[1]), ("WIDTH", width), ("RATIO", ratio),
+                                       ("OVERLAP", new[0].shape[1] == 2 * width)],
+        grid=(-(-width // threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
+        output_shapes=[(1, width)], output_dtypes=[mx.float32])
+    return out
 
 
 # Up to this many tokens (decode, MTP verification) Q8_0 products are matvec kernels on the
