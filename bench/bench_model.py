@@ -65,13 +65,23 @@ _VIEWS = {"Broadcast", "BroadcastAxes", "Reshape", "Slice", "Squeeze", "ExpandDi
           "View", "Unflatten", "Flatten", "Copy"}
 
 
+def _cache_arrays(state) -> list[mx.array]:
+    """The arrays of a session's layer caches: raw window, compressed rows, frontiers."""
+    out = []
+    for layer in state.layers:
+        out += [a for a in (layer.raw, layer.comp, layer.index_comp) if a is not None]
+        out += [a for f in (layer.frontier, layer.index_frontier) if f is not None for a in (f.kv, f.score)]
+    return out
+
+
 def step_ops(model: Model, state) -> Counter:
-    """The primitives in the graph of one decode step from `state`, by name (on the CPU: the
-    graph after the step's last host round trip)."""
-    logits = model.forward(state, [1234], last_only=True).logits
+    """The primitives in the graph of one decode step from `state`, by name: its logits and the
+    cache it leaves (a compressor's frontier update feeds no logits of its own step)."""
+    mx.eval(_cache_arrays(state))
+    result = model.forward(state, [1234], last_only=True)
     with tempfile.TemporaryDirectory() as tmp:
         dot = Path(tmp) / "step.dot"
-        mx.export_to_dot(str(dot), logits)
+        mx.export_to_dot(str(dot), result.logits, *_cache_arrays(result.state))
         return Counter(re.findall(r'label ?="?([A-Za-z0-9_]+)', dot.read_text()))
 
 
@@ -107,8 +117,10 @@ def bench(name: str, model: Model, contexts: list[int], steps: int, bw: float, h
         t = time.perf_counter()
         streamed = sum(1 for _ in stream(model, [], max_tokens=steps, session=session))
         pipelined = streamed / (time.perf_counter() - t)
+        mx.eval(_cache_arrays(session.state))              # one step alone: its logits and its cache
         t = time.perf_counter()
-        step = model.forward(session.state, [999], last_only=True).logits
+        result = model.forward(session.state, [999], last_only=True)
+        step = [result.logits, *_cache_arrays(result.state)]
         built = time.perf_counter() - t
         mx.async_eval(step)                                 # returns once the host has encoded the step
         encoded = time.perf_counter() - t - built
