@@ -583,7 +583,7 @@ def target_passes(model, sequences: Sequence[Sequence[int]]) -> list[TargetPass]
 
 def fit(model, sequences: Sequence[Sequence[int] | TargetPass], steps: int = 300, seed: int = 0,
         pairing: str = "v3", lr: float = 3e-3, gain: float = 30.0, held_out: Sequence[int] | None = None,
-        eval_every: int = 100) -> FittedHead:
+        eval_every: int = 100, l2: float = 0.0) -> FittedHead:
     """Fit the head's e_proj and h_proj to the target's own behaviour on `sequences` (token
     ids, e.g. the model's greedy continuations, or their `target_passes`), the rest of the
     head as loaded.
@@ -595,7 +595,12 @@ def fit(model, sequences: Sequence[Sequence[int] | TargetPass], steps: int = 300
     state). Adam fits that direction to the target's own final normed vector where the draft
     is checked (divided by the head's norm weights), by mean squared error on unit-RMS
     targets; the head is then evaluated by its real forward (`curve`: teacher-forced
-    acceptance on `held_out` every `eval_every` steps)."""
+    acceptance on `held_out` every `eval_every` steps).
+
+    `l2` adds a ridge penalty l2 * (|E|^2 + |H|^2) / n_embd on the two maps (0: plain least
+    squares). With fewer rows than the maps' 2 * n_embd inputs, or not many more, plain least
+    squares interpolates the rows it has and guesses poorly on tokens it has not seen; about
+    0.3 is what a few hundred rows of the model's own greedy text need (`notebooks/07_mtp`)."""
     import mlx.optimizers as optim
 
     if model.mtp is None:
@@ -618,7 +623,10 @@ def fit(model, sequences: Sequence[Sequence[int] | TargetPass], steps: int = 300
               "h": mx.random.normal((d, d), key=k2) * (0.01 / d ** 0.5)}
 
     def loss_fn(p):
-        return mx.mean(mx.square(a @ p["e"].T + b @ p["h"].T - y))
+        loss = mx.mean(mx.square(a @ p["e"].T + b @ p["h"].T - y))
+        if l2:
+            loss = loss + l2 * (mx.sum(mx.square(p["e"])) + mx.sum(mx.square(p["h"]))) / d
+        return loss
 
     grad = mx.value_and_grad(loss_fn)
     opt = optim.Adam(learning_rate=lr)
