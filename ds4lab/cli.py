@@ -19,9 +19,9 @@ def _args_make_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=None, help="number of layers (flash-dims default 2)")
     p.add_argument("--vocab-rows", type=int, default=None,
                    help="keep only this many random embedding/output rows non-zero")
-    p.add_argument("--successor", type=float, default=None, metavar="S",
+    p.add_argument("--successor", type=float, default=None, metavar="STRENGTH",
                    help="language-like structure: the greedy next token follows a fixed random successor map "
-                        "(strength S, e.g. 0.5; off: random weights)")
+                        "(e.g. 0.5; off: random weights)")
     p.add_argument("--out", required=True)
 
 

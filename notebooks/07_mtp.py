@@ -162,8 +162,9 @@ plt.show()
 # reads; under ds4's pairing that token is t_i and its successor is again the target's likely
 # choice, so it keeps most of its acceptance. The ds4 head reads the target's choice off the
 # state h_i; under v3 that choice is the token it is also given, t_{i+1}, which it then often
-# repeats (the printout counts how often): nearly nothing is accepted. The controls: the v3 head's drafts against the target
-# one position later (a misaligned pairing) and against shuffled targets stay at chance.
+# repeats (the printout counts how often): nearly nothing is accepted. The controls: the v3
+# head's drafts against the target one position later (a misaligned pairing) and against
+# shuffled targets stay at chance.
 
 # %%
 s_cross = pd.DataFrame(index=["v3", "ds4"], columns=["unfitted", "v3", "ds4"], dtype=float)
