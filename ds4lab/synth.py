@@ -28,7 +28,10 @@ unchanged (the doubly-stochastic mixing keeps it; the sublayers add their output
 so the final normed vector after token v keeps a share of embed[v]'s direction and succ(v)
 gains a logit in proportion: the greedy choice follows the map most of the time, and the
 rest of the context (attention, experts) decides the other times. Everything else, the
-embedding included, is drawn as in the random model; only output.weight differs.
+embedding included, is drawn as in the random model; only output.weight differs. (The
+embedding is held in memory, as F16, until the output head is written: 1 GB for flash-dims
+without `vocab_rows`.) The embedding's share of the final vector shrinks with depth, so the
+same S gives a deeper model less structure (README, MTP section).
 """
 
 from __future__ import annotations
@@ -113,8 +116,9 @@ def metadata(cfg: ModelConfig, with_tokenizer: bool = True) -> list[tuple[str, s
 
 def successor_map(n_vocab: int, rows: np.ndarray | None, seed: int) -> np.ndarray:
     """The successor map `make_model(..., successor=S)` writes: succ[v] for every token id, a
-    single random cycle over `rows` (every id when None) drawn from `[seed, 3]`, end of
-    sequence left out (nothing leads to it: continuations do not stop by the map); -1 elsewhere."""
+    single random cycle over `rows` (the ids in use: with `vocab_rows`, the non-zero embedding
+    rows; every id when None) drawn from `[seed, 3]`, end of sequence left out (nothing leads
+    to it: continuations do not stop by the map); -1 elsewhere."""
     ids = np.arange(n_vocab) if rows is None else np.asarray(rows, dtype=np.int64)
     ids = ids[ids != vocab().eos_id]
     order = np.random.default_rng([seed, 3]).permutation(ids)
