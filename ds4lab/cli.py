@@ -19,6 +19,9 @@ def _args_make_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=None, help="number of layers (flash-dims default 2)")
     p.add_argument("--vocab-rows", type=int, default=None,
                    help="keep only this many random embedding/output rows non-zero")
+    p.add_argument("--successor", type=float, default=None, metavar="STRENGTH",
+                   help="language-like structure: the greedy next token follows a fixed random successor map "
+                        "(e.g. 0.5; off: random weights)")
     p.add_argument("--out", required=True)
 
 
@@ -26,7 +29,7 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     from .synth import make_model
 
     paths = make_model(args.out, args.preset, args.variant, mtp=args.mtp, seed=args.seed,
-                       n_layer=args.layers, vocab_rows=args.vocab_rows)
+                       n_layer=args.layers, vocab_rows=args.vocab_rows, successor=args.successor)
     for path in paths:
         print(path)
     return 0

@@ -468,15 +468,7 @@ def _head_rows(model, ids: list[int], full, pairing: str, depth: int, chunk: int
     """`teacher_forced` from the target's pass over `ids` (logits and final streams)."""
     s = SpecConfig(pairing=pairing).offset
     target_logits = np.array(full.logits, dtype=np.float32)
-    state = model.mtp.empty_state(model.config, 0)
-    step = 1 if depth > 1 else chunk
-    rows, states = [], []
-    for start in range(0, len(ids) - s, step):
-        stop = min(start + step, len(ids) - s)
-        logits, state = model.mtp.run(model, state, full.hidden[start:stop], ids[start + s:stop + s])
-        rows.append(np.array(logits, dtype=np.float32))
-        states.append(state)
-    head = np.concatenate(rows)
+    head, states = _run_head(model, ids, full.hidden, s, 1 if depth > 1 else chunk)
     fed = np.array(ids[s:], dtype=np.int64)
     frames = []
     for j in range(1, depth + 1):
@@ -494,6 +486,20 @@ def _head_rows(model, ids: list[int], full, pairing: str, depth: int, chunk: int
         survived[this] &= survived[before[: len(this)]]
     out["prefix_accepted"] = survived
     return out
+
+
+def _run_head(model, ids: list[int], hidden: mx.array, s: int, step: int) -> tuple[np.ndarray, list[MTPState]]:
+    """The head's rows over `ids` (warm window, real states; `step` rows per pass): the row at
+    position i reads hidden[i] and ids[i + s]. Returns the logits [len(ids) - s, n_vocab] and
+    the state after each pass."""
+    state = model.mtp.empty_state(model.config, 0)
+    rows, states = [], []
+    for start in range(0, len(ids) - s, step):
+        stop = min(start + step, len(ids) - s)
+        logits, state = model.mtp.run(model, state, hidden[start:stop], ids[start + s:stop + s])
+        rows.append(np.array(logits, dtype=np.float32))
+        states.append(state)
+    return np.concatenate(rows), states
 
 
 def _tf_frame(head: np.ndarray, fed: np.ndarray, target_logits: np.ndarray, s: int, depth: int) -> pd.DataFrame:
@@ -583,7 +589,7 @@ def target_passes(model, sequences: Sequence[Sequence[int]]) -> list[TargetPass]
 
 def fit(model, sequences: Sequence[Sequence[int] | TargetPass], steps: int = 300, seed: int = 0,
         pairing: str = "v3", lr: float = 3e-3, gain: float = 30.0, held_out: Sequence[int] | None = None,
-        eval_every: int = 100) -> FittedHead:
+        eval_every: int = 100, l2: float = 0.0) -> FittedHead:
     """Fit the head's e_proj and h_proj to the target's own behaviour on `sequences` (token
     ids, e.g. the model's greedy continuations, or their `target_passes`), the rest of the
     head as loaded.
@@ -595,7 +601,12 @@ def fit(model, sequences: Sequence[Sequence[int] | TargetPass], steps: int = 300
     state). Adam fits that direction to the target's own final normed vector where the draft
     is checked (divided by the head's norm weights), by mean squared error on unit-RMS
     targets; the head is then evaluated by its real forward (`curve`: teacher-forced
-    acceptance on `held_out` every `eval_every` steps)."""
+    acceptance on `held_out` every `eval_every` steps).
+
+    `l2` adds a ridge penalty l2 * (|E|^2 + |H|^2) / n_embd on the two maps (0: plain least
+    squares). With fewer rows than the maps' 2 * n_embd inputs, or not many more, plain least
+    squares interpolates the rows it has and guesses poorly on tokens it has not seen; about
+    0.3 is what a few hundred rows of the model's own greedy text need (`notebooks/07_mtp`)."""
     import mlx.optimizers as optim
 
     if model.mtp is None:
@@ -618,12 +629,16 @@ def fit(model, sequences: Sequence[Sequence[int] | TargetPass], steps: int = 300
               "h": mx.random.normal((d, d), key=k2) * (0.01 / d ** 0.5)}
 
     def loss_fn(p):
-        return mx.mean(mx.square(a @ p["e"].T + b @ p["h"].T - y))
+        loss = mx.mean(mx.square(a @ p["e"].T + b @ p["h"].T - y))
+        if l2:
+            loss = loss + l2 * (mx.sum(mx.square(p["e"])) + mx.sum(mx.square(p["h"]))) / d
+        return loss
 
     grad = mx.value_and_grad(loss_fn)
     opt = optim.Adam(learning_rate=lr)
     held = None if held_out is None else [int(t) for t in held_out]
     full = None if held is None else model.session().prefill_all(held)
+    choices = None if full is None else np.array(full.logits, dtype=np.float32).argmax(axis=1)
     curve = []
     for step in range(steps + 1):
         if step:
@@ -635,7 +650,7 @@ def fit(model, sequences: Sequence[Sequence[int] | TargetPass], steps: int = 300
         row = {"step": step, "loss": float(loss)}
         if full is not None and (step % eval_every == 0 or step == steps):
             head = _with_projections(head0, params, gain)
-            row["acceptance"] = float(_evaluate(model, head, held, full, pairing))
+            row["acceptance"] = _evaluate(model, head, held, full, pairing, choices)
         curve.append(row)
     return FittedHead(_with_projections(head0, params, gain), Path(head0.source), pd.DataFrame(curve), pairing, cfg)
 
@@ -650,10 +665,15 @@ def _with_projections(head: MTPHead, params: dict, gain: float) -> MTPHead:
     return dataclasses.replace(head, e_proj=_q8(np.array(params["e"] * gain)), h_proj=_q8(np.array(params["h"] * gain)))
 
 
-def _evaluate(model, head: MTPHead, ids: list[int], full, pairing: str) -> float:
-    """Teacher-forced greedy acceptance of `head` in place of the model's (restored after)."""
+def _evaluate(model, head: MTPHead, ids: list[int], full, pairing: str, choices: np.ndarray) -> float:
+    """Teacher-forced greedy acceptance of `head` in place of the model's (restored after):
+    `teacher_forced`'s `accepted` at depth 1, without the rest of its frame. `choices`: the
+    target's greedy choice at each position (the argmax of `full.logits`)."""
+    s = SpecConfig(pairing=pairing).offset
     before, model.mtp = model.mtp, head
     try:
-        return float(_head_rows(model, ids, full, pairing, 1)["accepted"].mean())
+        drafts = _run_head(model, ids, full.hidden, s, 512)[0].argmax(axis=1)
     finally:
         model.mtp = before
+    n = min(len(drafts), len(choices) - s)
+    return float((drafts[:n] == choices[s: s + n]).mean())

@@ -14,7 +14,9 @@ def cache_dir() -> Path:
 
 
 def synthetic_model(preset: str = "tiny", variant: str = "q2", seed: int = 0, **kwargs: object) -> Path:
-    """Path of a synthetic model in the cache, written on first use (same arguments, same file)."""
+    """Path of a synthetic model in the cache, written on first use (same arguments, same file).
+    `kwargs` are `synth.make_model`'s (mtp, n_layer, vocab_rows, successor, ...); each one given
+    names the file (`tiny-q2-s5-mtpTrue-n_layer2-successor0.5-vocab_rows128.gguf`)."""
     from .synth import make_model, mtp_path
 
     extra = "".join(f"-{k}{v}" for k, v in sorted(kwargs.items()) if v is not None)

@@ -17,6 +17,21 @@ Tensors are drawn in file order from one `numpy.random.default_rng(seed)` and wr
 a time, so the same arguments give the same bytes and a multi-GB `flash-dims` file never
 sits in memory. `vocab_rows` keeps only a chosen set of embedding and output rows non-zero,
 which makes the files compress to almost nothing.
+
+Random weights give a target whose next token has no token-level structure: nothing like a
+language model's bigram statistics, which is what an MTP head under DeepSeek's pairing leans
+on. `successor=S` (opt-in; off, the bytes are exactly the random model's) writes that
+structure into the output head through a fixed random successor map: a single cycle over the
+vocabulary rows in use, drawn from `[seed, 3]`, and the output row of succ(v) gets S times a
+random row's norm along the direction of v's embedding. The embedding enters every HC stream
+unchanged (the doubly-stochastic mixing keeps it; the sublayers add their outputs beside it),
+so the final normed vector after token v keeps a share of embed[v]'s direction and succ(v)
+gains a logit in proportion: the greedy choice follows the map most of the time, and the
+rest of the context (attention, experts) decides the other times. Everything else, the
+embedding included, is drawn as in the random model; only output.weight differs. (The
+embedding is held in memory, as F16, until the output head is written: 1 GB for flash-dims
+without `vocab_rows`.) The embedding's share of the final vector shrinks with depth, so the
+same S gives a deeper model less structure (README, MTP section).
 """
 
 from __future__ import annotations
@@ -99,11 +114,27 @@ def metadata(cfg: ModelConfig, with_tokenizer: bool = True) -> list[tuple[str, s
     return kv
 
 
+def successor_map(n_vocab: int, rows: np.ndarray | None, seed: int) -> np.ndarray:
+    """The successor map `make_model(..., successor=S)` writes: succ[v] for every token id, a
+    single random cycle over `rows` (the ids in use: with `vocab_rows`, the non-zero embedding
+    rows; every id when None) drawn from `[seed, 3]`, end of sequence left out (nothing leads
+    to it: continuations do not stop by the map); -1 elsewhere."""
+    ids = np.arange(n_vocab) if rows is None else np.asarray(rows, dtype=np.int64)
+    ids = ids[ids != vocab().eos_id]
+    order = np.random.default_rng([seed, 3]).permutation(ids)
+    succ = np.full(n_vocab, -1, dtype=np.int64)
+    succ[order] = np.roll(order, -1)
+    return succ
+
+
 class _WeightDrawer:
     """Draws each tensor's values in file order from one generator."""
 
-    def __init__(self, cfg: ModelConfig, rng: np.random.Generator, vocab_rows: np.ndarray | None) -> None:
+    def __init__(self, cfg: ModelConfig, rng: np.random.Generator, vocab_rows: np.ndarray | None,
+                 successor: tuple[float, np.ndarray] | None = None) -> None:
         self.cfg, self.rng, self.vocab_rows = cfg, rng, vocab_rows
+        self.successor = successor           # (strength, succ map) or None: see the module doc
+        self.embedding: np.ndarray | None = None
 
     def _normal(self, shape: tuple[int, ...], std: float) -> np.ndarray:
         return (self.rng.standard_normal(shape, dtype=np.float32) * np.float32(std))
@@ -124,6 +155,19 @@ class _WeightDrawer:
             return quantize_q8_0(values)
         raise ValueError(f"no float writer for {type_name}")
 
+    def _add_successors(self, values: np.ndarray, chunk: int = 8192) -> None:
+        """output[succ[v]] += strength * _LOGIT_STD * embed[v] / |embed[v]| (a random output
+        row's norm is about _LOGIT_STD), in chunks of token ids."""
+        if self.embedding is None:
+            raise ValueError("the successor structure needs token_embd.weight drawn before output.weight")
+        strength, succ = self.successor
+        ids = np.flatnonzero(succ >= 0)
+        for start in range(0, len(ids), chunk):
+            v = ids[start:start + chunk]
+            e = self.embedding[v].astype(np.float32)
+            norm = np.maximum(np.linalg.norm(e, axis=1, keepdims=True), np.float32(1e-6))
+            values[succ[v]] += np.float32(strength * _LOGIT_STD) * e / norm
+
     def draw(self, spec: TensorSpec, type_name: str) -> np.ndarray:
         role, shape = spec.role, tuple(reversed(spec.dims))
         if type_name in EXPERT_D_AT_256:
@@ -139,8 +183,12 @@ class _WeightDrawer:
             return np.argsort(keys, axis=1)[:, : self.cfg.n_expert_used].astype(np.int32)
         if role == "token_embd.weight":
             values = self._mask_rows(self._normal(shape, 1.0))
+            if self.successor is not None:
+                self.embedding = values.astype(np.float16)      # as written (F16)
         elif role == "output.weight":
             values = self._mask_rows(self._normal(shape, _LOGIT_STD / np.sqrt(self.cfg.n_embd)))
+            if self.successor is not None:
+                self._add_successors(values)
         elif role.endswith("norm.weight"):
             values = 1.0 + self._normal(shape, 0.1)
         elif role.endswith("_scale.weight"):
@@ -171,12 +219,18 @@ def mtp_path(out: str | os.PathLike[str]) -> Path:
 
 def make_model(out: str | os.PathLike[str], preset_name: str = "tiny", variant: str = "q2", *,
                mtp: bool = False, seed: int = 0, n_layer: int | None = None,
-               vocab_rows: int | None = None, config: ModelConfig | None = None) -> list[Path]:
+               vocab_rows: int | None = None, successor: float | None = None,
+               config: ModelConfig | None = None) -> list[Path]:
     """Write a synthetic ds4 GGUF (and, with `mtp`, its MTP GGUF); return the paths written.
 
     `variant` picks the routed-expert types: 'q2' (IQ2_XXS gate/up, Q2_K down) or 'q4' (Q4_K).
     `vocab_rows=N` keeps N random embedding/output rows (ids drawn from the seed, the
-    special tokens included) and zeroes the rest. `config` overrides the preset's shape.
+    special tokens included) and zeroes the rest. `successor=S` gives the target a
+    language-like token structure: a fixed random successor map (`successor_map`, over the rows
+    in use) whose successor's output row leans S times a random row's norm towards the current
+    token's embedding, so that its greedy next token follows the map most of the time and the
+    context the rest (see the module doc; S = 0 or None is the random model, byte for byte).
+    `config` overrides the preset's shape.
     """
     if variant not in VARIANT_TYPES:
         raise ValueError(f"unknown variant {variant!r}: expected one of {', '.join(VARIANT_TYPES)}")
@@ -187,7 +241,12 @@ def make_model(out: str | os.PathLike[str], preset_name: str = "tiny", variant: 
         control = np.flatnonzero(np.asarray(vocab().token_types) != 1)
         others = id_rng.choice(cfg.n_vocab, size=min(vocab_rows, cfg.n_vocab), replace=False)
         rows = np.union1d(control, others)
-    drawer = _WeightDrawer(cfg, np.random.default_rng(seed), rows)
+    structure = None
+    if successor is not None and not successor >= 0:
+        raise ValueError(f"successor strength must be a number >= 0, not {successor!r}")
+    if successor:
+        structure = (float(successor), successor_map(cfg.n_vocab, rows, seed))
+    drawer = _WeightDrawer(cfg, np.random.default_rng(seed), rows, structure)
     out = Path(out)
     paths = [write_gguf(out, metadata(cfg), _tensors(main_tensors(cfg), drawer, VARIANT_TYPES[variant], cfg))]
     if mtp:

@@ -95,3 +95,30 @@ def on_cpu():
     mx.set_default_device(mx.cpu)
     yield
     mx.set_default_device(before)
+
+
+# Two shapes and seeds, one strength: the successor-structure tests hold on each (tuned to none).
+STRUCTURED = (("tiny", 2, 9), ("small", 2, 3))
+SUCCESSOR = 0.5
+
+
+@pytest.fixture(scope="session")
+def structured_models(synth_dir: Path) -> list[dict]:
+    """Models with language-like structure (`make_model(successor=SUCCESSOR)`, 128 vocabulary
+    rows), each with its MTP file: dicts of main, head, rows (the ids in use), succ (the map),
+    and the arguments they were made with."""
+    import numpy as np
+
+    from ds4lab import gguf
+    from ds4lab.synth import make_model, successor_map
+
+    made = []
+    for preset, n_layer, seed in STRUCTURED:
+        args = {"preset_name": preset, "n_layer": n_layer, "seed": seed, "vocab_rows": 128}
+        main, head = make_model(synth_dir / f"{preset}{n_layer}-s{seed}-succ.gguf", mtp=True, successor=SUCCESSOR,
+                                **args)
+        model_file = gguf.open(main)
+        rows = np.flatnonzero(np.abs(model_file.dequantize("token_embd.weight")).sum(axis=1))
+        made.append({"main": main, "head": head, "rows": rows, "args": args,
+                     "succ": successor_map(model_file.config.n_vocab, rows, seed)})
+    return made
