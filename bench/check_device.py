@@ -150,16 +150,30 @@ def check_fused_kernels() -> None:
         r = width * (2 if ratio == 4 else 1)
         x, w_kv, w_gate = mx.random.normal((1, cols)), mx.random.normal((r, cols)), mx.random.normal((r, cols))
         ape = mx.random.normal((ratio, r))
-        old = Frontier(mx.random.normal((r // width * ratio, r)), mx.random.normal((r // width * ratio, r)))
+        n_rows = r // width * ratio
         errs = []
-        for slot in (ratio - 2, ratio - 1):
+        # scores as drawn; the first window (no previous one: its rows hold the empty score);
+        # every row empty (the pooled row is 0)
+        for empty_rows, slot in ((0, ratio - 2), (0, ratio - 1), (ratio, ratio - 1), (n_rows, ratio - 1)):
+            score = mx.random.normal((n_rows, r))
+            score = mx.where(mx.arange(n_rows)[:, None] < empty_rows, -1e30, score)
+            old = Frontier(mx.random.normal((n_rows, r)), score)
             row = slot + (ratio if ratio == 4 else 0)
-            pooled_ref, ref = compress_chunk(old, x @ w_kv.T, x @ w_gate.T + ape[slot], slot, ratio, width)
-            new = kernels.compressor_slot(x, w_kv, w_gate, ape, old.kv, old.score, row, slot,
+            gate = x @ w_gate.T + ape[slot]
+            if empty_rows == n_rows:                 # the token's own score empty too
+                gate = mx.full(gate.shape, -1e30)
+                w_gate_used, ape_used = mx.zeros_like(w_gate), mx.full(ape.shape, -1e30)
+            else:
+                w_gate_used, ape_used = w_gate, ape
+            pooled_ref, ref = compress_chunk(old, x @ w_kv.T, gate, slot, ratio, width)
+            new = kernels.compressor_slot(x, w_kv, w_gate_used, ape_used, old.kv, old.score, row, slot,
                                           ratio == 4 and slot == ratio - 1)
-            errs += [_rel(new[0], ref.kv), _rel(new[1], ref.score)]
+            empty = ref.score < -1e29                 # compared apart: -1e30 would swamp a relative error
+            errs += [_rel(new[0], ref.kv), _rel(mx.where(empty, 0.0, new[1]), mx.where(empty, 0.0, ref.score)),
+                     0.0 if mx.array_equal(new[1] < -1e29, empty) else 1.0]
             if slot == ratio - 1:
-                errs.append(_rel(kernels.compressor_pool((old.kv, old.score), new, ratio, width), pooled_ref))
+                errs.append(_rel(kernels.compressor_pool((old.kv, old.score), new, ratio, width, ratio == 4),
+                                 pooled_ref))
         err = max(errs)
         _bar(f"compressor_slot/pool width {width}, ratio {ratio}", err <= _KERNEL_BAR)
         print(f"compressor_slot and compressor_pool (width {width}, ratio {ratio}, {cols} inputs) vs "

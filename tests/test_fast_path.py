@@ -142,6 +142,8 @@ def _compressor_slot(inputs, t, grid, threadgroup):
     assert kv.shape == score.shape == (rows, r) and w_kv.shape == w_gate.shape == (r, t["COLS"]) == (r, x.size)
     assert ape.shape == (ratio, r) and 0 <= slot < ratio and 0 <= row < rows
     assert not t["SHIFT"] or (rows == 2 * ratio and row == rows - 1)
+    assert threadgroup[0] % 32 == 0 and at.dtype == mx.int32
+    assert all(a.dtype == mx.float32 for a in (x, w_kv, w_gate, ape, kv, score))
     assert 2 * r <= _blocks(grid, threadgroup)[0] * threadgroup[0] // 32 < 2 * r + threadgroup[0] // 32
     at_row = mx.arange(rows)[:, None] == row
     x = x.reshape(1, -1)
@@ -154,6 +156,7 @@ def _compressor_pool(inputs, t, grid, threadgroup):
     old_kv, old_score, new_kv, new_score = inputs
     ratio, width = t["RATIO"], t["WIDTH"]
     assert grid[0] >= width > grid[0] - threadgroup[0] and new_kv.shape[1] == t["R"] == (1 + t["OVERLAP"]) * width
+    assert all(a.dtype == mx.float32 for a in inputs)
     if t["OVERLAP"]:
         kv = mx.concatenate([old_kv[:ratio, :width], new_kv[:ratio, width:]])
         score = mx.concatenate([old_score[:ratio, :width], new_score[:ratio, width:]])

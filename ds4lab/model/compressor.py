@@ -106,7 +106,7 @@ class Compressor:
             if (p0 + 1) % self.ratio:
                 return mx.zeros((0, self.width), mx.float32), after
             pooled = kernels.compressor_pool((frontier.kv, frontier.score), (after.kv, after.score), self.ratio,
-                                             self.width)
+                                             self.width, overlaps(self.ratio))
         else:
             kv, score = self.project(x, p0, mm)
             pooled, after = compress_chunk(frontier, kv, score, p0, self.ratio, self.width)

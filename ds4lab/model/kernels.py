@@ -233,20 +233,21 @@ def compressor_slot(x: mx.array, w_kv: mx.array, w_gate: mx.array, ape: mx.array
     rows, r = kv.shape
     threads = 256
     return tuple(_fused("compressor_slot")(
-        inputs=[x, w_kv, w_gate, ape, kv, score, _constant((row, slot), mx.int32)],
+        inputs=[*(a.astype(mx.float32) for a in (x, w_kv, w_gate, ape, kv, score)), _constant((row, slot), mx.int32)],
         template=[("R", r), ("COLS", x.shape[-1]), ("ROWS", rows), ("RATIO", ape.shape[0]), ("SHIFT", shift)],
         grid=(-(-2 * r * 32 // threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
         output_shapes=[kv.shape, score.shape], output_dtypes=[mx.float32] * 2))
 
 
-def compressor_pool(old: tuple[mx.array, mx.array], new: tuple[mx.array, mx.array], ratio: int,
-                    width: int) -> mx.array:
+def compressor_pool(old: tuple[mx.array, mx.array], new: tuple[mx.array, mx.array], ratio: int, width: int,
+                    overlap: bool) -> mx.array:
     """The pooled row [1, width] of the window a decode token completes, from the frontier
-    (kv, score) before it (`old`) and after it (`new`, `compressor_slot`); before the row steps."""
+    (kv, score) before it (`old`) and after it (`new`, `compressor_slot`); before the row steps.
+    `overlap`: a ratio-4 compressor's (frontier rows of 2·width, candidates from two windows)."""
     threads = 128
     (out,) = _fused("compressor_pool")(
-        inputs=[*old, *new], template=[("R", new[0].shape[1]), ("WIDTH", width), ("RATIO", ratio),
-                                       ("OVERLAP", new[0].shape[1] == 2 * width)],
+        inputs=[a.astype(mx.float32) for a in (*old, *new)],
+        template=[("R", new[0].shape[1]), ("WIDTH", width), ("RATIO", ratio), ("OVERLAP", overlap)],
         grid=(-(-width // threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(1, width)], output_dtypes=[mx.float32])
     return out
