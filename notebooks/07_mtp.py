@@ -39,7 +39,7 @@ from ds4lab import gguf, mtp
 from ds4lab.mtp import DS4_MARGIN, SpecConfig
 from ds4lab.paths import synthetic_model
 from ds4lab.quants import dequantize, quantize
-from ds4lab.synth import mtp_path, successor_map
+from ds4lab.synth import mtp_path, successor_drafter, successor_map
 
 mx.set_default_device(mx.cpu)
 path = os.environ.get("DS4LAB_MODEL") or synthetic_model("tiny", "q2", seed=5, mtp=True, n_layer=4, vocab_rows=128)
@@ -101,19 +101,11 @@ s_rows = np.flatnonzero(np.abs(gguf.open(s_path).dequantize("token_embd.weight")
 succ = successor_map(s_model.config.n_vocab, s_rows, seed=5)
 
 
-def along_the_map(context, k):
-    """A drafter: the next k tokens along the successor map."""
-    out = [context[-1]]
-    for _ in range(k):
-        out.append(int(succ[out[-1]]))
-    return out[1:]
-
-
 s_rng = np.random.default_rng(3)
 texts, per_pass = [], []
 for _ in range(7):
     prompt = [int(t) for t in s_rng.choice(s_rows, 8)]
-    g = ds4lab.generate(s_model, prompt, 96, spec=SpecConfig(draft_len=8, drafter=along_the_map))
+    g = ds4lab.generate(s_model, prompt, 96, spec=SpecConfig(draft_len=8, drafter=successor_drafter(succ)))
     texts.append(prompt + g.tokens)
     per_pass.append(g.spec_summary["tokens_per_target_forward"])
 s_train, s_held = texts[:-1], texts[-1]

@@ -14,7 +14,7 @@ from ds4lab import gguf, mtp
 from ds4lab.errors import ModelFileError
 from ds4lab.mtp import SpecConfig, accept_or_resample
 from ds4lab.steering import SteeringVector
-from ds4lab.synth import make_model
+from ds4lab.synth import make_model, successor_drafter
 
 N_TOKENS = 6
 SHORT = 4           # tokens per run of the lossless matrix (32 configs)
@@ -403,19 +403,11 @@ def test_fit_on_greedy_continuations_under_v3_reaches_half_on_held_out_text(stru
     # target passes.
     m = structured_models[0]
     model = ds4lab.load(m["main"], mtp=m["head"])
-    succ = m["succ"]
-
-    def along_the_map(context, k):
-        out = [context[-1]]
-        for _ in range(k):
-            out.append(int(succ[out[-1]]))
-        return out[1:]
-
     rng = np.random.default_rng(3)
     texts = []
     for _ in range(7):
         prompt = [int(t) for t in rng.choice(m["rows"], 8)]
-        g = ds4lab.generate(model, prompt, 96, spec=mtp.SpecConfig(draft_len=8, drafter=along_the_map))
+        g = ds4lab.generate(model, prompt, 96, spec=mtp.SpecConfig(draft_len=8, drafter=successor_drafter(m["succ"])))
         texts.append(prompt + g.tokens)
     check = texts[0][:8] + ds4lab.generate(model, texts[0][:8], 16).tokens     # plain greedy decoding
     assert check == texts[0][:24]
