@@ -11,7 +11,6 @@ from ds4lab.model import cpu_kernels
 from ds4lab.model.weights import Q8Matrix
 
 
-
 def random_q8(rows: int, cols: int, seed: int = 0) -> tuple[Q8Matrix, np.ndarray, np.ndarray]:
     """A Q8_0 matrix from random GGUF blocks, with its int8 codes and float32 scales."""
     rng = np.random.default_rng(seed)
