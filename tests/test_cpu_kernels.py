@@ -89,3 +89,106 @@ def test_the_model_reads_its_output_head_in_codes_and_agrees_with_the_blas_produ
     assert not np.array_equal(native, blas)               # two float orders, both exercised
     assert np.abs(native - blas).max() <= 1e-5 * blas.std()
     assert (native.argmax(axis=1) == blas.argmax(axis=1)).all()
+
+
+# ---- the HC input and the routed experts ----------------------------------------------------
+def _hc_inputs(t: int, n: int, width: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    streams = mx.array(rng.standard_normal((t, n, width)).astype(np.float32))
+    fn = mx.array((rng.standard_normal((2 * n + n * n, n * width)) * 0.05).astype(np.float32))
+    scale = mx.array(np.array([0.7, 1.3, 0.9], np.float32))
+    base = mx.array((rng.standard_normal(2 * n + n * n) * 0.3).astype(np.float32))
+    norm = mx.array((1 + rng.standard_normal(width) * 0.1).astype(np.float32))
+    return streams, fn, scale, base, norm
+
+
+@pytest.mark.parametrize("t,n,width", [(5, 4, 256), (3, 2, 64)])
+def test_hc_input_matches_the_composition_and_not_its_batch(t, n, width, on_cpu):
+    from ds4lab.model import hc
+    from ds4lab.model.numerics import Numerics
+
+    streams, fn, scale, base, norm = _hc_inputs(t, n, width)
+    pre, post, comb = cpu_kernels.hc_control(streams, fn, scale, base, 20, 1e-6, 1e-6)
+    ref = hc.hc_control(streams, fn, scale, base, 20, 1e-6, 1e-6, Numerics("float").schedule(np.arange(t)))
+    for mine, theirs in ((pre, ref.pre), (post, ref.post), (comb, ref.comb)):
+        assert np.abs(np.array(mine) - np.array(theirs)).max() <= 1e-5
+    c = np.array(comb)                          # Sinkhorn: rows and columns near 1
+    assert np.abs(c.sum(axis=1) - 1).max() < 1e-3 and np.abs(c.sum(axis=2) - 1).max() < 1e-3
+    x = cpu_kernels.hc_collapse_norm(streams, pre, norm, 1e-6)
+    want = np.array(ref.pre)[:, :, None] * np.array(streams)
+    want = want.sum(axis=1)
+    want = want / np.sqrt((want ** 2).mean(axis=1, keepdims=True) + 1e-6) * np.array(norm)
+    assert np.abs(np.array(x) - want).max() <= 1e-5 * np.abs(want).max()
+    for i in range(t):                          # a token alone: the same bits
+        alone = cpu_kernels.hc_control(streams[i:i + 1], fn, scale, base, 20, 1e-6, 1e-6)
+        for a, b in zip(alone, (pre, post, comb), strict=True):
+            np.testing.assert_array_equal(np.array(a)[0], np.array(b)[i])
+        np.testing.assert_array_equal(np.array(cpu_kernels.hc_collapse_norm(streams[i:i + 1], pre[i:i + 1], norm,
+                                                                            1e-6))[0], np.array(x)[i])
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_kernels.hc_control(streams, fn[1:], scale, base, 20, 1e-6, 1e-6)
+
+
+def _experts(n_expert: int, d: int, n_ff: int, t: int, u: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    gate, up = (mx.array((rng.standard_normal((n_expert, n_ff, d)) * 0.1).astype(np.float32)) for _ in range(2))
+    down = mx.array((rng.standard_normal((n_expert, d, n_ff)) * 0.1).astype(np.float32))
+    x = mx.array(rng.standard_normal((t, d)).astype(np.float32))
+    ids = np.stack([rng.choice(n_expert, u, replace=False) for _ in range(t)]).astype(np.int32)
+    weights = mx.array(rng.random((t, u)).astype(np.float32))
+    return gate, up, down, x, mx.array(ids), weights
+
+
+def test_routed_experts_match_the_per_expert_sum_and_not_their_batch():
+    from ds4lab.model.moe import swiglu
+
+    gate, up, down, x, ids, weights = _experts(8, 64, 96, t=7, u=3)
+    y, mid = cpu_kernels.routed_experts(gate, up, down, x, ids, weights, clamp=1.5, want_mid=True)
+    g, v, dn, xs, e, w = (np.array(a, dtype=np.float64) for a in (gate, up, down, x, ids, weights))
+    for t in range(7):
+        total = np.zeros(64)
+        for s in range(3):
+            k = int(e[t, s])
+            want_mid = np.array(swiglu(mx.array(g[k] @ xs[t], mx.float32), mx.array(v[k] @ xs[t], mx.float32), 1.5),
+                                np.float64) * w[t, s]
+            assert np.abs(np.array(mid)[t, s] - want_mid).max() <= 1e-5 * max(1.0, np.abs(want_mid).max())
+            total += dn[k] @ want_mid
+        assert np.abs(np.array(y)[t] - total).max() <= 1e-5 * max(1.0, np.abs(total).max())
+    alone = [np.array(cpu_kernels.routed_experts(gate, up, down, x[t:t + 1], ids[t:t + 1], weights[t:t + 1],
+                                                 1.5)[0])[0] for t in range(7)]
+    np.testing.assert_array_equal(np.stack(alone), np.array(y))
+    bad = np.array(ids)
+    bad[2, 1] = 8                               # an expert that does not exist
+    with pytest.raises(ValueError, match="out of range"):
+        cpu_kernels.routed_experts(gate, up, down, x, mx.array(bad), weights, 1.5)
+
+
+def test_the_model_takes_the_native_hc_and_expert_kernels_on_the_cpu(tiny_q2, monkeypatch, on_cpu):
+    """They are used (a spy counts them), hook replacements still apply, and the logits agree
+    with the MLX compositions (the kernels turned off) to float32 reassociation."""
+    import ds4lab
+
+    model = ds4lab.load(tiny_q2)
+    tokens = list(range(2000, 2012))
+    calls = {"hc_control": 0, "routed_experts": 0}
+    for name in calls:
+        real = getattr(cpu_kernels, name)
+
+        def spy(*args, _real=real, _name=name, **kwargs):
+            calls[_name] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(cpu_kernels, name, spy)
+    native = np.array(model.session().prefill_all(tokens).logits)
+    cfg = model.config
+    assert calls == {"hc_control": 2 * cfg.n_layer, "routed_experts": cfg.n_layer}
+    rolled = [("blocks.1.ffn.hook_hc_pre", lambda x, hook: mx.roll(x, 1, axis=-1))]   # another stream mix
+    with model.hooks(rolled):
+        edited = np.array(model.session().prefill_all(tokens).logits)
+    assert np.abs(edited - native).max() > 1e-3 * native.std()
+    monkeypatch.setattr(cpu_kernels, "available", lambda: False)
+    composed = np.array(model.session().prefill_all(tokens).logits)
+    with model.hooks(rolled):
+        composed_edit = np.array(model.session().prefill_all(tokens).logits)
+    assert np.abs(native - composed).max() <= 1e-4 * composed.std()
+    assert np.abs((edited - native) - (composed_edit - composed)).max() <= 1e-3 * np.abs(edited - native).max()

@@ -1,16 +1,22 @@
-"""The CPU's native kernel: a Q8_0 matrix times float rows, read in its 8-bit codes.
+"""ds4lab's native CPU kernels (`kernels/cpu/`, one small C file each), built on first use.
 
-On the CPU a decode step is bound by the large Q8_0 matrices (the output head above all:
-129,280 x n_embd). Through a BLAS they are multiplied decoded to float32, 4 bytes a weight,
-and in a tile of rows (the batch-invariant path's, `linalg`). `kernels/cpu/q8_0_matmul.c`
-reads the codes where they lie (1 byte a weight plus a scale per 32) and sums every output
-in an order fixed by its source, whatever the number of rows, threads or vector width: so
-prefill and decode still agree bit for bit, on any CPU.
+On the CPU an MLX operation costs about 8 µs of dispatch on top of its work (the hand-off to
+MLX's CPU worker thread), and a tiny-model decode step is some 1,400 of them; and the large
+Q8_0 matrices (the output head above all) go through a BLAS decoded to float32, in a tile of
+rows (the batch-invariant path's, `linalg`). These kernels do whole steps in one call:
 
-The source is compiled with the system C compiler (`$CC`, else `cc`) on first use, into
-`$DS4LAB_CACHE/kernels/` under a name that hashes the source and the flags, and loaded with
-ctypes. Without a compiler (or with `DS4LAB_NATIVE=0`) `available()` is False and the model
-keeps the BLAS product: the same function in another float order.
+- `q8_0_matmul`: a Q8_0 matrix times float rows, read in its codes (1 byte a weight and a
+  scale per 32), for the matrices of more than `linalg.CACHED_WEIGHTS` values;
+- `hc_control` and `hc_collapse_norm`: a sublayer's hyper-connection input (the control with
+  its Sinkhorn iterations, then the collapse and RMSNorm), in "float" numerics;
+- `routed_experts`: the routed experts of a chunk, when they are kept decoded.
+
+Each computes every token (and output) on its own in an order its source fixes, whatever the
+number of tokens, threads or the vector width: prefill and decode still agree bit for bit.
+The sources are compiled together with the system C compiler (`$CC`, else `cc`) on first use,
+into `$DS4LAB_CACHE/kernels/` under a name that hashes the sources and the flags, and loaded
+with ctypes. Without a compiler (or with `DS4LAB_NATIVE=0`) `available()` is False and the
+model keeps its MLX compositions: the same functions in another float order.
 """
 
 from __future__ import annotations
@@ -30,36 +36,48 @@ import numpy as np
 from ..paths import cache_dir
 from .linalg import CACHED_WEIGHTS
 
-SOURCE = Path(__file__).resolve().parents[2] / "kernels" / "cpu" / "q8_0_matmul.c"
+KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels" / "cpu"
 # No FMA contraction and no fast-math: the source's order of roundings is the result's.
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-pthread"]
-# Products below this many multiply-adds run on the calling thread (a thread costs ~30 µs).
+# Calls below this many multiply-adds run on the calling thread (a thread costs ~30 µs).
 THREADED_MACS = 1 << 22
 
 
 def _build() -> ctypes.CDLL | None:
-    if os.environ.get("DS4LAB_NATIVE", "1") == "0" or not SOURCE.is_file():
+    sources = sorted(KERNEL_DIR.glob("*.c")) if KERNEL_DIR.is_dir() else []
+    if os.environ.get("DS4LAB_NATIVE", "1") == "0" or not sources:
         return None
-    source = SOURCE.read_bytes()
     compiler = os.environ.get("CC", "cc")
-    key = hashlib.sha256(b"\0".join([source, " ".join([compiler, *FLAGS]).encode(),
-                                     platform.machine().encode()])).hexdigest()[:16]
+    digest = hashlib.sha256(" ".join([compiler, *FLAGS, platform.machine()]).encode())
+    for path in sorted(KERNEL_DIR.glob("*.[ch]")):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
     out_dir = cache_dir() / "kernels"
     out_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    library = out_dir / f"q8_0_matmul-{key}.so"
+    library = out_dir / f"ds4lab_cpu-{digest.hexdigest()[:16]}.so"
     if not library.is_file():
         fd, tmp = tempfile.mkstemp(dir=out_dir, suffix=".so")
         os.close(fd)
         try:
-            subprocess.run([compiler, *FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, timeout=120)
+            subprocess.run([compiler, *FLAGS, "-o", tmp, *map(str, sources), "-lm"], check=True, capture_output=True,
+                           timeout=300)
             os.replace(tmp, library)
+            for stale in out_dir.glob("*.so"):    # earlier builds (a loaded one stays mapped)
+                if stale != library:
+                    stale.unlink(missing_ok=True)
         except (OSError, subprocess.SubprocessError):
             Path(tmp).unlink(missing_ok=True)
             return None
     lib = ctypes.CDLL(str(library))
-    fn = lib.ds4lab_q8_0_matmul
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_int]
+    p, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    signatures = {
+        "ds4lab_q8_0_matmul": [p] * 4 + [i64] * 3 + [i32],
+        "ds4lab_hc_control": [p] * 4 + [i64] * 3 + [f32, f32, i32] + [p] * 3 + [i32],
+        "ds4lab_hc_collapse_norm": [p] * 3 + [i64] * 3 + [f32, p, i32],
+        "ds4lab_routed_experts_f32": [p] * 3 + [i64] * 3 + [p] * 3 + [i64, i64, f32, p, p, p, i32],
+    }
+    for name, argtypes in signatures.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = ctypes.c_int, argtypes
     return lib
 
 
@@ -69,7 +87,7 @@ def _library() -> ctypes.CDLL | None:
 
 
 def available() -> bool:
-    """Whether the native kernel is built (or can be) on this machine."""
+    """Whether the native kernels are built (or can be) on this machine."""
     return _library() is not None
 
 
@@ -80,30 +98,100 @@ def handles(rows: int, cols: int) -> bool:
     return rows * cols > CACHED_WEIGHTS and available()
 
 
+def _threads(macs: int) -> int:
+    return min(os.cpu_count() or 1, 16) if macs >= THREADED_MACS else 1
+
+
+def _floats(a: mx.array, shape: tuple[int, ...] | None = None) -> np.ndarray:
+    """A C-contiguous float32 view (or copy) of a (evaluated) array, optionally reshaped."""
+    out = np.ascontiguousarray(np.asarray(a.astype(mx.float32) if a.dtype != mx.float32 else a))
+    return out if shape is None else out.reshape(shape)
+
+
+def _check(status: int, what: str) -> None:
+    if status:
+        raise ValueError(f"native CPU kernel {what}: arguments out of range (status {status})")
+
+
+def _lib() -> ctypes.CDLL:
+    lib = _library()
+    if lib is None:
+        raise RuntimeError(f"the native CPU kernels are not built ({KERNEL_DIR}): no C compiler, or DS4LAB_NATIVE=0")
+    return lib
+
+
 def q8_0_matmul(codes: mx.array, scales: mx.array, x: mx.array) -> mx.array:
     """x [..., cols] @ W.T for W [rows, cols] held as `Q8Matrix` holds it: `codes` the int8
     codes + 128 as uint8 (packed four to a uint32, as MLX's 8-bit quantisation stores them),
     `scales` [rows, cols / 32] float32. Evaluates x; the result is a new array [..., rows]."""
-    lib = _library()
-    if lib is None:
-        raise RuntimeError(f"the native CPU kernel is not built ({SOURCE}): no C compiler, or DS4LAB_NATIVE=0")
+    lib = _lib()
     rows, n_blocks = scales.shape
     cols = n_blocks * 32
     if x.shape[-1] != cols:
         raise ValueError(f"x has {x.shape[-1]} columns, the matrix {cols}")
-    code_bytes = np.asarray(codes).view(np.uint8)
-    scale_values = np.asarray(scales)
-    if code_bytes.shape != (rows, cols) or scale_values.dtype != np.float32:
-        raise ValueError(f"codes {code_bytes.shape} and scales {scale_values.shape} "
-                         f"{scale_values.dtype} do not describe a [{rows}, {cols}] Q8_0 matrix")
-    lead = x.shape[:-1]
-    xs = np.ascontiguousarray(np.asarray(x.astype(mx.float32)).reshape(-1, cols))
-    code_bytes = np.ascontiguousarray(code_bytes)
-    scale_values = np.ascontiguousarray(scale_values)
-    n = xs.shape[0]
-    y = np.empty((n, rows), np.float32)
-    if n:
-        threads = min(os.cpu_count() or 1, 16) if n * rows * cols >= THREADED_MACS else 1
-        lib.ds4lab_q8_0_matmul(code_bytes.ctypes.data, scale_values.ctypes.data, xs.ctypes.data, y.ctypes.data,
-                               rows, cols, n, threads)
-    return mx.array(y).reshape(*lead, rows)
+    code_bytes = np.ascontiguousarray(np.asarray(codes).view(np.uint8))
+    if code_bytes.shape != (rows, cols) or scales.dtype != mx.float32:
+        raise ValueError(f"codes {code_bytes.shape} and scales {scales.shape} {scales.dtype} "
+                         f"do not describe a [{rows}, {cols}] Q8_0 matrix")
+    scale_values = _floats(scales)
+    xs = _floats(x, (-1, cols))
+    y = np.empty((xs.shape[0], rows), np.float32)
+    if xs.shape[0]:
+        _check(lib.ds4lab_q8_0_matmul(code_bytes.ctypes.data, scale_values.ctypes.data, xs.ctypes.data,
+                                      y.ctypes.data, rows, cols, xs.shape[0], _threads(y.size * cols)), "q8_0_matmul")
+    return mx.array(y).reshape(*x.shape[:-1], rows)
+
+
+def hc_control(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array, sinkhorn_iters: int,
+               rms_eps: float, hc_eps: float) -> tuple[mx.array, mx.array, mx.array]:
+    """pre [T, n_hc], post [T, n_hc], comb [T, n_hc, n_hc] of `hc.hc_control` for streams
+    [T, n_hc, width] and the mixer fn [2 n_hc + n_hc^2, n_hc * width] (`kernels/cpu/hc_input.c`)."""
+    t, n, width = streams.shape
+    if fn.shape != (2 * n + n * n, n * width) or scale.size != 3 or base.size != fn.shape[0]:
+        raise ValueError(f"HC mixer {fn.shape}, scale {scale.shape}, base {base.shape} do not fit "
+                         f"streams [{t}, {n}, {width}]")
+    s, f, sc, b = _floats(streams), _floats(fn), _floats(scale), _floats(base)
+    pre, post, comb = np.empty((t, n), np.float32), np.empty((t, n), np.float32), np.empty((t, n, n), np.float32)
+    if t:
+        _check(_lib().ds4lab_hc_control(s.ctypes.data, f.ctypes.data, sc.ctypes.data, b.ctypes.data, t, n, width,
+                                        rms_eps, hc_eps, sinkhorn_iters, pre.ctypes.data, post.ctypes.data,
+                                        comb.ctypes.data, _threads(f.size * t)), "hc_control")
+    return mx.array(pre), mx.array(post), mx.array(comb)
+
+
+def hc_collapse_norm(streams: mx.array, pre: mx.array, norm: mx.array | None, eps: float) -> mx.array:
+    """RMSNorm(Σ_a pre[:, a] · streams[:, a]) · norm, [T, width] (`hc.hc_collapse`, then the
+    sublayer's norm)."""
+    t, n, width = streams.shape
+    if pre.shape != (t, n) or (norm is not None and norm.shape != (width,)):
+        raise ValueError(f"pre {pre.shape} and norm {None if norm is None else norm.shape} do not fit "
+                         f"streams [{t}, {n}, {width}]")
+    s, p = _floats(streams), _floats(pre)
+    w = None if norm is None else _floats(norm)
+    out = np.empty((t, width), np.float32)
+    if t:
+        _check(_lib().ds4lab_hc_collapse_norm(s.ctypes.data, p.ctypes.data, None if w is None else w.ctypes.data, t,
+                                              n, width, eps, out.ctypes.data, _threads(s.size)), "hc_collapse_norm")
+    return mx.array(out)
+
+
+def routed_experts(gate: mx.array, up: mx.array, down: mx.array, x: mx.array, experts: mx.array,
+                   weights: mx.array, clamp: float, want_mid: bool = False) -> tuple[mx.array, mx.array | None]:
+    """`moe.routed_experts` for experts kept decoded: gate, up [E, n_ff, d], down [E, d, n_ff]
+    float32, x [T, d], experts and weights [T, U]. Returns y [T, d] and, with `want_mid`, the
+    route-weighted SwiGLU activations [T, U, n_ff] (`kernels/cpu/routed_experts.c`)."""
+    n_expert, n_ff, d = gate.shape
+    t, u = experts.shape
+    if up.shape != gate.shape or down.shape != (n_expert, d, n_ff) or x.shape != (t, d) or weights.shape != (t, u):
+        raise ValueError(f"experts gate {gate.shape}, up {up.shape}, down {down.shape}, x {x.shape}, "
+                         f"experts {experts.shape}, weights {weights.shape} do not fit together")
+    g, v, dn, xs, w = _floats(gate), _floats(up), _floats(down), _floats(x), _floats(weights)
+    ids = np.ascontiguousarray(np.asarray(experts.astype(mx.int32)))
+    y, z = np.empty((t, d), np.float32), np.empty((t, u, d), np.float32)
+    mid = np.empty((t, u, n_ff), np.float32) if want_mid else None
+    if t:
+        _check(_lib().ds4lab_routed_experts_f32(g.ctypes.data, v.ctypes.data, dn.ctypes.data, n_expert, d, n_ff,
+                                                xs.ctypes.data, ids.ctypes.data, w.ctypes.data, t, u, clamp,
+                                                None if mid is None else mid.ctypes.data, z.ctypes.data, y.ctypes.data,
+                                                _threads(3 * t * u * n_ff * d)), "routed_experts")
+    return mx.array(y), None if mid is None else mx.array(mid)

@@ -30,7 +30,7 @@ import pandas as pd
 
 from ..config import ModelConfig, has_indexer
 from ..hooks import ActivationCache, HookFn, HookRegistry, NameFilter, Scope, floats_per_token, hook_names
-from . import attention, indexer, kernels, moe
+from . import attention, cpu_kernels, indexer, kernels, moe
 from .compressor import Compressor, Frontier, row_span
 from .hc import HCControl, hc_collapse, hc_control, hc_expand, hc_fused_input, hc_head_weights
 from .numerics import MODES, Numerics, Schedule
@@ -398,6 +398,11 @@ class Model:
         if mm.fast:
             x, control = hc_fused_input(streams, d[f"hc_{sub}_fn.weight"], scale, base, norm,
                                         cfg.hc_sinkhorn_iter, cfg.rms_eps, cfg.hc_eps)
+        elif mm.native:
+            c = HCControl(*cpu_kernels.hc_control(streams, d[f"hc_{sub}_fn.weight"], scale, base,
+                                                  cfg.hc_sinkhorn_iter, cfg.rms_eps, cfg.hc_eps))
+            control = HCControl(h("hook_hc_pre", c.pre), h("hook_hc_post", c.post), h("hook_hc_comb", c.comb))
+            x = cpu_kernels.hc_collapse_norm(streams, control.pre, norm, cfg.rms_eps)
         else:
             c = hc_control(streams, d[f"hc_{sub}_fn.weight"], scale, base, cfg.hc_sinkhorn_iter, cfg.rms_eps,
                            cfg.hc_eps, mm)

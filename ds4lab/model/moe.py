@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..quants import gather_experts
-from . import kernels, kquant_dots, linalg
+from . import cpu_kernels, kernels, kquant_dots, linalg
 from .numerics import Schedule
 from .weights import ExpertBlocks, LayerWeights
 
@@ -114,6 +114,12 @@ def routed_experts(layer: LayerWeights, xf: mx.array, experts: mx.array, weights
     if not mm.batch_invariant and experts.size <= _GATHERED_MAX_PAIRS:
         return _routed_gathered(gate_t, up_t, down_t, act_round(xf), experts, weights, clamp, act_round, on_mid,
                                 fused)
+    if mm.native and all(t.float32 is not None for t in (gate_t, up_t, down_t)):
+        y, mid = cpu_kernels.routed_experts(gate_t.float32, up_t.float32, down_t.float32, xf, experts, weights,
+                                            clamp, want_mid=on_mid is not None)
+        if on_mid is not None:
+            on_mid(mid)
+        return y
     if mm.batch_invariant and not mm.numerics.emulate and xf.shape[0] == 1:
         return _routed_one_token(gate_t, up_t, down_t, xf, experts, weights, clamp, int(mm.slots[0]), on_mid)
     route = weights

@@ -305,6 +305,13 @@ class Schedule:
     def rows(self, index: np.ndarray) -> Schedule:
         return Schedule(self.numerics, None if self.slots is None else self.slots[index], self.fast)
 
+    @property
+    def native(self) -> bool:
+        """The CPU's native kernels (`cpu_kernels`) for the HC input and kept-decoded routed
+        experts: the batch-invariant path in "float" numerics ("ds4-cpu" keeps the compositions
+        its oracle comparisons were measured with)."""
+        return self.batch_invariant and not self.numerics.emulate and cpu_kernels.available()
+
     def reference(self) -> Schedule:
         """The same chunk on the reference composition (a block whose hooks need it)."""
         return Schedule(self.numerics, self.slots, False)

@@ -20,18 +20,13 @@
  * q * x is one rounding (q is exact in float32), as in a float32 product with the decoded
  * matrix; only the grouping of the sums differs from a BLAS's.
  */
-#include <pthread.h>
-#include <stdint.h>
-#include <string.h>
+#include "lanes.h"
+#include "parallel.h"
 
 #define BLOCK 32
-#define LANES 8
 #define TOKEN_GROUP 4     /* rows of x sharing one pass over a block's converted codes */
 #define TOKEN_CHUNK 64    /* rows of x kept hot in the caches while the weight rows stream by */
 
-/* Eight float lanes as one value (GCC/Clang vector extensions): every operation on it is
- * lane-wise, whatever instructions the target has (two SSE2 registers, one AVX2, two NEON). */
-typedef float lanes_t __attribute__((vector_size(LANES * sizeof(float))));
 typedef int32_t ilanes_t __attribute__((vector_size(LANES * sizeof(int32_t))));
 typedef uint8_t codes_t __attribute__((vector_size(LANES)));
 
@@ -40,20 +35,8 @@ typedef struct {
     const float *scales;
     const float *x;
     float *y;
-    int64_t rows, cols, n_tokens, row_begin, row_end;
+    int64_t rows, cols, n_tokens;
 } job_t;
-
-#define INLINE static inline __attribute__((always_inline))
-
-INLINE lanes_t load_floats(const float *p) {
-    lanes_t v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-
-INLINE float lanes_sum(lanes_t a) {
-    return ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
-}
 
 /* Eight codes widened to int32 lanes: portable, and with AVX2's one-instruction widening
  * (compilers scalarise the portable form on x86). Both give the same integers. */
@@ -101,7 +84,9 @@ ROW_TIMES_ROWS(group_avx2, TOKEN_GROUP, AVX2, widen_avx2)
 ROW_TIMES_ROWS(one_avx2, 1, AVX2, widen_avx2)
 #endif
 
-static void rows_times_tokens(const job_t *job) {
+/* Output rows [row_begin, row_end) of the product, every row of x. */
+static void rows_times_tokens(void *ctx, int64_t row_begin, int64_t row_end) {
+    const job_t *job = (const job_t *)ctx;
     row_fn group = group_portable, one = one_portable;
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
     if (__builtin_cpu_supports("avx2")) group = group_avx2, one = one_avx2;
@@ -109,7 +94,7 @@ static void rows_times_tokens(const job_t *job) {
     const int64_t cols = job->cols, n_blocks = cols / BLOCK;
     for (int64_t t0 = 0; t0 < job->n_tokens; t0 += TOKEN_CHUNK) {
         const int64_t t_end = t0 + TOKEN_CHUNK < job->n_tokens ? t0 + TOKEN_CHUNK : job->n_tokens;
-        for (int64_t o = job->row_begin; o < job->row_end; o++) {
+        for (int64_t o = row_begin; o < row_end; o++) {
             const uint8_t *codes = job->codes + o * cols;
             const float *scales = job->scales + o * n_blocks;
             float *y = job->y + o;
@@ -121,32 +106,13 @@ static void rows_times_tokens(const job_t *job) {
     }
 }
 
-static void *run_job(void *arg) {
-    rows_times_tokens((const job_t *)arg);
-    return 0;
-}
-
 /* y [n_tokens, rows] = x [n_tokens, cols] times W^T, W [rows, cols] as above; cols a
- * multiple of 32. The output rows are split between up to 16 threads (the calling thread
- * takes the first share). Returns 0, or -1 when the arguments are out of range. */
+ * multiple of 32. The output rows are split between up to 16 threads. Returns 0, or -1
+ * when the arguments are out of range. */
 int ds4lab_q8_0_matmul(const uint8_t *codes, const float *scales, const float *x, float *y,
                        int64_t rows, int64_t cols, int64_t n_tokens, int n_threads) {
     if (rows <= 0 || cols <= 0 || cols % BLOCK || n_tokens <= 0) return -1;
-    if (n_threads < 1) n_threads = 1;
-    if (n_threads > 16) n_threads = 16;
-    if (n_threads > rows) n_threads = (int)rows;
-    job_t jobs[16];
-    pthread_t threads[16];
-    int started[16] = {0};
-    for (int i = 0; i < n_threads; i++) {
-        jobs[i] = (job_t){codes, scales, x, y, rows, cols, n_tokens,
-                          rows * i / n_threads, rows * (i + 1) / n_threads};
-    }
-    for (int i = 1; i < n_threads; i++) started[i] = pthread_create(&threads[i], 0, run_job, &jobs[i]) == 0;
-    rows_times_tokens(&jobs[0]);
-    for (int i = 1; i < n_threads; i++) {
-        if (started[i]) pthread_join(threads[i], 0);
-        else rows_times_tokens(&jobs[i]);
-    }
+    job_t job = {codes, scales, x, y, rows, cols, n_tokens};
+    parallel_ranges(rows_times_tokens, &job, rows, n_threads);
     return 0;
 }

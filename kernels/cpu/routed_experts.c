@@ -1,0 +1,92 @@
+/* The routed experts of T tokens on the CPU, with the experts kept decoded in float32:
+ *     y[t] = sum over t's chosen experts e, in ascending id, of W_down[e] . mid
+ *     mid  = w * swiglu(W_gate[e] . x[t], W_up[e] . x[t])   (clamped as `moe.swiglu`)
+ * read from the stacked matrices where they lie (no copy of six experts per token, no
+ * twenty MLX operations per layer).
+ *
+ * Every (token, expert) pair is computed on its own (each dot over lanes as in lanes.h;
+ * threads split the pairs), then each token's y is summed from zero one expert at a time in
+ * ascending id: a token's bits do not depend on the chunk or the thread count, so prefill
+ * and decode agree bit for bit. The sigmoid is
+ * 1 / (1 + expf(-g)) with this machine's libm expf.
+ *
+ * Shapes: gate, up [E, n_ff, d_model]; down [E, d_model, n_ff]; x [T, d_model]; experts
+ * [T, U] int32, weights [T, U]; mid [T, U, n_ff] (NULL: not written;
+ * in the token's slot order) and y [T, d_model].
+ */
+#include <math.h>
+
+#include "lanes.h"
+#include "parallel.h"
+
+#define MAX_USED 64
+#define MAX_FF 16384      /* a token's activations live on the stack (64 KiB at most) */
+
+typedef struct {
+    const float *gate, *up, *down, *x, *weights;
+    const int32_t *experts;
+    float *mid, *z, *y;
+    int64_t d_model, n_ff, n_used;
+    float clamp;
+} experts_job_t;
+
+/* Pairs [begin, end) of (token, slot), p = t * U + slot: z[p] = W_down[e] . (w * swiglu(...)). */
+static void pairs_range(void *ctx, int64_t begin, int64_t end) {
+    const experts_job_t *job = (const experts_job_t *)ctx;
+    const int64_t d = job->d_model, f = job->n_ff, u_n = job->n_used;
+    float act[MAX_FF];
+    for (int64_t p = begin; p < end; p++) {
+        const float *x = job->x + (p / u_n) * d;
+        const int64_t e = job->experts[p];
+        const float w = job->weights[p];
+        const float *gate = job->gate + e * f * d, *up = job->up + e * f * d, *down = job->down + e * d * f;
+        for (int64_t j = 0; j < f; j++) {
+            float g = dot_lanes(gate + j * d, x, d), v = dot_lanes(up + j * d, x, d);
+            if (job->clamp > 1e-6f) {
+                g = g < job->clamp ? g : job->clamp;
+                v = v < -job->clamp ? -job->clamp : (v > job->clamp ? job->clamp : v);
+            }
+            act[j] = ((g * (1.0f / (1.0f + expf(-g)))) * v) * w;
+        }
+        if (job->mid) memcpy(job->mid + p * f, act, (size_t)f * sizeof(float));
+        for (int64_t k = 0; k < d; k++) job->z[p * d + k] = dot_lanes(down + k * f, act, f);
+    }
+}
+
+/* Tokens [begin, end): y[t] = the token's z rows summed from zero in ascending expert id. */
+static void sums_range(void *ctx, int64_t begin, int64_t end) {
+    const experts_job_t *job = (const experts_job_t *)ctx;
+    const int64_t d = job->d_model, u_n = job->n_used;
+    for (int64_t t = begin; t < end; t++) {
+        const int32_t *ids = job->experts + t * u_n;
+        int order[MAX_USED];                    /* slots by ascending expert id (insertion sort) */
+        for (int64_t s = 0; s < u_n; s++) {
+            int64_t k = s;
+            while (k > 0 && ids[order[k - 1]] > ids[s]) order[k] = order[k - 1], k--;
+            order[k] = (int)s;
+        }
+        float *y = job->y + t * d;
+        for (int64_t k = 0; k < d; k++) y[k] = 0.0f;
+        for (int64_t r = 0; r < u_n; r++) {
+            const float *z = job->z + (t * u_n + order[r]) * d;
+            for (int64_t k = 0; k < d; k++) y[k] = y[k] + z[k];
+        }
+    }
+}
+
+/* z [T, U, d_model] is the caller's scratch. Returns 0, or -1 when the shapes are out of
+ * range or an expert id is not in [0, n_expert) (checked before anything is computed). */
+int ds4lab_routed_experts_f32(const float *gate, const float *up, const float *down, int64_t n_expert,
+                              int64_t d_model, int64_t n_ff, const float *x, const int32_t *experts,
+                              const float *weights, int64_t n_tokens, int64_t n_used, float clamp,
+                              float *mid, float *z, float *y, int n_threads) {
+    if (n_expert <= 0 || d_model <= 0 || n_ff <= 0 || n_ff > MAX_FF || d_model % (4 * LANES) || n_ff % (4 * LANES) ||
+        n_tokens <= 0 || n_used <= 0 || n_used > MAX_USED)
+        return -1;
+    for (int64_t i = 0; i < n_tokens * n_used; i++)
+        if (experts[i] < 0 || experts[i] >= n_expert) return -1;
+    experts_job_t job = {gate, up, down, x, weights, experts, mid, z, y, d_model, n_ff, n_used, clamp};
+    parallel_ranges(pairs_range, &job, n_tokens * n_used, n_threads);
+    parallel_ranges(sums_range, &job, n_tokens, n_tokens > 1 ? n_threads : 1);
+    return 0;
+}
