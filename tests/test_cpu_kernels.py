@@ -192,3 +192,38 @@ def test_the_model_takes_the_native_hc_and_expert_kernels_on_the_cpu(tiny_q2, mo
         composed_edit = np.array(model.session().prefill_all(tokens).logits)
     assert np.abs(native - composed).max() <= 1e-4 * composed.std()
     assert np.abs((edited - native) - (composed_edit - composed)).max() <= 1e-3 * np.abs(edited - native).max()
+
+
+# ---- the per-row steps ----------------------------------------------------------------------
+def test_row_steps_equal_the_composition_bit_for_bit_and_norms_closely(on_cpu):
+    """RoPE (both ways), Hadamard + FP4, FP8 and f16 repeat the MLX composition's float
+    operations (ds4's roundings, bit-exact with ds4.c): equal bits from the same input, rows
+    of very different scales and the f16 grid's edges included. The norm's sum runs in lanes."""
+    from ds4lab.model.numerics import Numerics
+    from ds4lab.model.rope import Rotation
+
+    rng = np.random.default_rng(5)
+    t, h, d = 6, 3, 128
+    scales = np.exp(rng.standard_normal((t, h, 1)) * 4)
+    x = (rng.standard_normal((t, h, d)) * scales).astype(np.float32)
+    x[0, 0, :8] = [65504.0, 65519.0, 65520.0, -7e4, 6.0e-8, -2.9e-8, 1e-40, 0.0]   # f16 max, edges, subnormals
+    x = mx.array(x)
+    weight = mx.array((1 + 0.1 * rng.standard_normal(d)).astype(np.float32))
+    rotation = Rotation.at(1000, t, 64, 160000.0, None)
+    rope = (rotation.cos, rotation.sin)
+    composition = Numerics("float").schedule(np.arange(t))
+    cases = [{"rotation": rotation}, {"rotation": rotation, "inverse": True}, {"qat": True}, {"fp8": True},
+             {"rotation": rotation, "fp8": True, "f16": True}, {"f16": True}, {"qat": True, "f16": True}]
+    for case in cases:
+        want = np.array(composition.finish_rows(x, **case))
+        steps = {k: v for k, v in case.items() if k != "rotation"}
+        got = np.array(cpu_kernels.row_finish(x, rope=rope if "rotation" in case else None, **steps))
+        np.testing.assert_array_equal(got, want, err_msg=str(sorted(case)))
+    want = np.array(composition.finish_rows(x, eps=1e-6, weight=weight, rotation=rotation, fp8=True))
+    got = np.array(cpu_kernels.row_finish(x, eps=1e-6, weight=weight, rope=rope, fp8=True))
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    alone = np.array(cpu_kernels.row_finish(x[2:3], eps=1e-6, weight=weight, rope=(rope[0][2:3], rope[1][2:3]),
+                                            fp8=True))
+    np.testing.assert_array_equal(alone[0], got[2])
+    with pytest.raises(ValueError, match="out of range"):
+        cpu_kernels.row_finish(x[..., :96], qat=True)          # the Hadamard needs a power of two

@@ -9,7 +9,9 @@ rows (the batch-invariant path's, `linalg`). These kernels do whole steps in one
   scale per 32), for the matrices of more than `linalg.CACHED_WEIGHTS` values;
 - `hc_control` and `hc_collapse_norm`: a sublayer's hyper-connection input (the control with
   its Sinkhorn iterations, then the collapse and RMSNorm), in "float" numerics;
-- `routed_experts`: the routed experts of a chunk, when they are kept decoded.
+- `routed_experts`: the routed experts of a chunk, when they are kept decoded;
+- `row_finish`: the per-row steps of q heads, KV, compressed and indexer rows (RMSNorm,
+  RoPE, Hadamard + FP4, FP8, f16), ds4's roundings bit for bit.
 
 Each computes every token (and output) on its own in an order its source fixes, whatever the
 number of tokens, threads or the vector width: prefill and decode still agree bit for bit.
@@ -74,6 +76,7 @@ def _build() -> ctypes.CDLL | None:
         "ds4lab_hc_control": [p] * 4 + [i64] * 3 + [f32, f32, i32] + [p] * 3 + [i32],
         "ds4lab_hc_collapse_norm": [p] * 3 + [i64] * 3 + [f32, p, i32],
         "ds4lab_routed_experts_f32": [p] * 3 + [i64] * 3 + [p] * 3 + [i64, i64, f32, p, p, p, i32],
+        "ds4lab_row_finish": [p, p, i64, i64, i32, f32, p, i32, p, p, i64, i64, i32, f32, i32, i32, p, i32],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -195,3 +198,43 @@ def routed_experts(gate: mx.array, up: mx.array, down: mx.array, x: mx.array, ex
                                                 None if mid is None else mid.ctypes.data, z.ctypes.data, y.ctypes.data,
                                                 _threads(3 * t * u * n_ff * d)), "routed_experts")
     return mx.array(y), None if mid is None else mx.array(mid)
+
+
+@cache
+def _carry() -> np.ndarray:
+    from ..floats import log2f_carry_table
+
+    return np.ascontiguousarray(log2f_carry_table(), dtype=np.int32)
+
+
+def row_finish(x: mx.array, *, eps: float | None = None, weight: mx.array | None = None,
+               rope: tuple[mx.array, mx.array] | None = None, inverse: bool = False, qat: bool = False,
+               fp8: bool = False, f16: bool = False) -> mx.array:
+    """`kernels.row_finish`'s steps on the CPU (`kernels/cpu/row_finish.c`): over x's last
+    axis, RMSNorm (when `eps` is given) times `weight`, RoPE of the last 2·cos.shape[-1] dims
+    with `rope` = (cos, sin) [positions, n_rot/2] (x's rows split evenly over the positions;
+    `inverse` turns back), Hadamard + FP4 (`qat`), FP8 of the non-RoPE dims, f16 round trip."""
+    d = x.shape[-1]
+    xs = _floats(x, (-1, d))
+    rows = xs.shape[0]
+    y = np.empty_like(xs)
+    w = None if weight is None else _floats(weight)
+    cos = sin = None
+    n_rot = per_pos = 0
+    if rope is not None:
+        cos, sin = (_floats(a) for a in rope)
+        n_rot = 2 * cos.shape[-1]
+        per_pos = rows // max(cos.shape[0], 1)
+        if cos.shape != sin.shape or per_pos * cos.shape[0] != rows:
+            raise ValueError(f"rope {cos.shape} / {sin.shape} does not fit {rows} rows")
+    if w is not None and w.shape != (d,):
+        raise ValueError(f"weight {w.shape} does not fit rows of {d}")
+    if rows:
+        _check(_lib().ds4lab_row_finish(xs.ctypes.data, y.ctypes.data, rows, d, eps is not None, eps or 0.0,
+                                        None if w is None else w.ctypes.data,
+                                        0 if rope is None else 2 if inverse else 1,
+                                        None if cos is None else cos.ctypes.data,
+                                        None if sin is None else sin.ctypes.data, n_rot, per_pos, qat,
+                                        float(np.float32(1.0 / np.sqrt(d))), fp8, f16, _carry().ctypes.data,
+                                        _threads(rows * d * 8)), "row_finish")
+    return mx.array(y).reshape(x.shape)

@@ -307,9 +307,9 @@ class Schedule:
 
     @property
     def native(self) -> bool:
-        """The CPU's native kernels (`cpu_kernels`) for the HC input and kept-decoded routed
-        experts: the batch-invariant path in "float" numerics ("ds4-cpu" keeps the compositions
-        its oracle comparisons were measured with)."""
+        """The CPU's native kernels (`cpu_kernels`) for the HC input, the per-row steps and
+        norms, and kept-decoded routed experts: the batch-invariant path in "float" numerics
+        ("ds4-cpu" keeps the compositions its oracle comparisons were measured with)."""
         return self.batch_invariant and not self.numerics.emulate and cpu_kernels.available()
 
     def reference(self) -> Schedule:
@@ -317,8 +317,15 @@ class Schedule:
         return Schedule(self.numerics, self.slots, False)
 
     def rms_norm(self, x: mx.array, weight: mx.array | None, eps: float) -> mx.array:
-        """ds4's RMSNorm (`rms_norm`); one kernel per call on the fast path."""
-        return kernels.row_finish(x, eps=eps, weight=weight) if self.fast else rms_norm(x, weight, eps)
+        """ds4's RMSNorm (`rms_norm`); one kernel per call on the fast path and the native CPU path."""
+        if self.fast:
+            return kernels.row_finish(x, eps=eps, weight=weight)
+        if self._native_rows(x):
+            return cpu_kernels.row_finish(x, eps=eps, weight=weight)
+        return rms_norm(x, weight, eps)
+
+    def _native_rows(self, x: mx.array) -> bool:
+        return self.native and x.shape[-1] % 32 == 0
 
     def finish_rows(self, x: mx.array, *, eps: float | None = None, weight: mx.array | None = None,
                     rotation: Rotation | None = None, inverse: bool = False, qat: bool = False,
@@ -327,11 +334,12 @@ class Schedule:
         each optional, in this order: RMSNorm (`eps`, times `weight`), RoPE at `rotation`'s
         positions (`inverse` turns back), Hadamard + FP4 (`qat`), FP8 of the non-RoPE dims
         (`fp8`), f16 storage rounding (`f16`). One kernel on the fast path, which repeats the
-        reference's float steps (only the norm's sum runs in another order)."""
-        if self.fast:
+        reference's float steps (only the norm's sum runs in another order); so does the native
+        CPU kernel."""
+        if self.fast or self._native_rows(x):
             rope = None if rotation is None else (rotation.cos, rotation.sin)
-            return kernels.row_finish(x, eps=eps, weight=weight, rope=rope, inverse=inverse, qat=qat, fp8=fp8,
-                                      f16=f16)
+            return (kernels if self.fast else cpu_kernels).row_finish(x, eps=eps, weight=weight, rope=rope,
+                                                                      inverse=inverse, qat=qat, fp8=fp8, f16=f16)
         if eps is not None:
             x = rms_norm(x, weight, eps)
         if rotation is not None:
