@@ -42,10 +42,11 @@ def _q8_products(model, tokens, monkeypatch) -> list[tuple[np.ndarray, np.ndarra
     seen = []
     original = Schedule.q8
 
-    def spy(self, matrix, x, shape=None):
-        y = original(self, matrix, x, shape)
-        seen.append((np.array(x).reshape(-1, matrix.cols), np.array(matrix.dense(), np.float64),
-                     np.array(y).reshape(-1, matrix.rows)))
+    def spy(self, matrix, x, shape=None, groups=1):
+        y = original(self, matrix, x, shape, groups)
+        xs, ys = np.array(x).reshape(-1, groups, matrix.cols), np.array(y).reshape(-1, groups, matrix.rows // groups)
+        w = np.array(matrix.dense(), np.float64).reshape(groups, -1, matrix.cols)
+        seen.extend((xs[:, g], w[g], ys[:, g]) for g in range(groups))      # each group its own product
         return y
 
     monkeypatch.setattr(Schedule, "q8", spy)

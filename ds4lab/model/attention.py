@@ -171,10 +171,7 @@ def grouped_output(layer: LayerWeights, heads: mx.array, n_out_group: int, mm: S
     if mm.fast:                                                        # every group in one kernel
         gemv = t <= kernels.MATVEC_MAX_TOKENS
         low = (kernels.q8_matvec if gemv else kernels.q8_gemm)(out_a, heads, groups=n_out_group)
-    else:
-        groups = heads.reshape(t, n_out_group, -1)                     # heads of a group side by side
-        rank = out_a.rows // n_out_group
-        low = mx.concatenate([mm.q8(out_a.rows_slice(g * rank, (g + 1) * rank), groups[:, g])
-                              for g in range(n_out_group)], axis=-1)
+    else:                                                              # heads of a group side by side
+        low = mm.q8(out_a, heads.reshape(t, -1), groups=n_out_group)
     return mm.q8(layer.q8["attn_output_b.weight"], low)
 

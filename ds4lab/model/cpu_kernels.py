@@ -6,9 +6,10 @@ Q8_0 matrices (the output head above all) go through a BLAS decoded to float32, 
 rows (the batch-invariant path's, `linalg`). These kernels do whole steps in one call:
 
 - `q8_0_matmul`: a Q8_0 matrix times float rows, read in its codes (1 byte a weight and a
-  scale per 32), for the matrices of more than `linalg.CACHED_WEIGHTS` values;
-- `hc_control` and `hc_collapse_norm`: a sublayer's hyper-connection input (the control with
-  its Sinkhorn iterations, then the collapse and RMSNorm), in "float" numerics;
+  scale per 32; "ds4-cpu" numerics keep their integer block dots);
+- `hc_control`, `hc_collapse_norm`, `hc_expand`: a sublayer's hyper-connections (the control
+  with its Sinkhorn iterations, the collapse and RMSNorm of its input, the new streams from
+  its output);
 - `routed_experts`: the routed experts of a chunk, when they are kept decoded;
 - `row_finish`: the per-row steps of q heads, KV, compressed and indexer rows (RMSNorm,
   RoPE, Hadamard + FP4, FP8, f16), ds4's roundings bit for bit.
@@ -36,7 +37,6 @@ import mlx.core as mx
 import numpy as np
 
 from ..paths import cache_dir
-from .linalg import CACHED_WEIGHTS
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels" / "cpu"
 # No FMA contraction and no fast-math: the source's order of roundings is the result's.
@@ -76,6 +76,7 @@ def _build() -> ctypes.CDLL | None:
         "ds4lab_hc_control": [p] * 4 + [i64] * 3 + [f32, f32, i32] + [p] * 3 + [i32],
         "ds4lab_hc_collapse_norm": [p] * 3 + [i64] * 3 + [f32, p, i32],
         "ds4lab_routed_experts_f32": [p] * 3 + [i64] * 3 + [p] * 3 + [i64, i64, f32, p, p, p, i32],
+        "ds4lab_hc_expand": [p] * 5 + [i64] * 3 + [p, i32],
         "ds4lab_row_finish": [p, p, i64, i64, i32, f32, p, i32, p, p, i64, i64, i32, f32, i32, i32, p, i32],
     }
     for name, argtypes in signatures.items():
@@ -92,13 +93,6 @@ def _library() -> ctypes.CDLL | None:
 def available() -> bool:
     """Whether the native kernels are built (or can be) on this machine."""
     return _library() is not None
-
-
-def handles(rows: int, cols: int) -> bool:
-    """Whether the batch-invariant CPU path multiplies a [rows, cols] Q8_0 matrix here: the
-    memory-bound ones (more than `linalg.CACHED_WEIGHTS` weights), when the kernel is built.
-    The smaller ones stay in the caches, where the BLAS's tiles are faster."""
-    return rows * cols > CACHED_WEIGHTS and available()
 
 
 def _threads(macs: int) -> int:
@@ -123,26 +117,32 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-def q8_0_matmul(codes: mx.array, scales: mx.array, x: mx.array) -> mx.array:
-    """x [..., cols] @ W.T for W [rows, cols] held as `Q8Matrix` holds it: `codes` the int8
-    codes + 128 as uint8 (packed four to a uint32, as MLX's 8-bit quantisation stores them),
-    `scales` [rows, cols / 32] float32. Evaluates x; the result is a new array [..., rows]."""
+def q8_0_matmul(codes: mx.array, scales: mx.array, x: mx.array, groups: int = 1) -> mx.array:
+    """x [..., groups * cols] @ W.T for W [rows, cols] held as `Q8Matrix` holds it: `codes` the
+    int8 codes + 128 as uint8 (packed four to a uint32, as MLX's 8-bit quantisation stores
+    them), `scales` [rows, cols / 32] float32. With `groups`, W's rows are `groups` equal
+    blocks and block g multiplies x's g-th slice of cols (the grouped output projection).
+    Evaluates x; the result is a new array [..., rows]."""
     lib = _lib()
     rows, n_blocks = scales.shape
     cols = n_blocks * 32
-    if x.shape[-1] != cols:
-        raise ValueError(f"x has {x.shape[-1]} columns, the matrix {cols}")
+    if x.shape[-1] != groups * cols or rows % groups:
+        raise ValueError(f"x has {x.shape[-1]} columns, the matrix {groups} x {cols} over {rows} rows")
     code_bytes = np.ascontiguousarray(np.asarray(codes).view(np.uint8))
     if code_bytes.shape != (rows, cols) or scales.dtype != mx.float32:
         raise ValueError(f"codes {code_bytes.shape} and scales {scales.shape} {scales.dtype} "
                          f"do not describe a [{rows}, {cols}] Q8_0 matrix")
     scale_values = _floats(scales)
-    xs = _floats(x, (-1, cols))
-    y = np.empty((xs.shape[0], rows), np.float32)
-    if xs.shape[0]:
-        _check(lib.ds4lab_q8_0_matmul(code_bytes.ctypes.data, scale_values.ctypes.data, xs.ctypes.data,
-                                      y.ctypes.data, rows, cols, xs.shape[0], _threads(y.size * cols)), "q8_0_matmul")
-    return mx.array(y).reshape(*x.shape[:-1], rows)
+    xs = _floats(x, (-1, groups, cols))
+    n, per = xs.shape[0], rows // groups
+    y = np.empty((groups, n, per), np.float32)
+    for g in range(groups if n else 0):
+        xg = np.ascontiguousarray(xs[:, g])
+        _check(lib.ds4lab_q8_0_matmul(code_bytes[g * per:].ctypes.data, scale_values[g * per:].ctypes.data,
+                                      xg.ctypes.data, y[g].ctypes.data, per, cols, n, _threads(n * per * cols)),
+               "q8_0_matmul")
+    out = y[0] if groups == 1 else y.transpose(1, 0, 2).reshape(n, rows)
+    return mx.array(out).reshape(*x.shape[:-1], rows)
 
 
 def hc_control(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array, sinkhorn_iters: int,
@@ -176,6 +176,25 @@ def hc_collapse_norm(streams: mx.array, pre: mx.array, norm: mx.array | None, ep
         _check(_lib().ds4lab_hc_collapse_norm(s.ctypes.data, p.ctypes.data, None if w is None else w.ctypes.data, t,
                                               n, width, eps, out.ctypes.data, _threads(s.size)), "hc_collapse_norm")
     return mx.array(out)
+
+
+def hc_expand(out: mx.array, streams: mx.array, post: mx.array, comb: mx.array,
+              add: mx.array | None = None) -> mx.array:
+    """`hc.hc_expand` (`kernels/cpu/hc_input.c`): stream c of the new streams [T, n_hc, width]
+    is post[:, c] · (out + add) + Σ_a comb[:, a, c] · streams[:, a], the sum in stream order."""
+    t, n, width = streams.shape
+    if out.shape != (t, width) or post.shape != (t, n) or comb.shape != (t, n, n) or (
+            add is not None and add.shape != out.shape):
+        raise ValueError(f"out {out.shape}, post {post.shape}, comb {comb.shape} do not fit "
+                         f"streams [{t}, {n}, {width}]")
+    o, s, p, c = _floats(out), _floats(streams), _floats(post), _floats(comb)
+    a = None if add is None else _floats(add)
+    y = np.empty((t, n, width), np.float32)
+    if t:
+        _check(_lib().ds4lab_hc_expand(o.ctypes.data, None if a is None else a.ctypes.data, s.ctypes.data,
+                                       p.ctypes.data, c.ctypes.data, t, n, width, y.ctypes.data, _threads(s.size * n)),
+               "hc_expand")
+    return mx.array(y)
 
 
 def routed_experts(gate: mx.array, up: mx.array, down: mx.array, x: mx.array, experts: mx.array,

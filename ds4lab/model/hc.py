@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from . import kernels
+from . import cpu_kernels, kernels
 from .numerics import Schedule
 
 
@@ -93,9 +93,11 @@ def hc_collapse(streams: mx.array, weights: mx.array) -> mx.array:
 def hc_expand(out: mx.array, streams: mx.array, control: HCControl, mm: Schedule,
               add: mx.array | None = None) -> mx.array:
     """New streams: stream c gets post[c]·out + Σ_a comb[a, c]·streams[a] (one kernel on the
-    fast path); `add`, when given, is added to out first (inside that kernel)."""
+    fast path and the native CPU path); `add`, when given, is added to out first (inside that kernel)."""
     if mm.fast:
         return kernels.hc_post(out, streams, control.post, control.comb, add)
+    if mm.native:
+        return cpu_kernels.hc_expand(out, streams, control.post, control.comb, add)
     if add is not None:
         out = out + add
     mixed = (control.comb[:, :, :, None] * streams[:, :, None, :]).sum(axis=1)

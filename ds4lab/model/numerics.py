@@ -374,9 +374,17 @@ class Schedule:
         return slotted_linear(x.reshape(-1, x.shape[-1]), w, slots_of(slots), height).reshape(*x.shape[:-1],
                                                                                              w.shape[0])
 
-    def q8(self, matrix: Q8Matrix, x: mx.array, shape: tuple[int, ...] | None = None) -> mx.array:
+    def q8(self, matrix: Q8Matrix, x: mx.array, shape: tuple[int, ...] | None = None, groups: int = 1) -> mx.array:
         """x [..., cols] @ W.T for a Q8_0 matrix; `shape` gives the product another shape (the
-        same values: q heads [T, H, D]), which the fast path's matvec writes directly."""
+        same values: q heads [T, H, D]), which the fast path's matvec writes directly. With
+        `groups`, W's rows are that many equal blocks and block g multiplies x's g-th slice
+        (the grouped output projection: x [..., groups * cols])."""
+        if groups > 1:
+            if self.native:                                      # every group in one call
+                return cpu_kernels.q8_0_matmul(matrix.codes, matrix.scales, x, groups=groups)
+            per, xs = matrix.rows // groups, x.reshape(*x.shape[:-1], groups, -1)
+            return mx.concatenate([self._q8(matrix.rows_slice(g * per, (g + 1) * per), xs[..., g, :])
+                                   for g in range(groups)], axis=-1)
         if self.fast and x.size // x.shape[-1] <= kernels.MATVEC_MAX_TOKENS:
             return kernels.q8_matvec(matrix, x, shape=shape)
         y = self._q8(matrix, x)
@@ -388,10 +396,11 @@ class Schedule:
             return matrix.ds4_cpu(x, codes, scales)
         if self.slots is None:
             return kernels.q8_gemm(matrix, x) if self.fast else matrix.quantized(x)
-        # On the CPU the large matrices are read in their codes by the native kernel, whose
-        # sums are batch-invariant by construction; the others go through the BLAS decoded
-        # (MLX's quantized matmul runs near 1 GFLOP/s here, OpenBLAS's float32 GEMM near 100).
-        if cpu_kernels.handles(matrix.rows, matrix.cols):
+        # On the CPU the native kernel reads the matrices in their codes, its sums batch-invariant
+        # by construction; a chain of native steps then needs no MLX evaluation between them
+        # (each costs a hand-off to MLX's worker thread). Without it the BLAS multiplies the
+        # decoded matrix (MLX's quantized matmul runs near 1 GFLOP/s here, OpenBLAS near 100).
+        if cpu_kernels.available():
             return cpu_kernels.q8_0_matmul(matrix.codes, matrix.scales, x)
         return self.linear(x, matrix.dense())
 

@@ -1,5 +1,6 @@
-/* A sublayer's hyper-connection input on the CPU: the control (pre, post, comb) from the
- * streams, then the streams collapsed by pre and RMS-normed. The same steps as the MLX
+/* A sublayer's hyper-connections on the CPU: the control (pre, post, comb) from the streams,
+ * the streams collapsed by pre and RMS-normed (the sublayer's input), and after the sublayer
+ * the new streams from its output, post and comb. The same steps as the MLX
  * composition in `ds4lab/model/hc.py` (ds4's order: RMSNorm of the flattened streams, the
  * mixer's dots, sigmoids, the softmax of comb + eps, Sinkhorn), in one call per chunk instead
  * of some twenty MLX operations and a host round trip for the Sinkhorn iterations.
@@ -11,7 +12,8 @@
  *
  * Shapes: streams [T, n_hc, width]; fn [n_mix, n_hc * width] (n_mix = 2 n_hc + n_hc^2: pre,
  * post, comb rows in that order); scale [3]; base [n_mix]; pre, post [T, n_hc]; comb [T,
- * n_hc (from), n_hc (to)]; norm [width] or NULL; out [T, width].
+ * n_hc (from), n_hc (to)]; norm [width] or NULL; the sublayer input [T, width]; its output
+ * (and add) [T, width]; the new streams [T, n_hc, width].
  */
 #include <math.h>
 
@@ -21,7 +23,8 @@
 #define MAX_HC 16
 
 typedef struct {
-    const float *streams, *fn, *scale, *base, *pre_in, *norm;
+    const float *streams, *fn, *scale, *base, *norm;           /* the control's and the collapse's */
+    const float *pre_in, *post_in, *comb_in, *sub_out, *add;   /* the collapse's and the expansion's */
     float *pre, *post, *comb, *out;
     int64_t n_hc, width;
     float rms_eps, hc_eps;
@@ -110,7 +113,8 @@ int ds4lab_hc_control(const float *streams, const float *fn, const float *scale,
                       int64_t n_tokens, int64_t n_hc, int64_t width, float rms_eps, float hc_eps, int iters,
                       float *pre, float *post, float *comb, int n_threads) {
     if (n_tokens <= 0 || n_hc <= 0 || n_hc > MAX_HC || width <= 0 || (n_hc * width) % (4 * LANES) || iters < 1) return -1;
-    hc_job_t job = {streams, fn, scale, base, 0, 0, pre, post, comb, 0, n_hc, width, rms_eps, hc_eps, iters};
+    hc_job_t job = {.streams = streams, .fn = fn, .scale = scale, .base = base, .pre = pre, .post = post,
+                    .comb = comb, .n_hc = n_hc, .width = width, .rms_eps = rms_eps, .hc_eps = hc_eps, .iters = iters};
     parallel_ranges(control_range, &job, n_tokens, n_threads);
     return 0;
 }
@@ -119,7 +123,37 @@ int ds4lab_hc_control(const float *streams, const float *fn, const float *scale,
 int ds4lab_hc_collapse_norm(const float *streams, const float *pre, const float *norm, int64_t n_tokens,
                             int64_t n_hc, int64_t width, float rms_eps, float *out, int n_threads) {
     if (n_tokens <= 0 || n_hc <= 0 || width <= 0 || width % (4 * LANES)) return -1;
-    hc_job_t job = {streams, 0, 0, 0, pre, norm, 0, 0, 0, out, n_hc, width, rms_eps, 0.0f, 1};
+    hc_job_t job = {.streams = streams, .norm = norm, .pre_in = pre, .out = out, .n_hc = n_hc, .width = width,
+                    .rms_eps = rms_eps};
     parallel_ranges(collapse_range, &job, n_tokens, n_threads);
+    return 0;
+}
+
+/* New streams after a sublayer: stream c = post[c] * (out + add) + sum over a, in order, of
+ * comb[a][c] * streams[a] (`hc.hc_expand`). add may be NULL. */
+static void expand_range(void *ctx, int64_t begin, int64_t end) {
+    const hc_job_t *job = (const hc_job_t *)ctx;
+    const int64_t n = job->n_hc, d = job->width;
+    for (int64_t t = begin; t < end; t++) {
+        const float *s = job->streams + t * n * d, *out = job->sub_out + t * d;
+        const float *add = job->add ? job->add + t * d : 0;
+        const float *post = job->post_in + t * n, *comb = job->comb_in + t * n * n;
+        float *y = job->out + t * n * d;
+        for (int64_t c = 0; c < n; c++)
+            for (int64_t k = 0; k < d; k++) {
+                float mixed = comb[c] * s[k];
+                for (int64_t a = 1; a < n; a++) mixed = mixed + comb[a * n + c] * s[a * d + k];
+                const float o = add ? out[k] + add[k] : out[k];
+                y[c * d + k] = post[c] * o + mixed;
+            }
+    }
+}
+
+int ds4lab_hc_expand(const float *sub_out, const float *add, const float *streams, const float *post,
+                     const float *comb, int64_t n_tokens, int64_t n_hc, int64_t width, float *out, int n_threads) {
+    if (n_tokens <= 0 || n_hc <= 0 || n_hc > MAX_HC || width <= 0) return -1;
+    hc_job_t job = {.streams = streams, .post_in = post, .comb_in = comb, .sub_out = sub_out, .add = add,
+                    .out = out, .n_hc = n_hc, .width = width};
+    parallel_ranges(expand_range, &job, n_tokens, n_threads);
     return 0;
 }
