@@ -227,3 +227,30 @@ def test_row_steps_equal_the_composition_bit_for_bit_and_norms_closely(on_cpu):
     np.testing.assert_array_equal(alone[0], got[2])
     with pytest.raises(ValueError, match="out of range"):
         cpu_kernels.row_finish(x[..., :96], qat=True)          # the Hadamard needs a power of two
+
+
+def test_router_matches_the_composition_and_checks_its_tables():
+    rng = np.random.default_rng(11)
+    t, d, n_expert, used = 9, 64, 16, 4
+    x = mx.array(rng.standard_normal((t, d)).astype(np.float32))
+    gate = mx.array((rng.standard_normal((n_expert, d)) * 2).astype(np.float32))   # logits past ±20 too
+    bias = mx.array((rng.standard_normal(n_expert) * 0.1).astype(np.float32))
+    logits = np.array(x, np.float64) @ np.array(gate, np.float64).T
+    soft = np.where(logits > 20, logits, np.where(logits < -20, np.exp(logits), np.log1p(np.exp(logits))))
+    want_probs = np.sqrt(soft)
+    for table in (None, mx.array(rng.integers(0, n_expert, (50, used)).astype(np.int32))):
+        tokens = mx.array(rng.integers(0, 50, t).astype(np.int32))
+        probs, experts, weights = cpu_kernels.router(x, gate, None if table is not None else bias, used, 1.5,
+                                                     tokens, table)
+        assert np.abs(np.array(probs) - want_probs).max() <= 1e-5 * want_probs.max()
+        want = (np.array(table)[np.array(tokens)] if table is not None
+                else np.argsort(-(want_probs + np.array(bias)), axis=1, kind="stable")[:, :used])
+        np.testing.assert_array_equal(np.array(experts), want)
+        chosen = np.take_along_axis(want_probs, want, axis=1)
+        want_w = chosen / np.maximum(chosen.sum(axis=1, keepdims=True), 2.0 ** -14) * 1.5
+        assert np.abs(np.array(weights) - want_w).max() <= 1e-5 * want_w.max()
+        alone = cpu_kernels.router(x[4:5], gate, None if table is not None else bias, used, 1.5, tokens[4:5], table)
+        for a, b in zip(alone, (probs, experts, weights), strict=True):
+            np.testing.assert_array_equal(np.array(a)[0], np.array(b)[4])
+    with pytest.raises(ValueError, match="out of range"):                  # a token past the table
+        cpu_kernels.router(x, gate, None, used, 1.5, mx.array(np.full(t, 50, np.int32)), table)

@@ -10,6 +10,7 @@ rows (the batch-invariant path's, `linalg`). These kernels do whole steps in one
 - `hc_control`, `hc_collapse_norm`, `hc_expand`: a sublayer's hyper-connections (the control
   with its Sinkhorn iterations, the collapse and RMSNorm of its input, the new streams from
   its output);
+- `router`: the FFN's router (probs, the chosen experts, their weights);
 - `routed_experts`: the routed experts of a chunk, when they are kept decoded;
 - `row_finish`: the per-row steps of q heads, KV, compressed and indexer rows (RMSNorm,
   RoPE, Hadamard + FP4, FP8, f16), ds4's roundings bit for bit.
@@ -77,6 +78,7 @@ def _build() -> ctypes.CDLL | None:
         "ds4lab_hc_collapse_norm": [p] * 3 + [i64] * 3 + [f32, p, i32],
         "ds4lab_routed_experts_f32": [p] * 3 + [i64] * 3 + [p] * 3 + [i64, i64, f32, p, p, p, i32],
         "ds4lab_hc_expand": [p] * 5 + [i64] * 3 + [p, i32],
+        "ds4lab_router": [p] * 5 + [i64] * 5 + [f32, p, p, p, i32],
         "ds4lab_row_finish": [p, p, i64, i64, i32, f32, p, i32, p, p, i64, i64, i32, f32, i32, i32, p, i32],
     }
     for name, argtypes in signatures.items():
@@ -103,6 +105,11 @@ def _floats(a: mx.array, shape: tuple[int, ...] | None = None) -> np.ndarray:
     """A C-contiguous float32 view (or copy) of a (evaluated) array, optionally reshaped."""
     out = np.ascontiguousarray(np.asarray(a.astype(mx.float32) if a.dtype != mx.float32 else a))
     return out if shape is None else out.reshape(shape)
+
+
+def _ints(a: mx.array) -> np.ndarray:
+    """A C-contiguous int32 view (or copy) of an (evaluated) array."""
+    return np.ascontiguousarray(np.asarray(a.astype(mx.int32) if a.dtype != mx.int32 else a))
 
 
 def _check(status: int, what: str) -> None:
@@ -197,6 +204,32 @@ def hc_expand(out: mx.array, streams: mx.array, post: mx.array, comb: mx.array,
     return mx.array(y)
 
 
+
+def router(x: mx.array, gate_inp: mx.array, bias: mx.array | None, n_used: int, scale: float,
+           tokens: mx.array | None = None, table: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
+    """`moe.router_probs`, `select_experts` and `route_weights` in one call
+    (`kernels/cpu/router.c`): x [T, d], gate_inp [E, d], bias [E] or None; on hash layers the
+    token ids [T] and the table [vocab, n_used]. Returns probs [T, E], experts [T, n_used]
+    int32 and weights [T, n_used]."""
+    t, d = x.shape
+    n_expert = gate_inp.shape[0]
+    if gate_inp.shape != (n_expert, d) or (bias is not None and bias.shape != (n_expert,)) or (
+            table is not None and (tokens is None or table.shape[1:] != (n_used,) or tokens.shape != (t,))):
+        raise ValueError(f"router inputs x {x.shape}, gate {gate_inp.shape}, table "
+                         f"{None if table is None else table.shape} do not fit together")
+    xs, w = _floats(x), _floats(gate_inp)
+    b = None if bias is None else _floats(bias)
+    ids, tab = (None, None) if table is None else (_ints(tokens), _ints(table))
+    probs, experts, weights = (np.empty((t, n_expert), np.float32), np.empty((t, n_used), np.int32),
+                               np.empty((t, n_used), np.float32))
+    if t:
+        _check(_lib().ds4lab_router(xs.ctypes.data, w.ctypes.data, None if b is None else b.ctypes.data,
+                                    None if ids is None else ids.ctypes.data, None if tab is None else tab.ctypes.data,
+                                    0 if tab is None else tab.shape[0], t, d, n_expert, n_used, scale,
+                                    probs.ctypes.data, experts.ctypes.data, weights.ctypes.data,
+                                    _threads(t * n_expert * d)), "router")
+    return mx.array(probs), mx.array(experts), mx.array(weights)
+
 def routed_experts(gate: mx.array, up: mx.array, down: mx.array, x: mx.array, experts: mx.array,
                    weights: mx.array, clamp: float, want_mid: bool = False) -> tuple[mx.array, mx.array | None]:
     """`moe.routed_experts` for experts kept decoded: gate, up [E, n_ff, d], down [E, d, n_ff]
@@ -208,7 +241,7 @@ def routed_experts(gate: mx.array, up: mx.array, down: mx.array, x: mx.array, ex
         raise ValueError(f"experts gate {gate.shape}, up {up.shape}, down {down.shape}, x {x.shape}, "
                          f"experts {experts.shape}, weights {weights.shape} do not fit together")
     g, v, dn, xs, w = _floats(gate), _floats(up), _floats(down), _floats(x), _floats(weights)
-    ids = np.ascontiguousarray(np.asarray(experts.astype(mx.int32)))
+    ids = _ints(experts)
     y, z = np.empty((t, d), np.float32), np.empty((t, u, d), np.float32)
     mid = np.empty((t, u, n_ff), np.float32) if want_mid else None
     if t:

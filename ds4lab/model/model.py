@@ -422,6 +422,18 @@ class Model:
             experts = h("hook_experts", chosen)
             if experts is not chosen:
                 weights = moe.route_weights(probs, experts, cfg.expert_weight_scale)
+        elif mm.native:
+            # One call; a replacement at a point is followed by the composition of the next steps.
+            probs, chosen, weights = cpu_kernels.router(xf, layer.dense["ffn_gate_inp.weight"],
+                                                        layer.dense.get("exp_probs_b.bias"), cfg.n_expert_used,
+                                                        cfg.expert_weight_scale, token_ids, layer.tid2eid)
+            replaced = h("hook_router_probs", probs)
+            if replaced is not probs:
+                probs, chosen, weights = replaced, moe.select_experts(layer, replaced, token_ids,
+                                                                      cfg.n_expert_used), None
+            experts = h("hook_experts", chosen)
+            if experts is not chosen or weights is None:
+                weights = moe.route_weights(probs, experts, cfg.expert_weight_scale)
         else:
             probs = h("hook_router_probs", moe.router_probs(layer, xf, mm))
             experts = h("hook_experts", moe.select_experts(layer, probs, token_ids, cfg.n_expert_used))
