@@ -42,7 +42,8 @@ from ..paths import cache_dir
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels" / "cpu"
 # No FMA contraction and no fast-math: the source's order of roundings is the result's.
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-fast-math", "-fPIC", "-shared", "-pthread"]
-# Calls below this many multiply-adds run on the calling thread (a thread costs ~30 µs).
+# Calls below this many multiply-adds run on the calling thread (starting and joining a
+# thread costs ~30-100 µs; measured ~100 on the 2-core VM).
 THREADED_MACS = 1 << 22
 
 
@@ -204,7 +205,6 @@ def hc_expand(out: mx.array, streams: mx.array, post: mx.array, comb: mx.array,
     return mx.array(y)
 
 
-
 def router(x: mx.array, gate_inp: mx.array, bias: mx.array | None, n_used: int, scale: float,
            tokens: mx.array | None = None, table: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """`moe.router_probs`, `select_experts` and `route_weights` in one call
@@ -229,6 +229,7 @@ def router(x: mx.array, gate_inp: mx.array, bias: mx.array | None, n_used: int, 
                                     probs.ctypes.data, experts.ctypes.data, weights.ctypes.data,
                                     _threads(t * n_expert * d)), "router")
     return mx.array(probs), mx.array(experts), mx.array(weights)
+
 
 def routed_experts(gate: mx.array, up: mx.array, down: mx.array, x: mx.array, experts: mx.array,
                    weights: mx.array, clamp: float, want_mid: bool = False) -> tuple[mx.array, mx.array | None]:

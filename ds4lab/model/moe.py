@@ -95,8 +95,10 @@ def routed_experts(layer: LayerWeights, xf: mx.array, experts: mx.array, weights
     In "ds4-cpu" numerics with ds4's CPU expert types (IQ2_XXS gate/up, Q2_K down) the experts
     are ds4's integer dots (`kquant_dots`). Otherwise several schedules, the same sums. Few
     (token, expert) pairs on a GPU: decode each pair's expert and multiply, all lazily (no
-    host round trip, so a decode step stays one graph). One token on the batch-invariant
-    path (CPU decode): the per-expert schedule's products batched, also without a round trip.
+    host round trip, so a decode step stays one graph). On the CPU in "float" numerics with the
+    experts kept decoded: one native call for the chunk (`cpu_kernels.routed_experts`). One
+    token on the batch-invariant path otherwise (CPU decode): the per-expert schedule's
+    products batched, also without a round trip.
     Many pairs on the fast path: tensor-core GEMMs over the pairs grouped by expert. Otherwise
     (prefill on the portable path, and the batch-invariant path, where each token's rows keep
     their tile slot): decode each expert some token chose once, a few at a time, and apply it

@@ -307,9 +307,10 @@ class Schedule:
 
     @property
     def native(self) -> bool:
-        """The CPU's native kernels (`cpu_kernels`) for the HC input, the per-row steps and
-        norms, and kept-decoded routed experts: the batch-invariant path in "float" numerics
-        ("ds4-cpu" keeps the compositions its oracle comparisons were measured with)."""
+        """The CPU's native kernels (`cpu_kernels`) for the HC input and output, Q8_0 products,
+        the per-row steps and norms, the router and kept-decoded routed experts: the
+        batch-invariant path in "float" numerics ("ds4-cpu" keeps the compositions its oracle
+        comparisons were measured with)."""
         return self.batch_invariant and not self.numerics.emulate and cpu_kernels.available()
 
     def reference(self) -> Schedule:
@@ -400,7 +401,7 @@ class Schedule:
         # by construction; a chain of native steps then needs no MLX evaluation between them
         # (each costs a hand-off to MLX's worker thread). Without it the BLAS multiplies the
         # decoded matrix (MLX's quantized matmul runs near 1 GFLOP/s here, OpenBLAS near 100).
-        if cpu_kernels.available():
+        if self.native:
             return cpu_kernels.q8_0_matmul(matrix.codes, matrix.scales, x)
         return self.linear(x, matrix.dense())
 
