@@ -165,7 +165,7 @@ def test_the_model_takes_the_native_kernels_on_the_cpu(tiny_q2, monkeypatch, on_
     model = ds4lab.load(tiny_q2)
     assert model.weights.output.float32 is None           # read in its codes, never decoded
     tokens = list(range(2000, 2012))
-    calls = {"hc_control": 0, "routed_experts": 0, "q8_0_matmul": 0, "row_finish": 0}
+    calls = {"hc_control": 0, "routed_experts": 0, "q8_0_matmul": 0, "row_finish": 0, "attention": 0}
     for name in calls:
         real = getattr(cpu_kernels, name)
 
@@ -177,6 +177,7 @@ def test_the_model_takes_the_native_kernels_on_the_cpu(tiny_q2, monkeypatch, on_
     native = np.array(model.session().prefill_all(tokens).logits)
     cfg = model.config
     assert calls["hc_control"] == 2 * cfg.n_layer and calls["routed_experts"] == cfg.n_layer
+    assert calls["attention"] == cfg.n_layer
     # q_a, q_b, kv, the grouped output (one call), output_b, the shared expert's three; the head
     assert calls["q8_0_matmul"] == 8 * cfg.n_layer + 1 and calls["row_finish"] > 3 * cfg.n_layer
     rolled = [("blocks.1.ffn.hook_hc_pre", lambda x, hook: mx.roll(x, 1, axis=-1))]   # another stream mix
@@ -192,6 +193,65 @@ def test_the_model_takes_the_native_kernels_on_the_cpu(tiny_q2, monkeypatch, on_
     assert np.abs(native - composed).max() <= 3e-2 * composed.std()
     assert (native.argmax(axis=1) == composed.argmax(axis=1)).mean() >= 0.9
     assert np.abs((edited - native) - (composed_edit - composed)).max() <= 0.1 * np.abs(edited - native).max()
+
+
+# ---- attention ---------------------------------------------------------------------------
+def _attention_inputs(t: int, h: int, d: int, n_raw: int, n_comp: int, seed: int = 0):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((t, h, d)).astype(np.float32)
+    keys = rng.standard_normal((n_raw, d)).astype(np.float32)
+    comp = rng.standard_normal((n_comp, d)).astype(np.float32)
+    mask = rng.random((t, n_raw + n_comp)) < 0.6
+    mask[0] = False                                  # a token that sees nothing: the sink alone
+    sinks = rng.standard_normal(h).astype(np.float32)
+    return q, keys, comp, mask, sinks
+
+
+def _attention_float64(q, keys, comp, mask, sinks):
+    rows = np.concatenate([keys, comp]).astype(np.float64)
+    scores = np.einsum("thd,nd->thn", q.astype(np.float64), rows) / np.sqrt(q.shape[-1])
+    scores = np.where(mask[:, None, :], scores, -np.inf)
+    top = np.maximum(scores.max(axis=-1), sinks[None, :])
+    w = np.exp(scores - top[..., None])
+    return (w @ rows) / (np.exp(sinks[None, :] - top) + w.sum(axis=-1))[..., None]
+
+
+@pytest.mark.parametrize("t,h,d,n_raw,n_comp", [(5, 8, 256, 40, 9), (3, 6, 192, 16, 0), (9, 2, 64, 130, 33)])
+def test_attention_matches_float64_and_not_its_batch(t, h, d, n_raw, n_comp, on_cpu):
+    """Softmax with sinks over the visible keys (raw rows, then compressed rows): float64's
+    values; a token alone, in its batch or on more threads gives the same bits; keys a token
+    cannot see never reach its output."""
+    q, keys, comp, mask, sinks = _attention_inputs(t, h, d, n_raw, n_comp, seed=d)
+    c = mx.array(comp) if n_comp else None
+    out = np.array(cpu_kernels.attention(mx.array(q), mx.array(keys), c, mx.array(mask), mx.array(sinks)))
+    want = _attention_float64(q, keys, comp, mask, sinks)
+    assert np.abs(out - want).max() <= 1e-5 * np.abs(want).max()
+    assert np.abs(out[0]).max() == 0.0                      # the sink's weight falls on no row
+    for i in range(t):
+        alone = cpu_kernels.attention(mx.array(q[i:i + 1]), mx.array(keys), c, mx.array(mask[i:i + 1]),
+                                      mx.array(sinks))
+        np.testing.assert_array_equal(np.array(alone)[0], out[i])
+    hidden = keys.copy()
+    hidden[~mask[1, :n_raw]] = 1e6                          # what token 1 cannot see
+    again = cpu_kernels.attention(mx.array(q[1:2]), mx.array(hidden), c, mx.array(mask[1:2]), mx.array(sinks))
+    np.testing.assert_array_equal(np.array(again)[0], out[1])
+    lib = cpu_kernels._library()
+    cs = np.ascontiguousarray(comp) if n_comp else None
+    visible = mask.astype(np.uint8)
+    threaded = np.empty_like(out)
+    assert lib.ds4lab_attention(q.ctypes.data, keys.ctypes.data, None if cs is None else cs.ctypes.data,
+                                visible.ctypes.data, sinks.ctypes.data, t, h, d, n_raw, n_comp,
+                                float(np.float32(1 / np.sqrt(d))), threaded.ctypes.data, 2) == 0
+    np.testing.assert_array_equal(threaded, out)
+
+
+def test_attention_checks_its_shapes():
+    q, keys, comp, mask, sinks = _attention_inputs(2, 4, 64, 10, 3)
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_kernels.attention(mx.array(q), mx.array(keys), None, mx.array(mask), mx.array(sinks))
+    with pytest.raises(ValueError, match="out of range"):               # a head width the lanes do not tile
+        cpu_kernels.attention(mx.array(q[..., :40]), mx.array(keys[:, :40]), mx.array(comp[:, :40]),
+                              mx.array(mask), mx.array(sinks))
 
 
 # ---- the per-row steps ----------------------------------------------------------------------

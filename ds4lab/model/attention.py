@@ -14,7 +14,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from . import kernels
+from . import cpu_kernels, kernels
 from .numerics import Schedule
 from .rope import Rotation
 from .weights import LayerWeights, Q8Matrix
@@ -56,9 +56,12 @@ def attend_heads(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array, r
                  mm: Schedule, comp: mx.array | None = None) -> mx.array:
     """Head outputs [T, H, D]: `attend` over keys (then `comp`, the compressed rows, when
     given), then turned back by the query position's angle (ds4's inverse RoPE). One kernel on
-    the fast path (`kernels.attention_heads`), which reads only the visible keys."""
+    the fast path (`kernels.attention_heads`) and on the native CPU path
+    (`cpu_kernels.attention`), which read only the visible keys."""
     if mm.fast:
         return kernels.attention_heads(q, keys, mask, sinks, (rotation.cos, rotation.sin), comp)
+    if mm.native and q.shape[-1] % 32 == 0:           # `cpu_kernels.attention`: one call, no gathers
+        return mm.finish_rows(cpu_kernels.attention(q, keys, comp, mask, sinks), rotation=rotation, inverse=True)
     if comp is not None:
         keys = mx.concatenate([keys, comp])
     heads = attend(q, keys, mask, sinks, ordered=mm.batch_invariant, products=mm.numerics.emulate)

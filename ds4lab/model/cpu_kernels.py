@@ -12,6 +12,8 @@ rows (the batch-invariant path's, `linalg`). These kernels do whole steps in one
   its output);
 - `router`: the FFN's router (probs, the chosen experts, their weights);
 - `routed_experts`: the routed experts of a chunk, when they are kept decoded;
+- `attention`: the softmax attention with sinks over each token's visible keys (the raw
+  window's rows and the compressed rows, read where they are: no gathered copy);
 - `row_finish`: the per-row steps of q heads, KV, compressed and indexer rows (RMSNorm,
   RoPE, Hadamard + FP4, FP8, f16), ds4's roundings bit for bit.
 
@@ -81,6 +83,7 @@ def _build() -> ctypes.CDLL | None:
         "ds4lab_hc_expand": [p] * 5 + [i64] * 3 + [p, i32],
         "ds4lab_router": [p] * 5 + [i64] * 5 + [f32, p, p, p, i32],
         "ds4lab_row_finish": [p, p, i64, i64, i32, f32, p, i32, p, p, i64, i64, i32, f32, i32, i32, p, i32],
+        "ds4lab_attention": [p] * 5 + [i64] * 5 + [f32, p, i32],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -291,3 +294,27 @@ def row_finish(x: mx.array, *, eps: float | None = None, weight: mx.array | None
                                         float(np.float32(1.0 / np.sqrt(d))), fp8, f16, _carry().ctypes.data,
                                         _threads(rows * d * 8)), "row_finish")
     return mx.array(y).reshape(x.shape)
+
+
+def attention(q: mx.array, keys: mx.array, comp: mx.array | None, mask: mx.array, sinks: mx.array) -> mx.array:
+    """`attention.attend` of "float" numerics (`kernels/cpu/attention.c`): q [T, H, D] over the
+    rows of keys [n_raw, D] then comp [n_comp, D] that mask [T, n_raw + n_comp] shows, a sink
+    logit per head (sinks [H]) in the denominator. Returns the heads [T, H, D] (not yet
+    inverse-rotated)."""
+    t, n_head, d = q.shape
+    n_raw, n_comp = keys.shape[0], 0 if comp is None else comp.shape[0]
+    if keys.shape[1:] != (d,) or (comp is not None and comp.shape[1:] != (d,)) or \
+            mask.shape != (t, n_raw + n_comp) or sinks.shape != (n_head,):
+        raise ValueError(f"attention inputs q {q.shape}, keys {keys.shape}, compressed "
+                         f"{None if comp is None else comp.shape}, mask {mask.shape}, sinks {sinks.shape} "
+                         "do not fit together")
+    qs, ks, sk = _floats(q), _floats(keys), _floats(sinks)
+    cs = None if comp is None else _floats(comp)
+    visible = np.ascontiguousarray(np.asarray(mask), dtype=np.uint8)
+    out = np.empty((t, n_head, d), np.float32)
+    if t:
+        _check(_lib().ds4lab_attention(qs.ctypes.data, ks.ctypes.data, None if cs is None else cs.ctypes.data,
+                                       visible.ctypes.data, sk.ctypes.data, t, n_head, d, n_raw, n_comp,
+                                       float(np.float32(1.0 / np.sqrt(d))), out.ctypes.data,
+                                       _threads(2 * t * n_head * (n_raw + n_comp) * d)), "attention")
+    return mx.array(out)
