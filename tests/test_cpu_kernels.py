@@ -137,8 +137,9 @@ def test_routed_experts_match_the_per_expert_sum_and_not_their_batch():
     from ds4lab.model.moe import swiglu
 
     gate, up, down, x, ids, weights = _experts(8, 64, 96, t=7, u=3)
+    gate, up, down = ((a, "F32") for a in (gate, up, down))
     y, mid = cpu_kernels.routed_experts(gate, up, down, x, ids, weights, clamp=1.5, want_mid=True)
-    g, v, dn, xs, e, w = (np.array(a, dtype=np.float64) for a in (gate, up, down, x, ids, weights))
+    g, v, dn, xs, e, w = (np.array(a, dtype=np.float64) for a in (gate[0], up[0], down[0], x, ids, weights))
     for t in range(7):
         total = np.zeros(64)
         for s in range(3):
@@ -155,6 +156,49 @@ def test_routed_experts_match_the_per_expert_sum_and_not_their_batch():
     bad[2, 1] = 8                               # an expert that does not exist
     with pytest.raises(ValueError, match="out of range"):
         cpu_kernels.routed_experts(gate, up, down, x, mx.array(bad), weights, 1.5)
+
+
+# Bytes per block and where its f16 scales lie, per type.
+_BLOCKS = {"IQ2_XXS": (66, (0,)), "Q2_K": (84, (80, 82)), "Q4_K": (144, (0, 2))}
+
+
+def _random_blocks(type_name: str, n_expert: int, rows: int, cols: int, rng) -> np.ndarray:
+    """Random bytes in a block format (every code, sign and scale pattern), with normal f16
+    scales of either sign and one subnormal one."""
+    size, scale_at = _BLOCKS[type_name]
+    blocks = rng.integers(0, 256, (n_expert * rows * cols // 256, size), dtype=np.uint8)
+    for at in scale_at:
+        d = (rng.standard_normal(len(blocks)) * 0.01).astype(np.float16)
+        d[3] = np.float16(3e-6)                                      # subnormal in f16
+        blocks[:, at:at + 2] = d.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(n_expert, -1)
+
+
+@pytest.mark.parametrize("gate_type,down_type", [("IQ2_XXS", "Q2_K"), ("Q4_K", "Q4_K"), ("Q2_K", "IQ2_XXS")])
+def test_routed_experts_in_blocks_equal_the_decoded_experts_bit_for_bit(gate_type, down_type):
+    """Read in their blocks, the experts give the bits of the same experts decoded to float32
+    (ds4lab's decoders) and read as floats, whose sums the test above checks; so prefill and
+    decode, which both read blocks, agree with each other as they did."""
+    from ds4lab.quants.numpy_decode import dequantize
+
+    rng = np.random.default_rng(7)
+    n_expert, d, n_ff, t, u = 5, 512, 256, 6, 3
+    raw = {"gate": _random_blocks(gate_type, n_expert, n_ff, d, rng), "up": _random_blocks(gate_type, n_expert, n_ff, d, rng),
+           "down": _random_blocks(down_type, n_expert, d, n_ff, rng)}
+    types = {"gate": gate_type, "up": gate_type, "down": down_type}
+    shapes = {"gate": (n_expert, n_ff, d), "up": (n_expert, n_ff, d), "down": (n_expert, d, n_ff)}
+    blocks = [(mx.array(raw[k]), types[k]) for k in ("gate", "up", "down")]
+    decoded = [(mx.array(dequantize(raw[k], types[k], shapes[k])), "F32") for k in ("gate", "up", "down")]
+    x = mx.array(rng.standard_normal((t, d)).astype(np.float32))
+    ids = mx.array(np.stack([rng.choice(n_expert, u, replace=False) for _ in range(t)]).astype(np.int32))
+    weights = mx.array(rng.random((t, u)).astype(np.float32))
+    y_blocks, mid_blocks = cpu_kernels.routed_experts(*blocks, x, ids, weights, 0.0, want_mid=True)
+    y_floats, mid_floats = cpu_kernels.routed_experts(*decoded, x, ids, weights, 0.0, want_mid=True)
+    assert np.abs(np.array(y_floats)).max() > 0
+    np.testing.assert_array_equal(np.array(mid_blocks), np.array(mid_floats))
+    np.testing.assert_array_equal(np.array(y_blocks), np.array(y_floats))
+    with pytest.raises(ValueError, match="does not hold"):               # a byte count that is not the shape's
+        cpu_kernels.routed_experts((mx.array(raw["gate"][:, :-2]), gate_type), *blocks[1:], x, ids, weights, 0.0)
 
 
 def test_the_model_takes_the_native_kernels_on_the_cpu(tiny_q2, monkeypatch, on_cpu):

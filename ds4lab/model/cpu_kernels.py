@@ -7,11 +7,13 @@ rows (the batch-invariant path's, `linalg`). These kernels do whole steps in one
 
 - `q8_0_matmul`: a Q8_0 matrix times float rows, read in its codes (1 byte a weight and a
   scale per 32; "ds4-cpu" numerics keep their integer block dots);
+- `linear`: a float32 matrix times float rows (the compressors' and the indexer's weights);
 - `hc_control`, `hc_collapse_norm`, `hc_expand`: a sublayer's hyper-connections (the control
   with its Sinkhorn iterations, the collapse and RMSNorm of its input, the new streams from
   its output);
 - `router`: the FFN's router (probs, the chosen experts, their weights);
-- `routed_experts`: the routed experts of a chunk, when they are kept decoded;
+- `routed_experts`: the routed experts of a chunk, read in their block formats (IQ2_XXS,
+  Q2_K, Q4_K) or kept decoded;
 - `attention`: the softmax attention with sinks over each token's visible keys (the raw
   window's rows and the compressed rows, read where they are: no gathered copy);
 - `row_finish`: the per-row steps of q heads, KV, compressed and indexer rows (RMSNorm,
@@ -79,11 +81,12 @@ def _build() -> ctypes.CDLL | None:
         "ds4lab_q8_0_matmul": [p] * 4 + [i64] * 3 + [i32],
         "ds4lab_hc_control": [p] * 4 + [i64] * 3 + [f32, f32, i32] + [p] * 3 + [i32],
         "ds4lab_hc_collapse_norm": [p] * 3 + [i64] * 3 + [f32, p, i32],
-        "ds4lab_routed_experts_f32": [p] * 3 + [i64] * 3 + [p] * 3 + [i64, i64, f32, p, p, p, i32],
+        "ds4lab_routed_experts": [p, i32, p, i32, p, i32] + [i64] * 3 + [p] * 3 + [i64, i64, f32] + [p] * 5 + [i32],
         "ds4lab_hc_expand": [p] * 5 + [i64] * 3 + [p, i32],
         "ds4lab_router": [p] * 5 + [i64] * 5 + [f32, p, p, p, i32],
         "ds4lab_row_finish": [p, p, i64, i64, i32, f32, p, i32, p, p, i64, i64, i32, f32, i32, i32, p, i32],
         "ds4lab_attention": [p] * 5 + [i64] * 5 + [f32, p, i32],
+        "ds4lab_linear_f32": [p] * 3 + [i64] * 3 + [i32],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -154,6 +157,20 @@ def q8_0_matmul(codes: mx.array, scales: mx.array, x: mx.array, groups: int = 1)
                "q8_0_matmul")
     out = y[0] if groups == 1 else y.transpose(1, 0, 2).reshape(n, rows)
     return mx.array(out).reshape(*x.shape[:-1], rows)
+
+
+def linear(x: mx.array, w: mx.array) -> mx.array:
+    """x [..., cols] @ w.T for a float32 matrix w [rows, cols] (`kernels/cpu/linear_f32.c`):
+    each output a dot over lanes in the source's order, whatever the batch or thread count."""
+    rows, cols = w.shape
+    if x.shape[-1] != cols:
+        raise ValueError(f"x has {x.shape[-1]} columns, the matrix [{rows}, {cols}]")
+    ws, xs = _floats(w), _floats(x, (-1, cols))
+    y = np.empty((xs.shape[0], rows), np.float32)
+    if xs.shape[0]:
+        _check(_lib().ds4lab_linear_f32(ws.ctypes.data, xs.ctypes.data, y.ctypes.data, rows, cols, xs.shape[0],
+                                        _threads(y.size * cols)), "linear")
+    return mx.array(y).reshape(*x.shape[:-1], rows)
 
 
 def hc_control(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array, sinkhorn_iters: int,
@@ -234,25 +251,71 @@ def router(x: mx.array, gate_inp: mx.array, bias: mx.array | None, n_used: int, 
     return mx.array(probs), mx.array(experts), mx.array(weights)
 
 
-def routed_experts(gate: mx.array, up: mx.array, down: mx.array, x: mx.array, experts: mx.array,
-                   weights: mx.array, clamp: float, want_mid: bool = False) -> tuple[mx.array, mx.array | None]:
-    """`moe.routed_experts` for experts kept decoded: gate, up [E, n_ff, d], down [E, d, n_ff]
-    float32, x [T, d], experts and weights [T, U]. Returns y [T, d] and, with `want_mid`, the
-    route-weighted SwiGLU activations [T, U, n_ff] (`kernels/cpu/routed_experts.c`)."""
-    n_expert, n_ff, d = gate.shape
-    t, u = experts.shape
-    if up.shape != gate.shape or down.shape != (n_expert, d, n_ff) or x.shape != (t, d) or weights.shape != (t, u):
-        raise ValueError(f"experts gate {gate.shape}, up {up.shape}, down {down.shape}, x {x.shape}, "
-                         f"experts {experts.shape}, weights {weights.shape} do not fit together")
-    g, v, dn, xs, w = _floats(gate), _floats(up), _floats(down), _floats(x), _floats(weights)
-    ids = _ints(experts)
+# Expert tensor types the native kernel reads in their blocks (`kernels/cpu/block_dots.h`), and
+# its code for each; "F32" is a tensor the loader kept decoded.
+EXPERT_TYPES = {"F32": 0, "IQ2_XXS": 1, "Q2_K": 2, "Q4_K": 3}
+
+
+@cache
+def _iq2_tables() -> tuple[np.ndarray, np.ndarray]:
+    from gguf.quants import IQ2_XXS
+
+    IQ2_XXS.init_grid()
+    grid = np.ascontiguousarray(np.asarray(IQ2_XXS.grid, dtype=np.uint8).reshape(256, 8))
+    return grid, np.ascontiguousarray(np.frombuffer(IQ2_XXS.ksigns, dtype=np.uint8))
+
+
+def _expert_bytes(data: mx.array, type_name: str, rows: int, cols: int, what: str) -> np.ndarray:
+    """One expert tensor as the kernel reads it: float32 [E, rows, cols] or blocks [E, bytes]."""
+    if type_name == "F32":
+        out = _floats(data)
+        ok = out.shape[1:] == (rows, cols)
+    else:
+        from ..quants.formats import row_bytes
+
+        out = np.ascontiguousarray(np.asarray(data).view(np.uint8)).reshape(data.shape[0], -1)
+        ok = type_name in EXPERT_TYPES and cols % 256 == 0 and out.shape[1] == rows * row_bytes(type_name, cols)
+    if not ok:
+        raise ValueError(f"routed experts: {what} ({type_name}, {tuple(data.shape)}) does not hold "
+                         f"[{rows}, {cols}] matrices")
+    return out
+
+
+def routed_experts(gate: tuple[mx.array, str], up: tuple[mx.array, str], down: tuple[mx.array, str], x: mx.array,
+                   experts: mx.array, weights: mx.array, clamp: float,
+                   want_mid: bool = False) -> tuple[mx.array, mx.array | None]:
+    """`moe.routed_experts` in one call (`kernels/cpu/routed_experts.c`). gate, up and down are
+    (data, type): an `ExpertBlocks`' bytes [E, expert bytes] with its type (`EXPERT_TYPES`:
+    IQ2_XXS, Q2_K, Q4_K) or float32 experts with "F32" (gate, up [E, n_ff, d], down [E, d, n_ff]);
+    x [T, d], experts and weights [T, U]. Returns y [T, d] and, with `want_mid`, the
+    route-weighted SwiGLU activations [T, U, n_ff]."""
+    t, d = x.shape
+    u = experts.shape[1]
+    n_expert = gate[0].shape[0]
+    if gate[1] == "F32":
+        n_ff = gate[0].shape[1]
+    else:
+        from ..quants.formats import row_bytes
+
+        per_row = row_bytes(gate[1], d) if gate[1] in EXPERT_TYPES and d % 256 == 0 else 0
+        n_ff = int(np.prod(gate[0].shape[1:])) // max(per_row, 1)
+    arrays = [_expert_bytes(data, kind, rows, cols, what) for (data, kind), rows, cols, what in
+              ((gate, n_ff, d, "gate"), (up, n_ff, d, "up"), (down, d, n_ff, "down"))]
+    if any(a.shape[0] != n_expert for a in arrays) or experts.shape != (t, u) or weights.shape != (t, u):
+        raise ValueError(f"routed experts: gate, up and down hold {[a.shape[0] for a in arrays]} experts; "
+                         f"x {x.shape}, experts {experts.shape}, weights {weights.shape} do not fit together")
+    xs, w, ids = _floats(x), _floats(weights), _ints(experts)
+    grid, ksigns = _iq2_tables()
     y, z = np.empty((t, d), np.float32), np.empty((t, u, d), np.float32)
     mid = np.empty((t, u, n_ff), np.float32) if want_mid else None
     if t:
-        _check(_lib().ds4lab_routed_experts_f32(g.ctypes.data, v.ctypes.data, dn.ctypes.data, n_expert, d, n_ff,
-                                                xs.ctypes.data, ids.ctypes.data, w.ctypes.data, t, u, clamp,
-                                                None if mid is None else mid.ctypes.data, z.ctypes.data, y.ctypes.data,
-                                                _threads(3 * t * u * n_ff * d)), "routed_experts")
+        g, v, dn = arrays
+        _check(_lib().ds4lab_routed_experts(g.ctypes.data, EXPERT_TYPES[gate[1]], v.ctypes.data, EXPERT_TYPES[up[1]],
+                                            dn.ctypes.data, EXPERT_TYPES[down[1]], n_expert, d, n_ff, xs.ctypes.data,
+                                            ids.ctypes.data, w.ctypes.data, t, u, clamp, grid.ctypes.data,
+                                            ksigns.ctypes.data, None if mid is None else mid.ctypes.data,
+                                            z.ctypes.data, y.ctypes.data, _threads(3 * t * u * n_ff * d)),
+               "routed_experts")
     return mx.array(y), None if mid is None else mx.array(mid)
 
 

@@ -95,8 +95,9 @@ def routed_experts(layer: LayerWeights, xf: mx.array, experts: mx.array, weights
     In "ds4-cpu" numerics with ds4's CPU expert types (IQ2_XXS gate/up, Q2_K down) the experts
     are ds4's integer dots (`kquant_dots`). Otherwise several schedules, the same sums. Few
     (token, expert) pairs on a GPU: decode each pair's expert and multiply, all lazily (no
-    host round trip, so a decode step stays one graph). On the CPU in "float" numerics with the
-    experts kept decoded: one native call for the chunk (`cpu_kernels.routed_experts`). One
+    host round trip, so a decode step stays one graph). On the CPU in "float" numerics: one
+    native call for the chunk (`cpu_kernels.routed_experts`, the experts read in their
+    blocks, or kept decoded when the kernel does not read their type). One
     token on the batch-invariant path otherwise (CPU decode): the per-expert schedule's
     products batched, also without a round trip.
     Many pairs on the fast path: tensor-core GEMMs over the pairs grouped by expert. Otherwise
@@ -116,9 +117,9 @@ def routed_experts(layer: LayerWeights, xf: mx.array, experts: mx.array, weights
     if not mm.batch_invariant and experts.size <= _GATHERED_MAX_PAIRS:
         return _routed_gathered(gate_t, up_t, down_t, act_round(xf), experts, weights, clamp, act_round, on_mid,
                                 fused)
-    if mm.native and all(t.float32 is not None for t in (gate_t, up_t, down_t)):
-        y, mid = cpu_kernels.routed_experts(gate_t.float32, up_t.float32, down_t.float32, xf, experts, weights,
-                                            clamp, want_mid=on_mid is not None)
+    native = [_native_form(t) for t in (gate_t, up_t, down_t)] if mm.native else [None]
+    if None not in native:
+        y, mid = cpu_kernels.routed_experts(*native, xf, experts, weights, clamp, want_mid=on_mid is not None)
         if on_mid is not None:
             on_mid(mid)
         return y
@@ -153,6 +154,13 @@ def routed_experts(layer: LayerWeights, xf: mx.array, experts: mx.array, weights
         full[mx.array(tok), mx.array(slot)] = mx.concatenate(mids)
         on_mid(full)
     return out
+
+
+def _native_form(tensor: ExpertBlocks) -> tuple[mx.array, str] | None:
+    """What the native kernel reads of an expert tensor: its blocks, else its kept float32 copy."""
+    if tensor.type_name in cpu_kernels.EXPERT_TYPES and tensor.type_name != "F32" and tensor.cols % 256 == 0:
+        return tensor.raw, tensor.type_name
+    return None if tensor.float32 is None else (tensor.float32, "F32")
 
 
 def _routed_gathered(gate_t: ExpertBlocks, up_t: ExpertBlocks, down_t: ExpertBlocks, x_in: mx.array,

@@ -360,6 +360,8 @@ class Schedule:
         downstream turn that difference into different codes."""
         if self.slots is None:
             return x @ w.T
+        if self._native_rows(x):                  # batch-invariant by construction, no tiles
+            return cpu_kernels.linear(x, w)
         if self.numerics.emulate:
             # ROW_TILE tiles whatever the weights: "ds4-cpu" keeps the products its comparisons were measured with.
             return self._slotted(x.astype(mx.float64), w.astype(mx.float64), ROW_TILE).astype(mx.float32)

@@ -188,7 +188,8 @@ def load_block(model_file: ModelFile, prefix: str, index: int | None, ratio: int
 # Q8_0 matrices and routed experts kept decoded in float32 on the CPU, so that decode steps
 # do not decode them again: up to this many bytes (the output head first, the routed experts
 # last), DS4LAB_CPU_DENSE_MB to change. With the native kernels (`cpu_kernels`) the Q8_0
-# matrices are multiplied in their codes and not decoded.
+# matrices are multiplied in their codes and the routed experts read in their blocks (IQ2_XXS,
+# Q2_K, Q4_K): neither is decoded.
 CPU_DENSE_BUDGET_MB = 1024
 
 
@@ -199,8 +200,9 @@ def keep_decoded(matrices: list[Q8Matrix | ExpertBlocks]) -> None:
         return
     budget = int(os.environ.get("DS4LAB_CPU_DENSE_MB", CPU_DENSE_BUDGET_MB)) << 20
     for matrix in matrices:
-        if isinstance(matrix, Q8Matrix) and cpu_kernels.available():
-            continue
+        if cpu_kernels.available() and (isinstance(matrix, Q8Matrix) or (
+                matrix.type_name in cpu_kernels.EXPERT_TYPES and matrix.cols % 256 == 0)):
+            continue                      # the native kernels read these in their codes / blocks
         size = matrix.rows * matrix.cols * 4 * (matrix.raw.shape[0] if isinstance(matrix, ExpertBlocks) else 1)
         if size <= budget:
             matrix.float32 = matrix.dense()
