@@ -158,6 +158,22 @@ def test_routed_experts_match_the_per_expert_sum_and_not_their_batch():
         cpu_kernels.routed_experts(gate, up, down, x, mx.array(bad), weights, 1.5)
 
 
+def test_swiglu_matches_the_composition_and_clamps():
+    from ds4lab.model.moe import swiglu
+
+    rng = np.random.default_rng(3)
+    gate, up = (mx.array((rng.standard_normal((4, 300)) * 8).astype(np.float32)) for _ in range(2))
+    for clamp in (0.0, 5.0):
+        native = np.array(cpu_kernels.swiglu(gate, up, clamp))
+        composed = np.array(swiglu(gate, up, clamp))
+        assert np.abs(native - composed).max() <= 2e-6 * np.abs(composed).max()
+    g = np.minimum(np.array(gate, np.float64), 5.0)
+    want = g / (1 + np.exp(-g)) * np.clip(np.array(up, np.float64), -5.0, 5.0)
+    assert np.abs(native - want).max() <= 2e-6 * np.abs(want).max()
+    with pytest.raises(ValueError, match="differ"):
+        cpu_kernels.swiglu(gate, up[:, :10], 1.0)
+
+
 # Bytes per block and where its f16 scales lie, per type.
 _BLOCKS = {"IQ2_XXS": (66, (0,)), "Q2_K": (84, (80, 82)), "Q4_K": (144, (0, 2))}
 
@@ -209,7 +225,8 @@ def test_the_model_takes_the_native_kernels_on_the_cpu(tiny_q2, monkeypatch, on_
     model = ds4lab.load(tiny_q2)
     assert model.weights.output.float32 is None           # read in its codes, never decoded
     tokens = list(range(2000, 2012))
-    calls = {"hc_control": 0, "routed_experts": 0, "q8_0_matmul": 0, "row_finish": 0, "attention": 0}
+    calls = {"hc_control": 0, "routed_experts": 0, "q8_0_matmul": 0, "row_finish": 0, "attention": 0, "swiglu": 0,
+             "linear": 0}
     for name in calls:
         real = getattr(cpu_kernels, name)
 
@@ -221,7 +238,9 @@ def test_the_model_takes_the_native_kernels_on_the_cpu(tiny_q2, monkeypatch, on_
     native = np.array(model.session().prefill_all(tokens).logits)
     cfg = model.config
     assert calls["hc_control"] == 2 * cfg.n_layer and calls["routed_experts"] == cfg.n_layer
-    assert calls["attention"] == cfg.n_layer
+    assert calls["attention"] == calls["swiglu"] == cfg.n_layer
+    # the compressors' two projections per compressed layer (the indexer's too), the indexer's queries and weights
+    assert calls["linear"] >= 2 * sum(1 for r in cfg.compress_ratios if r)
     # q_a, q_b, kv, the grouped output (one call), output_b, the shared expert's three; the head
     assert calls["q8_0_matmul"] == 8 * cfg.n_layer + 1 and calls["row_finish"] > 3 * cfg.n_layer
     rolled = [("blocks.1.ffn.hook_hc_pre", lambda x, hook: mx.roll(x, 1, axis=-1))]   # another stream mix

@@ -175,6 +175,8 @@ def grouped_output(layer: LayerWeights, heads: mx.array, n_out_group: int, mm: S
         gemv = t <= kernels.MATVEC_MAX_TOKENS
         low = (kernels.q8_matvec if gemv else kernels.q8_gemm)(out_a, heads, groups=n_out_group)
     else:                                                              # heads of a group side by side
-        low = mm.q8(out_a, heads.reshape(t, -1), groups=n_out_group)
+        # The native kernel reads the heads as they lie (one group's heads side by side).
+        flat = heads if mm.native else heads.reshape(t, -1)
+        low = mm.q8(out_a, flat, groups=n_out_group, shape=(t, out_a.rows))
     return mm.q8(layer.q8["attn_output_b.weight"], low)
 

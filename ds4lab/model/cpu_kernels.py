@@ -13,7 +13,7 @@ rows (the batch-invariant path's, `linalg`). These kernels do whole steps in one
   its output);
 - `router`: the FFN's router (probs, the chosen experts, their weights);
 - `routed_experts`: the routed experts of a chunk, read in their block formats (IQ2_XXS,
-  Q2_K, Q4_K) or kept decoded;
+  Q2_K, Q4_K) or kept decoded; `swiglu`, the shared expert's activation;
 - `attention`: the softmax attention with sinks over each token's visible keys (the raw
   window's rows and the compressed rows, read where they are: no gathered copy);
 - `row_finish`: the per-row steps of q heads, KV, compressed and indexer rows (RMSNorm,
@@ -91,6 +91,7 @@ def _build() -> ctypes.CDLL | None:
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = ctypes.c_int, argtypes
+    lib.ds4lab_swiglu.restype, lib.ds4lab_swiglu.argtypes = None, [p, p, i64, f32, p]
     return lib
 
 
@@ -131,16 +132,19 @@ def _lib() -> ctypes.CDLL:
     return lib
 
 
-def q8_0_matmul(codes: mx.array, scales: mx.array, x: mx.array, groups: int = 1) -> mx.array:
+def q8_0_matmul(codes: mx.array, scales: mx.array, x: mx.array, groups: int = 1,
+                shape: tuple[int, ...] | None = None) -> mx.array:
     """x [..., groups * cols] @ W.T for W [rows, cols] held as `Q8Matrix` holds it: `codes` the
     int8 codes + 128 as uint8 (packed four to a uint32, as MLX's 8-bit quantisation stores
     them), `scales` [rows, cols / 32] float32. With `groups`, W's rows are `groups` equal
     blocks and block g multiplies x's g-th slice of cols (the grouped output projection).
-    Evaluates x; the result is a new array [..., rows]."""
+    x may come in any shape whose size is a whole number of such rows (the heads [T, H, D]
+    of the grouped projection). Evaluates x; the result is a new array [..., rows], or
+    `shape` (made on the host: an MLX reshape would cost the next kernel a round trip)."""
     lib = _lib()
     rows, n_blocks = scales.shape
     cols = n_blocks * 32
-    if x.shape[-1] != groups * cols or rows % groups:
+    if x.size % (groups * cols) or rows % groups or (shape is None and x.shape[-1] != groups * cols):
         raise ValueError(f"x has {x.shape[-1]} columns, the matrix {groups} x {cols} over {rows} rows")
     code_bytes = np.ascontiguousarray(np.asarray(codes).view(np.uint8))
     if code_bytes.shape != (rows, cols) or scales.dtype != mx.float32:
@@ -156,7 +160,7 @@ def q8_0_matmul(codes: mx.array, scales: mx.array, x: mx.array, groups: int = 1)
                                       xg.ctypes.data, y[g].ctypes.data, per, cols, n, _threads(n * per * cols)),
                "q8_0_matmul")
     out = y[0] if groups == 1 else y.transpose(1, 0, 2).reshape(n, rows)
-    return mx.array(out).reshape(*x.shape[:-1], rows)
+    return mx.array(out.reshape((*x.shape[:-1], rows) if shape is None else shape))
 
 
 def linear(x: mx.array, w: mx.array) -> mx.array:
@@ -170,7 +174,7 @@ def linear(x: mx.array, w: mx.array) -> mx.array:
     if xs.shape[0]:
         _check(_lib().ds4lab_linear_f32(ws.ctypes.data, xs.ctypes.data, y.ctypes.data, rows, cols, xs.shape[0],
                                         _threads(y.size * cols)), "linear")
-    return mx.array(y).reshape(*x.shape[:-1], rows)
+    return mx.array(y.reshape(*x.shape[:-1], rows))
 
 
 def hc_control(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array, sinkhorn_iters: int,
@@ -249,6 +253,16 @@ def router(x: mx.array, gate_inp: mx.array, bias: mx.array | None, n_used: int, 
                                     probs.ctypes.data, experts.ctypes.data, weights.ctypes.data,
                                     _threads(t * n_expert * d)), "router")
     return mx.array(probs), mx.array(experts), mx.array(weights)
+
+
+def swiglu(gate: mx.array, up: mx.array, clamp: float) -> mx.array:
+    """`moe.swiglu` elementwise (`kernels/cpu/routed_experts.c`, the routed experts' steps)."""
+    if gate.shape != up.shape:
+        raise ValueError(f"swiglu: gate {gate.shape} and up {up.shape} differ")
+    g, v = _floats(gate), _floats(up)
+    out = np.empty_like(g)
+    _lib().ds4lab_swiglu(g.ctypes.data, v.ctypes.data, g.size, clamp, out.ctypes.data)
+    return mx.array(out)
 
 
 # Expert tensor types the native kernel reads in their blocks (`kernels/cpu/block_dots.h`), and
@@ -356,7 +370,7 @@ def row_finish(x: mx.array, *, eps: float | None = None, weight: mx.array | None
                                         None if sin is None else sin.ctypes.data, n_rot, per_pos, qat,
                                         float(np.float32(1.0 / np.sqrt(d))), fp8, f16, _carry().ctypes.data,
                                         _threads(rows * d * 8)), "row_finish")
-    return mx.array(y).reshape(x.shape)
+    return mx.array(y.reshape(x.shape))
 
 
 def attention(q: mx.array, keys: mx.array, comp: mx.array | None, mask: mx.array, sinks: mx.array) -> mx.array:

@@ -79,9 +79,11 @@ def _swiglu_compiled(clamp: float, weighted: bool):
     return mx.compile(lambda gate, up: swiglu(gate, up, clamp))
 
 
-def _swiglu(gate: mx.array, up: mx.array, clamp: float, fast: bool) -> mx.array:
-    """`swiglu`, compiled into one kernel on the fast path."""
-    return _swiglu_compiled(clamp, False)(gate, up) if fast else swiglu(gate, up, clamp)
+def _swiglu(gate: mx.array, up: mx.array, clamp: float, mm: Schedule) -> mx.array:
+    """`swiglu`, compiled into one kernel on the fast path, native on the CPU's native path."""
+    if mm.fast:
+        return _swiglu_compiled(clamp, False)(gate, up)
+    return cpu_kernels.swiglu(gate, up, clamp) if mm.native else swiglu(gate, up, clamp)
 
 
 def routed_experts(layer: LayerWeights, xf: mx.array, experts: mx.array, weights: mx.array, clamp: float,
@@ -245,4 +247,4 @@ def _decode(tensor: ExpertBlocks, ids: mx.array) -> mx.array:
 def shared_expert(layer: LayerWeights, xf: mx.array, clamp: float, mm: Schedule) -> mx.array:
     gate = mm.q8(layer.q8["ffn_gate_shexp.weight"], xf)
     up = mm.q8(layer.q8["ffn_up_shexp.weight"], xf)
-    return mm.q8(layer.q8["ffn_down_shexp.weight"], _swiglu(gate, up, clamp, mm.fast))
+    return mm.q8(layer.q8["ffn_down_shexp.weight"], _swiglu(gate, up, clamp, mm))

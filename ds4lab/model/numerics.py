@@ -384,12 +384,17 @@ class Schedule:
         (the grouped output projection: x [..., groups * cols])."""
         if groups > 1:
             if self.native:                                      # every group in one call
-                return cpu_kernels.q8_0_matmul(matrix.codes, matrix.scales, x, groups=groups)
+                return cpu_kernels.q8_0_matmul(matrix.codes, matrix.scales, x, groups=groups, shape=shape)
             per, xs = matrix.rows // groups, x.reshape(*x.shape[:-1], groups, -1)
             return mx.concatenate([self._q8(matrix.rows_slice(g * per, (g + 1) * per), xs[..., g, :])
                                    for g in range(groups)], axis=-1)
         if self.fast and x.size // x.shape[-1] <= kernels.MATVEC_MAX_TOKENS:
             return kernels.q8_matvec(matrix, x, shape=shape)
+        # On the CPU the native kernel reads the matrices in their codes, its sums batch-invariant
+        # by construction; a chain of native steps then needs no MLX evaluation between them
+        # (each costs a hand-off to MLX's worker thread).
+        if self.native:
+            return cpu_kernels.q8_0_matmul(matrix.codes, matrix.scales, x, shape=shape)
         y = self._q8(matrix, x)
         return y if shape is None else y.reshape(shape)
 
@@ -399,12 +404,8 @@ class Schedule:
             return matrix.ds4_cpu(x, codes, scales)
         if self.slots is None:
             return kernels.q8_gemm(matrix, x) if self.fast else matrix.quantized(x)
-        # On the CPU the native kernel reads the matrices in their codes, its sums batch-invariant
-        # by construction; a chain of native steps then needs no MLX evaluation between them
-        # (each costs a hand-off to MLX's worker thread). Without it the BLAS multiplies the
-        # decoded matrix (MLX's quantized matmul runs near 1 GFLOP/s here, OpenBLAS near 100).
-        if self.native:
-            return cpu_kernels.q8_0_matmul(matrix.codes, matrix.scales, x)
+        # Without the native kernels the BLAS multiplies the decoded matrix (MLX's quantized
+        # matmul runs near 1 GFLOP/s here, OpenBLAS near 100).
         return self.linear(x, matrix.dense())
 
     def experts_in(self, x: mx.array) -> mx.array:

@@ -30,6 +30,7 @@ from functools import cache, cached_property
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from ..floats import f32
 
@@ -253,6 +254,10 @@ class Rotation:
         last = first + step * (count - 1)
         cos, sin = cos_sin_table(n_rot, base, yarn, max(last, 0))
         end = last + 1
+        if mx.default_device() == mx.cpu:
+            # The rows copied out of the (evaluated) table on the host: an MLX slice would be
+            # evaluated by the first native CPU kernel that reads it, a round trip per layer kind.
+            return cls(*(mx.array(np.asarray(t)[first:end:step]) for t in (cos, sin)))
         return cls(cos[first:end:step], sin[first:end:step])
 
     def apply(self, x: mx.array, inverse: bool = False) -> mx.array:

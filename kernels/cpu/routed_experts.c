@@ -54,6 +54,15 @@ static expert_matrix_t expert_matrix(const void *data, int type, int64_t rows, i
     return (expert_matrix_t){(const uint8_t *)data, type == TYPE_F32 ? 0 : block_dot(type), row_bytes, rows * row_bytes};
 }
 
+/* SwiGLU with ds4's clamp (`moe.swiglu`): gate at most clamp, up within +-clamp. */
+static float swiglu(float g, float v, float clamp) {
+    if (clamp > 1e-6f) {
+        g = g < clamp ? g : clamp;
+        v = v < -clamp ? -clamp : (v > clamp ? clamp : v);
+    }
+    return (g * (1.0f / (1.0f + expf(-g)))) * v;
+}
+
 /* Pairs [begin, end) of (token, slot), p = t * U + slot: z[p] = W_down[e] . (w * swiglu(...)). */
 static void pairs_range(void *ctx, int64_t begin, int64_t end) {
     const experts_job_t *job = (const experts_job_t *)ctx;
@@ -65,11 +74,7 @@ static void pairs_range(void *ctx, int64_t begin, int64_t end) {
         const float w = job->weights[p];
         for (int64_t j = 0; j < f; j++) {
             float g = row_dot(job, &job->gate, e, j, x, d), v = row_dot(job, &job->up, e, j, x, d);
-            if (job->clamp > 1e-6f) {
-                g = g < job->clamp ? g : job->clamp;
-                v = v < -job->clamp ? -job->clamp : (v > job->clamp ? job->clamp : v);
-            }
-            act[j] = ((g * (1.0f / (1.0f + expf(-g)))) * v) * w;
+            act[j] = swiglu(g, v, job->clamp) * w;
         }
         if (job->mid) memcpy(job->mid + p * f, act, (size_t)f * sizeof(float));
         for (int64_t k = 0; k < d; k++) job->z[p * d + k] = row_dot(job, &job->down, e, k, act, f);
@@ -121,4 +126,10 @@ int ds4lab_routed_experts(const void *gate, int gate_type, const void *up, int u
     parallel_ranges(pairs_range, &job, n_tokens * n_used, n_threads);
     parallel_ranges(sums_range, &job, n_tokens, n_tokens > 1 ? n_threads : 1);
     return 0;
+}
+
+/* out[i] = swiglu(gate[i], up[i]) for n values: the shared expert's activation, the same
+ * float steps as the routed experts' (without the route weight). */
+void ds4lab_swiglu(const float *gate, const float *up, int64_t n, float clamp, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = swiglu(gate[i], up[i], clamp);
 }
