@@ -199,7 +199,8 @@ def test_routed_experts_in_blocks_equal_the_decoded_experts_bit_for_bit(gate_typ
 
     rng = np.random.default_rng(7)
     n_expert, d, n_ff, t, u = 5, 512, 256, 6, 3
-    raw = {"gate": _random_blocks(gate_type, n_expert, n_ff, d, rng), "up": _random_blocks(gate_type, n_expert, n_ff, d, rng),
+    raw = {"gate": _random_blocks(gate_type, n_expert, n_ff, d, rng),
+           "up": _random_blocks(gate_type, n_expert, n_ff, d, rng),
            "down": _random_blocks(down_type, n_expert, d, n_ff, rng)}
     types = {"gate": gate_type, "up": gate_type, "down": down_type}
     shapes = {"gate": (n_expert, n_ff, d), "up": (n_expert, n_ff, d), "down": (n_expert, d, n_ff)}
