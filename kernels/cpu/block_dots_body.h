@@ -1,7 +1,8 @@
 /* The block-format row dots of block_dots.h, included once per instruction set with
  * DOT_TARGET (a target attribute), DOT_NAME (the name's suffix) and WIDEN8 (eight bytes to
  * int32 lanes) defined. The float operations are the same in every copy. */
-DOT_TARGET static float DOT_NAME(dot_iq2_xxs)(const uint8_t *row, const float *x, int64_t n, const uint8_t *grid, const uint8_t *ksigns) {
+DOT_TARGET static float DOT_NAME(dot_iq2_xxs)(const uint8_t *row, const float *x, int64_t n, const uint8_t *grid,
+                                               const uint8_t *ksigns) {
     static const ilanes_t bit = {1, 2, 4, 8, 16, 32, 64, 128};
     lanes_t a[4] = {{0}, {0}, {0}, {0}};
     for (int64_t b = 0; b < n / QK; b++) {
@@ -14,7 +15,8 @@ DOT_TARGET static float DOT_NAME(dot_iq2_xxs)(const uint8_t *row, const float *x
             const float db = d * (0.5f + (float)(aux >> 28)) * 0.25f;
             for (int l = 0; l < 4; l++) {
                 const ilanes_t g = WIDEN8(grid + 8 * ((index >> 8 * l) & 255));
-                const ilanes_t flip = (((ilanes_t){0} + ksigns[(aux >> 7 * l) & 127]) & bit) != 0;   /* -1 or 0 */
+                /* -1 in the lanes whose sign bit is set, else 0: (g ^ flip) - flip negates those */
+                const ilanes_t flip = (((ilanes_t){0} + ksigns[(aux >> 7 * l) & 127]) & bit) != 0;
                 const lanes_t v = __builtin_convertvector((g ^ flip) - flip, lanes_t);
                 a[l] = a[l] + (db * v) * load_floats(x + b * QK + 32 * s + 8 * l);
             }

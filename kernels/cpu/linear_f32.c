@@ -28,7 +28,8 @@ static void linear_rows(void *ctx, int64_t row_begin, int64_t row_end) {
         const int64_t t_end = t0 + TOKEN_CHUNK < job->n_tokens ? t0 + TOKEN_CHUNK : job->n_tokens;
         for (int64_t o = row_begin; o < row_end; o++) {
             const float *w = job->w + o * job->cols;
-            for (int64_t t = t0; t < t_end; t++) job->y[t * job->rows + o] = dot_lanes(w, job->x + t * job->cols, job->cols);
+            for (int64_t t = t0; t < t_end; t++)
+                job->y[t * job->rows + o] = dot_lanes(w, job->x + t * job->cols, job->cols);
         }
     }
 }

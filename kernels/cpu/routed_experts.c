@@ -51,7 +51,8 @@ static float row_dot(const experts_job_t *job, const expert_matrix_t *m, int64_t
 
 static expert_matrix_t expert_matrix(const void *data, int type, int64_t rows, int64_t cols) {
     const int64_t row_bytes = block_row_bytes(type, cols);
-    return (expert_matrix_t){(const uint8_t *)data, type == TYPE_F32 ? 0 : block_dot(type), row_bytes, rows * row_bytes};
+    const block_dot_fn dot = type == TYPE_F32 ? 0 : block_dot(type);
+    return (expert_matrix_t){(const uint8_t *)data, dot, row_bytes, rows * row_bytes};
 }
 
 /* SwiGLU with ds4's clamp (`moe.swiglu`): gate at most clamp, up within +-clamp. */
