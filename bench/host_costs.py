@@ -44,12 +44,25 @@ def _kinds() -> dict[str, Callable[[mx.array], mx.array]]:
         "sum (reduction, keepdims then broadcast)": lambda x: x - x.sum(keepdims=True),
         "float32 matvec (Matmul 256x256)": lambda x: w @ x,
     }
+    constants = [mx.array([float(i)]) for i in range(7)]
     if kernels.cuda_ready():
+        # The fast path's kernels take 4-8 inputs (small constants among them) and some write
+        # several outputs: what each input and output adds to a launch's host cost.
         kernel = mx.fast.cuda_kernel(name="host_cost_add", input_names=["x"], output_names=["out"], source=_COPY)
+        wide = mx.fast.cuda_kernel(name="host_cost_add8", input_names=["x", *"abcdefg"], output_names=["out"],
+                                   source=_COPY)
+        outs = mx.fast.cuda_kernel(name="host_cost_add_4out", input_names=["x"], output_names=["out", "o1", "o2", "o3"],
+                                   source=_COPY)
         kinds["custom kernel (mx.fast.cuda_kernel)"] = lambda x: kernel(
             inputs=[x], grid=(256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[x.shape],
             output_dtypes=[x.dtype])[0]
-    mx.eval(w, index)
+        kinds["custom kernel, 8 inputs (7 constants)"] = lambda x: wide(
+            inputs=[x, *constants], grid=(256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[x.shape],
+            output_dtypes=[x.dtype])[0]
+        kinds["custom kernel, 4 outputs (3 unused)"] = lambda x: outs(
+            inputs=[x], grid=(256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[x.shape] * 4,
+            output_dtypes=[x.dtype] * 4)[0]
+    mx.eval(w, index, *constants)
     return kinds
 
 
