@@ -225,6 +225,8 @@ def test_the_model_takes_the_native_kernels_on_the_cpu(tiny_q2, monkeypatch, on_
 
     model = ds4lab.load(tiny_q2)
     assert model.weights.output.float32 is None           # read in its codes, never decoded
+    # the routed experts read in their blocks: no float32 copy kept (16x the q2 file's bytes)
+    assert all(e.float32 is None for layer in model.weights.layers for e in layer.experts.values())
     tokens = list(range(2000, 2012))
     calls = {"hc_control": 0, "routed_experts": 0, "q8_0_matmul": 0, "row_finish": 0, "attention": 0, "swiglu": 0,
              "linear": 0}
