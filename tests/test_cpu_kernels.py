@@ -3,6 +3,8 @@ bit for bit; rows that do not depend on their batch or the thread count; the mod
 
 from __future__ import annotations
 
+import itertools
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -70,8 +72,10 @@ def test_a_row_does_not_depend_on_its_batch_or_the_thread_count():
 
 def test_shapes_are_checked():
     matrix, _, _ = random_q8(8, 64)
-    with pytest.raises(ValueError, match="columns"):
+    with pytest.raises(ValueError, match="does not split"):
         cpu_kernels.q8_0_matmul(matrix.codes, matrix.scales, mx.zeros((2, 32)))
+    with pytest.raises(ValueError, match="does not split"):     # the right size, the wrong rows
+        cpu_kernels.q8_0_matmul(matrix.codes, matrix.scales, mx.zeros((4, 32)), shape=(2, 8))
     with pytest.raises(ValueError, match="Q8_0 matrix"):
         cpu_kernels.q8_0_matmul(matrix.codes[:4], matrix.scales, mx.zeros((2, 64)))
 
@@ -229,7 +233,7 @@ def test_the_model_takes_the_native_kernels_on_the_cpu(tiny_q2, monkeypatch, on_
     assert all(e.float32 is None for layer in model.weights.layers for e in layer.experts.values())
     tokens = list(range(2000, 2012))
     calls = {"hc_control": 0, "routed_experts": 0, "q8_0_matmul": 0, "row_finish": 0, "attention": 0, "swiglu": 0,
-             "linear": 0}
+             "linear": 0, "compress_chunk": 0}
     for name in calls:
         real = getattr(cpu_kernels, name)
 
@@ -244,6 +248,7 @@ def test_the_model_takes_the_native_kernels_on_the_cpu(tiny_q2, monkeypatch, on_
     assert calls["attention"] == calls["swiglu"] == cfg.n_layer
     # the compressors' two projections per compressed layer (the indexer's too), the indexer's queries and weights
     assert calls["linear"] >= 2 * sum(1 for r in cfg.compress_ratios if r)
+    assert calls["compress_chunk"] == sum(1 + (r == 4) for r in cfg.compress_ratios if r)   # the indexer's own
     # q_a, q_b, kv, the grouped output (one call), output_b, the shared expert's three; the head
     assert calls["q8_0_matmul"] == 8 * cfg.n_layer + 1 and calls["row_finish"] > 3 * cfg.n_layer
     rolled = [("blocks.1.ffn.hook_hc_pre", lambda x, hook: mx.roll(x, 1, axis=-1))]   # another stream mix
@@ -318,6 +323,48 @@ def test_attention_checks_its_shapes():
     with pytest.raises(ValueError, match="out of range"):               # a head width the lanes do not tile
         cpu_kernels.attention(mx.array(q[..., :40]), mx.array(keys[:, :40]), mx.array(comp[:, :40]),
                               mx.array(mask), mx.array(sinks))
+
+
+# ---- the compressor ----------------------------------------------------------------------
+@pytest.mark.parametrize("ratio,width", [(4, 64), (128, 32), (16, 96)])
+def test_compress_chunk_matches_the_composition_and_not_its_chunking(ratio, width):
+    """The frontier after any chunk equals `compressor.compress_chunk`'s bit for bit (stale
+    slots included); the pooled rows agree to float32 order and do not depend on how the tokens
+    were chunked (one prefill, token by token, or chunks that start mid-window)."""
+    from ds4lab.config import overlaps
+    from ds4lab.model.compressor import Frontier, compress_chunk
+
+    rng = np.random.default_rng(ratio)
+    c = 2 if overlaps(ratio) else 1
+    n = 3 * ratio + ratio // 2 + 1
+    kv = rng.standard_normal((n, c * width)).astype(np.float32)
+    score = (rng.standard_normal((n, c * width)) * 3).astype(np.float32)
+
+    def run(cuts, native):
+        front, pooled = Frontier.empty(ratio, width), []
+        for a, b in itertools.pairwise(cuts):
+            if native:
+                rows, *state = cpu_kernels.compress_chunk(front.kv, front.score, mx.array(kv[a:b]),
+                                                          mx.array(score[a:b]), a, ratio, width, overlaps(ratio))
+                front = Frontier(*state)
+            else:
+                rows, front = compress_chunk(front, mx.array(kv[a:b]), mx.array(score[a:b]), a, ratio, width)
+            pooled.append(np.array(rows))
+        return np.concatenate(pooled), np.array(front.kv), np.array(front.score)
+
+    whole = run([0, n], native=True)
+    composed = run([0, n], native=False)
+    assert whole[0].shape == (n // ratio, width)
+    assert np.abs(whole[0] - composed[0]).max() <= 1e-5 * np.abs(composed[0]).max()
+    np.testing.assert_array_equal(whole[1], composed[1])
+    np.testing.assert_array_equal(whole[2], composed[2])
+    for cuts in ([*range(n), n], [0, ratio // 2 + 1, 2 * ratio + 1, n]):
+        again = run(cuts, native=True)
+        for got, want in zip(again, whole, strict=True):
+            np.testing.assert_array_equal(got, want)
+    with pytest.raises(ValueError, match="do not fit"):
+        bad = mx.zeros((c * ratio + 1, c * width))                      # a row too many
+        cpu_kernels.compress_chunk(bad, bad, mx.array(kv), mx.array(score), 0, ratio, width, overlaps(ratio))
 
 
 # ---- the per-row steps ----------------------------------------------------------------------

@@ -26,7 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..config import coff, overlaps
-from . import kernels
+from . import cpu_kernels, kernels
 from .numerics import Schedule
 from .rope import Rotation, YarnParams, yarn_for
 from .weights import LayerWeights
@@ -92,15 +92,19 @@ class Compressor:
 
     def project(self, x: mx.array, p0: int, mm: Schedule) -> tuple[mx.array, mx.array]:
         """Per-token kv and score rows [T, coff·width] of tokens at p0.. (the score with the slot's APE term)."""
-        ape = self.ape[_slots(p0 % self.ratio, x.shape[0], self.ratio)]
-        return mm.linear(x, self.kv_weight), mm.linear(x, self.gate_weight) + ape
+        slots = _slots(p0 % self.ratio, x.shape[0], self.ratio)
+        kv, gate = mm.linear(x, self.kv_weight), mm.linear(x, self.gate_weight)
+        if mm.native:                     # on the host: the same float32 sums, no MLX round trip
+            return kv, mx.array(np.asarray(gate) + np.asarray(self.ape)[np.asarray(slots)])
+        return kv, gate + self.ape[slots]
 
     def step(self, frontier: Frontier, x: mx.array, p0: int, mm: Schedule) -> tuple[mx.array, Frontier]:
         """Feed a chunk of tokens at positions p0..: the rows it completes, [E, width], normed, rotated to each window's
         first position, rounded and stored as f16; and the new frontier.
 
         A fast-path decode token takes kernels: the frontier's update (`_decode_step`) and, when
-        the token completes a window, its pooling from the frontiers before and after."""
+        the token completes a window, its pooling from the frontiers before and after. The
+        CPU's native path runs `compress_chunk` as one native call (`cpu_kernels`)."""
         if mm.fast and x.shape[0] == 1:
             after = self._decode_step(frontier, x, p0)
             if (p0 + 1) % self.ratio:
@@ -109,7 +113,12 @@ class Compressor:
                                              self.width, overlaps(self.ratio))
         else:
             kv, score = self.project(x, p0, mm)
-            pooled, after = compress_chunk(frontier, kv, score, p0, self.ratio, self.width)
+            if mm.native:
+                pooled, *rows = cpu_kernels.compress_chunk(frontier.kv, frontier.score, kv, score, p0, self.ratio,
+                                                           self.width, overlaps(self.ratio))
+                after = Frontier(*rows)
+            else:
+                pooled, after = compress_chunk(frontier, kv, score, p0, self.ratio, self.width)
             if pooled.shape[0] == 0:
                 return pooled, after
         # rotated to each window's first position: p0 // ratio · ratio, then every ratio tokens

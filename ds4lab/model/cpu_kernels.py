@@ -7,7 +7,10 @@ rows (the batch-invariant path's, `linalg`). These kernels do whole steps in one
 
 - `q8_0_matmul`: a Q8_0 matrix times float rows, read in its codes (1 byte a weight and a
   scale per 32; "ds4-cpu" numerics keep their integer block dots);
-- `linear`: a float32 matrix times float rows (the compressors' and the indexer's weights);
+- `linear`: a float32 matrix times float rows (`Schedule.linear`: the compressors', the
+  indexer's and the HC control's weights, among others);
+- `compress_chunk`: a compressor's frontier update and the pooling of the windows a chunk
+  completes;
 - `hc_control`, `hc_collapse_norm`, `hc_expand`: a sublayer's hyper-connections (the control
   with its Sinkhorn iterations, the collapse and RMSNorm of its input, the new streams from
   its output);
@@ -42,6 +45,8 @@ import mlx.core as mx
 import numpy as np
 
 from ..paths import cache_dir
+from ..quants.formats import row_bytes
+from ..quants.tables import IQ2XXS_GRID_BYTES, IQ2XXS_KSIGNS
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels" / "cpu"
 # No FMA contraction and no fast-math: the source's order of roundings is the result's.
@@ -87,6 +92,7 @@ def _build() -> ctypes.CDLL | None:
         "ds4lab_row_finish": [p, p, i64, i64, i32, f32, p, i32, p, p, i64, i64, i32, f32, i32, i32, p, i32],
         "ds4lab_attention": [p] * 5 + [i64] * 5 + [f32, p, i32],
         "ds4lab_linear_f32": [p] * 3 + [i64] * 3 + [i32],
+        "ds4lab_compress_chunk": [p] * 4 + [i64] * 4 + [i32] + [p] * 3,
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -144,8 +150,9 @@ def q8_0_matmul(codes: mx.array, scales: mx.array, x: mx.array, groups: int = 1,
     lib = _lib()
     rows, n_blocks = scales.shape
     cols = n_blocks * 32
-    if x.size % (groups * cols) or rows % groups or (shape is None and x.shape[-1] != groups * cols):
-        raise ValueError(f"x has {x.shape[-1]} columns, the matrix {groups} x {cols} over {rows} rows")
+    if rows % groups or (x.shape[-1] != cols if groups == 1 else x.size % (groups * cols)) or (
+            shape is None and x.shape[-1] != groups * cols):
+        raise ValueError(f"x {x.shape} does not split into rows of {groups} x {cols} (the matrix: {rows} rows)")
     code_bytes = np.ascontiguousarray(np.asarray(codes).view(np.uint8))
     if code_bytes.shape != (rows, cols) or scales.dtype != mx.float32:
         raise ValueError(f"codes {code_bytes.shape} and scales {scales.shape} {scales.dtype} "
@@ -175,6 +182,29 @@ def linear(x: mx.array, w: mx.array) -> mx.array:
         _check(_lib().ds4lab_linear_f32(ws.ctypes.data, xs.ctypes.data, y.ctypes.data, rows, cols, xs.shape[0],
                                         _threads(y.size * cols)), "linear")
     return mx.array(y.reshape(*x.shape[:-1], rows))
+
+
+def compress_chunk(front_kv: mx.array, front_score: mx.array, kv: mx.array, score: mx.array, p0: int, ratio: int,
+                   width: int, overlap: bool) -> tuple[mx.array, mx.array, mx.array]:
+    """`compressor.compress_chunk` (`kernels/cpu/compressor.c`): the frontier [coff·ratio,
+    coff·width] fed the chunk's kv and score rows [T, coff·width] (score with its APE term) of
+    positions p0..; returns the pooled rows of the windows it completes [E, width] and the new
+    frontier's kv and score."""
+    c = 2 if overlap else 1
+    t = kv.shape[0]
+    if front_kv.shape != (c * ratio, c * width) or front_score.shape != front_kv.shape or \
+            kv.shape != (t, c * width) or score.shape != kv.shape or p0 < 0:
+        raise ValueError(f"compressor frontier {front_kv.shape} / {front_score.shape} and rows {kv.shape} / "
+                         f"{score.shape} do not fit ratio {ratio}, width {width} at position {p0}")
+    fk, fs, k, sc = _floats(front_kv), _floats(front_score), _floats(kv), _floats(score)
+    pooled = np.empty(((p0 % ratio + t) // ratio, width), np.float32)
+    new_kv, new_score = np.empty_like(fk), np.empty_like(fs)
+    if t == 0:
+        return mx.array(pooled), front_kv, front_score
+    _check(_lib().ds4lab_compress_chunk(fk.ctypes.data, fs.ctypes.data, k.ctypes.data, sc.ctypes.data, t, p0, ratio,
+                                        width, overlap, pooled.ctypes.data, new_kv.ctypes.data, new_score.ctypes.data),
+           "compress_chunk")
+    return mx.array(pooled), mx.array(new_kv), mx.array(new_score)
 
 
 def hc_control(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array, sinkhorn_iters: int,
@@ -270,13 +300,10 @@ def swiglu(gate: mx.array, up: mx.array, clamp: float) -> mx.array:
 EXPERT_TYPES = {"F32": 0, "IQ2_XXS": 1, "Q2_K": 2, "Q4_K": 3}
 
 
-@cache
-def _iq2_tables() -> tuple[np.ndarray, np.ndarray]:
-    from gguf.quants import IQ2_XXS
-
-    IQ2_XXS.init_grid()
-    grid = np.ascontiguousarray(np.asarray(IQ2_XXS.grid, dtype=np.uint8).reshape(256, 8))
-    return grid, np.ascontiguousarray(np.frombuffer(IQ2_XXS.ksigns, dtype=np.uint8))
+def reads_blocks(type_name: str, cols: int) -> bool:
+    """Whether `routed_experts` reads expert matrices of this type and row width in their
+    blocks (rows of whole 256-value blocks), so that nothing needs them decoded."""
+    return type_name in EXPERT_TYPES and type_name != "F32" and cols % 256 == 0
 
 
 def _expert_bytes(data: mx.array, type_name: str, rows: int, cols: int, what: str) -> np.ndarray:
@@ -285,8 +312,6 @@ def _expert_bytes(data: mx.array, type_name: str, rows: int, cols: int, what: st
         out = _floats(data)
         ok = out.shape[1:] == (rows, cols)
     else:
-        from ..quants.formats import row_bytes
-
         out = np.ascontiguousarray(np.asarray(data).view(np.uint8)).reshape(data.shape[0], -1)
         ok = type_name in EXPERT_TYPES and cols % 256 == 0 and out.shape[1] == rows * row_bytes(type_name, cols)
     if not ok:
@@ -303,14 +328,14 @@ def routed_experts(gate: tuple[mx.array, str], up: tuple[mx.array, str], down: t
     IQ2_XXS, Q2_K, Q4_K) or float32 experts with "F32" (gate, up [E, n_ff, d], down [E, d, n_ff]);
     x [T, d], experts and weights [T, U]. Returns y [T, d] and, with `want_mid`, the
     route-weighted SwiGLU activations [T, U, n_ff]."""
+    if x.ndim != 2 or experts.ndim != 2:
+        raise ValueError(f"routed experts: x {x.shape} and experts {experts.shape} must be [T, d] and [T, U]")
     t, d = x.shape
     u = experts.shape[1]
     n_expert = gate[0].shape[0]
     if gate[1] == "F32":
         n_ff = gate[0].shape[1]
     else:
-        from ..quants.formats import row_bytes
-
         per_row = row_bytes(gate[1], d) if gate[1] in EXPERT_TYPES and d % 256 == 0 else 0
         n_ff = int(np.prod(gate[0].shape[1:])) // max(per_row, 1)
     arrays = [_expert_bytes(data, kind, rows, cols, what) for (data, kind), rows, cols, what in
@@ -319,15 +344,14 @@ def routed_experts(gate: tuple[mx.array, str], up: tuple[mx.array, str], down: t
         raise ValueError(f"routed experts: gate, up and down hold {[a.shape[0] for a in arrays]} experts; "
                          f"x {x.shape}, experts {experts.shape}, weights {weights.shape} do not fit together")
     xs, w, ids = _floats(x), _floats(weights), _ints(experts)
-    grid, ksigns = _iq2_tables()
     y, z = np.empty((t, d), np.float32), np.empty((t, u, d), np.float32)
     mid = np.empty((t, u, n_ff), np.float32) if want_mid else None
     if t:
         g, v, dn = arrays
         _check(_lib().ds4lab_routed_experts(g.ctypes.data, EXPERT_TYPES[gate[1]], v.ctypes.data, EXPERT_TYPES[up[1]],
                                             dn.ctypes.data, EXPERT_TYPES[down[1]], n_expert, d, n_ff, xs.ctypes.data,
-                                            ids.ctypes.data, w.ctypes.data, t, u, clamp, grid.ctypes.data,
-                                            ksigns.ctypes.data, None if mid is None else mid.ctypes.data,
+                                            ids.ctypes.data, w.ctypes.data, t, u, clamp, IQ2XXS_GRID_BYTES.ctypes.data,
+                                            IQ2XXS_KSIGNS.ctypes.data, None if mid is None else mid.ctypes.data,
                                             z.ctypes.data, y.ctypes.data, _threads(3 * t * u * n_ff * d)),
                "routed_experts")
     return mx.array(y), None if mid is None else mx.array(mid)
@@ -378,6 +402,8 @@ def attention(q: mx.array, keys: mx.array, comp: mx.array | None, mask: mx.array
     rows of keys [n_raw, D] then comp [n_comp, D] that mask [T, n_raw + n_comp] shows, a sink
     logit per head (sinks [H]) in the denominator. Returns the heads [T, H, D] (not yet
     inverse-rotated)."""
+    if q.ndim != 3 or keys.ndim != 2:
+        raise ValueError(f"attention: q {q.shape} and keys {keys.shape} must be [T, H, D] and [N, D]")
     t, n_head, d = q.shape
     n_raw, n_comp = keys.shape[0], 0 if comp is None else comp.shape[0]
     if keys.shape[1:] != (d,) or (comp is not None and comp.shape[1:] != (d,)) or \

@@ -24,9 +24,15 @@ def indexer_queries(layer: LayerWeights, xa: mx.array, qr_n: mx.array, rotation:
                     head_dim: int, mm: Schedule) -> tuple[mx.array, mx.array]:
     """A chunk's indexer queries: (q [T, H, DH] from the q low-rank path, rotated and rounded
     with Hadamard + FP4; per-head weights [T, H] from the layer input, scaled)."""
-    q = mm.linear(qr_n, layer.dense["indexer.attn_q_b.weight"]).reshape(xa.shape[0], n_heads, head_dim)
-    q = mm.finish_rows(q, rotation=rotation, qat=True)
-    return q, mm.linear(xa, layer.dense["indexer.proj.weight"]) * (1.0 / math.sqrt(head_dim * n_heads))
+    q = mm.linear(qr_n, layer.dense["indexer.attn_q_b.weight"])
+    weights = mm.linear(xa, layer.dense["indexer.proj.weight"])
+    scale = 1.0 / math.sqrt(head_dim * n_heads)
+    if mm.native:          # shaped and scaled on the host (float32 products): no MLX round trip
+        q = mx.array(np.asarray(q).reshape(xa.shape[0], n_heads, head_dim))
+        weights = mx.array(np.asarray(weights) * np.float32(scale))
+    else:
+        q, weights = q.reshape(xa.shape[0], n_heads, head_dim), weights * scale
+    return mm.finish_rows(q, rotation=rotation, qat=True), weights
 
 
 def indexer_scores(q: mx.array, weights: mx.array, keys: mx.array, mm: Schedule) -> mx.array:

@@ -51,7 +51,7 @@ import numpy as np
 
 from ..floats import log2f_carry_table
 from ..quants.formats import row_bytes
-from ..quants.tables import IQ2XXS_GRID
+from ..quants.tables import IQ2XXS_GRID_BYTES, IQ2XXS_KSIGNS
 
 if TYPE_CHECKING:
     from .weights import ExpertBlocks, Q8Matrix
@@ -411,10 +411,7 @@ def _kernel(type_name: str):
 
 @cache
 def _iq2_tables() -> tuple[mx.array, mx.array]:
-    from gguf.quants import IQ2_XXS
-
-    signs = np.frombuffer(IQ2_XXS.ksigns, dtype=np.uint8)
-    return mx.array(IQ2XXS_GRID.astype(np.uint8).reshape(-1)), mx.array(signs)
+    return mx.array(IQ2XXS_GRID_BYTES.reshape(-1)), mx.array(IQ2XXS_KSIGNS)
 
 
 def expert_matvec(tensor: ExpertBlocks, ids: mx.array, x: mx.array, *, pairs_per_input: int = 1,

@@ -160,7 +160,7 @@ def routed_experts(layer: LayerWeights, xf: mx.array, experts: mx.array, weights
 
 def _native_form(tensor: ExpertBlocks) -> tuple[mx.array, str] | None:
     """What the native kernel reads of an expert tensor: its blocks, else its kept float32 copy."""
-    if tensor.type_name in cpu_kernels.EXPERT_TYPES and tensor.type_name != "F32" and tensor.cols % 256 == 0:
+    if cpu_kernels.reads_blocks(tensor.type_name, tensor.cols):
         return tensor.raw, tensor.type_name
     return None if tensor.float32 is None else (tensor.float32, "F32")
 

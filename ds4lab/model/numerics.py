@@ -307,10 +307,11 @@ class Schedule:
 
     @property
     def native(self) -> bool:
-        """The CPU's native kernels (`cpu_kernels`) for the HC input and output, Q8_0 products,
-        the per-row steps and norms, the router and kept-decoded routed experts: the
-        batch-invariant path in "float" numerics ("ds4-cpu" keeps the compositions its oracle
-        comparisons were measured with)."""
+        """The CPU's native kernels (`cpu_kernels`) for the HC input and output, Q8_0 and float
+        products, the per-row steps and norms, attention, the compressors, the router, the
+        routed experts (in their blocks) and the shared expert's SwiGLU: the batch-invariant
+        path in "float" numerics ("ds4-cpu" keeps the compositions its oracle comparisons were
+        measured with)."""
         return self.batch_invariant and not self.numerics.emulate and cpu_kernels.available()
 
     def reference(self) -> Schedule:
@@ -352,7 +353,8 @@ class Schedule:
         return round_f16(x) if f16 else x
 
     def linear(self, x: mx.array, w: mx.array) -> mx.array:
-        """x [T, ..., in] @ w[out, in].T; on the invariant path every token through its tile slot.
+        """x [T, ..., in] @ w[out, in].T; on the invariant path every token through its tile slot,
+        or on the native path through `cpu_kernels.linear` (each row on its own, no tiles).
 
         In "ds4-cpu" numerics on the CPU the products are summed in float64 and rounded once:
         ds4's vectorised float loops are accurate to about an ulp, a BLAS's float32 GEMM may
@@ -379,7 +381,8 @@ class Schedule:
 
     def q8(self, matrix: Q8Matrix, x: mx.array, shape: tuple[int, ...] | None = None, groups: int = 1) -> mx.array:
         """x [..., cols] @ W.T for a Q8_0 matrix; `shape` gives the product another shape (the
-        same values: q heads [T, H, D]), which the fast path's matvec writes directly. With
+        same values: q heads [T, H, D]), which the fast path's matvec and the native kernel
+        write directly. With
         `groups`, W's rows are that many equal blocks and block g multiplies x's g-th slice
         (the grouped output projection: x [..., groups * cols])."""
         if groups > 1:

@@ -200,9 +200,11 @@ def keep_decoded(matrices: list[Q8Matrix | ExpertBlocks]) -> None:
         return
     budget = int(os.environ.get("DS4LAB_CPU_DENSE_MB", CPU_DENSE_BUDGET_MB)) << 20
     for matrix in matrices:
-        if cpu_kernels.available() and (isinstance(matrix, Q8Matrix) or (
-                matrix.type_name in cpu_kernels.EXPERT_TYPES and matrix.cols % 256 == 0)):
-            continue                      # the native kernels read these in their codes / blocks
+        # The native kernels read these in their codes / blocks ("ds4-cpu" numerics then decode
+        # Q4_K experts per step: only its IQ2_XXS / Q2_K dots are ds4's).
+        if cpu_kernels.available() and (isinstance(matrix, Q8Matrix) or
+                                        cpu_kernels.reads_blocks(matrix.type_name, matrix.cols)):
+            continue
         size = matrix.rows * matrix.cols * 4 * (matrix.raw.shape[0] if isinstance(matrix, ExpertBlocks) else 1)
         if size <= budget:
             matrix.float32 = matrix.dense()

@@ -39,7 +39,7 @@ static void attend_range(void *ctx, int64_t begin, int64_t end) {
     const int64_t n_keys = job->n_raw + job->n_comp, dim = job->dim;
     float *scores = (float *)malloc((size_t)(n_keys > 0 ? n_keys : 1) * sizeof(float));
     if (!scores) {
-        job->failed = 1;
+        __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);    /* ranges may fail together */
         return;
     }
     for (int64_t item = begin; item < end; item++) {

@@ -1,6 +1,6 @@
 /* y[t][o] = sum_j W[o][j] * x[t][j] for a float32 matrix W on the CPU: the products with the
- * model's float weights (the compressors' projections, the indexer's queries and head
- * weights) on the native path.
+ * model's float weights on the native path (`Schedule.linear`: the compressors' projections,
+ * the indexer's queries and head weights, the HC control's mixer among others).
  *
  * Why not the BLAS: a decode step's few small products each cost an MLX dispatch and a BLAS
  * call, and the BLAS's worker threads then spin on the cores the next kernels need. Why not

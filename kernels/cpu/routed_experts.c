@@ -4,7 +4,7 @@
  * read from the stacked matrices where they lie (no copy of six experts per token, no
  * twenty MLX operations per layer). Each matrix comes in its GGUF block format (IQ2_XXS,
  * Q2_K, Q4_K: ds4's files, read at 2-4.5 bits a weight, block_dots.h) or decoded in float32
- * (any other type, kept decoded by the loader); a row read in its blocks gives the bits of
+ * (any other type, when the loader kept it decoded within its budget); a row read in its blocks gives the bits of
  * the same row decoded, so the two forms agree bit for bit.
  *
  * Every (token, expert) pair is computed on its own (each dot over lanes as in lanes.h;
