@@ -233,7 +233,7 @@ def test_the_model_takes_the_native_kernels_on_the_cpu(tiny_q2, monkeypatch, on_
     assert all(e.float32 is None for layer in model.weights.layers for e in layer.experts.values())
     tokens = list(range(2000, 2012))
     calls = {"hc_control": 0, "routed_experts": 0, "q8_0_matmul": 0, "row_finish": 0, "attention": 0, "swiglu": 0,
-             "linear": 0, "compress_chunk": 0}
+             "linear": 0, "compress_chunk": 0, "indexer_scores": 0, "indexer_select": 0}
     for name in calls:
         real = getattr(cpu_kernels, name)
 
@@ -251,6 +251,9 @@ def test_the_model_takes_the_native_kernels_on_the_cpu(tiny_q2, monkeypatch, on_
     assert calls["compress_chunk"] == sum(1 + (r == 4) for r in cfg.compress_ratios if r)   # the indexer's own
     # q_a, q_b, kv, the grouped output (one call), output_b, the shared expert's three; the head
     assert calls["q8_0_matmul"] == 8 * cfg.n_layer + 1 and calls["row_finish"] > 3 * cfg.n_layer
+    assert calls["indexer_scores"] == calls["indexer_select"] == 0        # no more rows than it keeps
+    model.session().prefill_all(list(range(2000, 2000 + 4 * cfg.indexer_top_k + 8)))
+    assert calls["indexer_scores"] == calls["indexer_select"] == sum(r == 4 for r in cfg.compress_ratios)
     rolled = [("blocks.1.ffn.hook_hc_pre", lambda x, hook: mx.roll(x, 1, axis=-1))]   # another stream mix
     with model.hooks(rolled):
         edited = np.array(model.session().prefill_all(tokens).logits)
@@ -323,6 +326,42 @@ def test_attention_checks_its_shapes():
     with pytest.raises(ValueError, match="out of range"):               # a head width the lanes do not tile
         cpu_kernels.attention(mx.array(q[..., :40]), mx.array(keys[:, :40]), mx.array(comp[:, :40]),
                               mx.array(mask), mx.array(sinks))
+
+
+# ---- the indexer ---------------------------------------------------------------------------
+def test_indexer_scores_match_float64_and_not_their_batch():
+    rng = np.random.default_rng(11)
+    t, h, d, n = 5, 4, 64, 37
+    q = rng.standard_normal((t, h, d)).astype(np.float32)
+    w = rng.standard_normal((t, h)).astype(np.float32)
+    keys = rng.standard_normal((n, d)).astype(np.float32)
+    scores = np.array(cpu_kernels.indexer_scores(mx.array(q), mx.array(w), mx.array(keys)))
+    want = (np.maximum(np.einsum("thd,nd->thn", q.astype(np.float64), keys.astype(np.float64)), 0)
+            * w[:, :, None]).sum(axis=1)
+    assert np.abs(scores - want).max() <= 1e-5 * np.abs(want).max()
+    fewer = cpu_kernels.indexer_scores(mx.array(q[2:3]), mx.array(w[2:3]), mx.array(keys[:20]))
+    np.testing.assert_array_equal(np.array(fewer)[0], scores[2, :20])   # alone, and fewer rows
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_kernels.indexer_scores(mx.array(q), mx.array(w[:, :2]), mx.array(keys))
+
+
+def test_indexer_select_takes_the_best_visible_rows_ties_to_the_lower_row():
+    """As `indexer.select_rows` (a stable sort, ties to the lower row): the top_k best of the
+    visible rows, or every visible row when no more are visible."""
+    from ds4lab.model import indexer
+    from ds4lab.model.numerics import Numerics, Schedule
+
+    rng = np.random.default_rng(12)
+    t, n, top_k = 6, 40, 5
+    scores = rng.integers(0, 6, (t, n)).astype(np.float32)             # many ties
+    visible = np.arange(n)[None, :] < np.array([3, 5, 6, 17, 40, 40])[:, None]
+    chosen = np.array(cpu_kernels.indexer_select(mx.array(scores), mx.array(visible), top_k))
+    composed = indexer.select_rows(mx.array(scores), mx.array(visible), visible.sum(axis=1), top_k,
+                                   Schedule(Numerics("float"), None))
+    np.testing.assert_array_equal(chosen, np.array(composed))
+    assert chosen.sum(axis=1).tolist() == [3, 5, 5, 5, 5, 5] and not (chosen & ~visible).any()
+    with pytest.raises(ValueError, match="do not fit"):
+        cpu_kernels.indexer_select(mx.array(scores), mx.array(visible[:, :10]), top_k)
 
 
 # ---- the compressor ----------------------------------------------------------------------

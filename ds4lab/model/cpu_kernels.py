@@ -11,6 +11,8 @@ rows (the batch-invariant path's, `linalg`). These kernels do whole steps in one
   indexer's and the HC control's weights, among others);
 - `compress_chunk`: a compressor's frontier update and the pooling of the windows a chunk
   completes;
+- `indexer_scores`, `indexer_select`: the lightning indexer's scores of the key rows and each
+  token's top-k of the rows it may see;
 - `hc_control`, `hc_collapse_norm`, `hc_expand`: a sublayer's hyper-connections (the control
   with its Sinkhorn iterations, the collapse and RMSNorm of its input, the new streams from
   its output);
@@ -93,6 +95,8 @@ def _build() -> ctypes.CDLL | None:
         "ds4lab_attention": [p] * 5 + [i64] * 5 + [f32, p, i32],
         "ds4lab_linear_f32": [p] * 3 + [i64] * 3 + [i32],
         "ds4lab_compress_chunk": [p] * 4 + [i64] * 4 + [i32] + [p] * 3,
+        "ds4lab_indexer_scores": [p] * 3 + [i64] * 4 + [p, i32],
+        "ds4lab_indexer_select": [p, p, i64, i64, i64, p, i32],
     }
     for name, argtypes in signatures.items():
         fn = getattr(lib, name)
@@ -205,6 +209,37 @@ def compress_chunk(front_kv: mx.array, front_score: mx.array, kv: mx.array, scor
                                         width, overlap, pooled.ctypes.data, new_kv.ctypes.data, new_score.ctypes.data),
            "compress_chunk")
     return mx.array(pooled), mx.array(new_kv), mx.array(new_score)
+
+
+def indexer_scores(q: mx.array, weights: mx.array, keys: mx.array) -> mx.array:
+    """`indexer.indexer_scores` (`kernels/cpu/indexer.c`): Σ_h w_h·relu(q_h·k) of every key row
+    for every token, q [T, H, D], weights [T, H], keys [N, D]; returns [T, N]."""
+    if q.ndim != 3 or weights.shape != q.shape[:2] or keys.ndim != 2 or keys.shape[1] != q.shape[2]:
+        raise ValueError(f"indexer queries {q.shape}, weights {weights.shape} and keys {keys.shape} "
+                         "do not fit together")
+    t, n_head, d = q.shape
+    qs, ws, ks = _floats(q), _floats(weights), _floats(keys)
+    out = np.empty((t, keys.shape[0]), np.float32)
+    if t:
+        _check(_lib().ds4lab_indexer_scores(qs.ctypes.data, ws.ctypes.data, ks.ctypes.data, t, n_head, d,
+                                            keys.shape[0], out.ctypes.data, _threads(out.size * n_head * d)),
+               "indexer_scores")
+    return mx.array(out)
+
+
+def indexer_select(scores: mx.array, visible: mx.array, top_k: int) -> mx.array:
+    """`indexer.select_rows` (`kernels/cpu/indexer.c`): mask [T, N] of the top_k best-scoring
+    rows each token may see (`visible` [T, N]), ties to the lower row; every visible row when
+    no more are visible."""
+    if scores.ndim != 2 or visible.shape != scores.shape:
+        raise ValueError(f"indexer scores {scores.shape} and visible rows {visible.shape} do not fit together")
+    s = _floats(scores)
+    seen = np.ascontiguousarray(np.asarray(visible), dtype=np.uint8)
+    chosen = np.empty(s.shape, np.uint8)
+    if s.shape[0]:
+        _check(_lib().ds4lab_indexer_select(s.ctypes.data, seen.ctypes.data, s.shape[0], s.shape[1], top_k,
+                                            chosen.ctypes.data, _threads(s.size * 64)), "indexer_select")
+    return mx.array(chosen.view(np.bool_))
 
 
 def hc_control(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array, sinkhorn_iters: int,

@@ -14,7 +14,7 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from . import kernels
+from . import cpu_kernels, kernels
 from .numerics import Schedule
 from .rope import Rotation
 from .weights import LayerWeights
@@ -42,9 +42,12 @@ def indexer_scores(q: mx.array, weights: mx.array, keys: mx.array, mm: Schedule)
     On the batch-invariant path the q·k dots are summed in a fixed order outside the BLAS:
     the key count differs between a prefill chunk and a decode step, and so would a GEMM's
     kernel, and a near-tie in the top-k could then go the other way. The fast path scores
-    in one kernel (`kernels.indexer_scores`)."""
+    in one kernel (`kernels.indexer_scores`), the native CPU path in one call
+    (`cpu_kernels.indexer_scores`, its own fixed order)."""
     if mm.fast:
         return kernels.indexer_scores(q, weights, keys)
+    if mm.native and q.shape[-1] % 32 == 0:
+        return cpu_kernels.indexer_scores(q, weights, keys)
     if not mm.batch_invariant:
         dots = q @ keys.T                                               # [T, H, N]
     else:
@@ -59,9 +62,11 @@ def indexer_scores(q: mx.array, weights: mx.array, keys: mx.array, mm: Schedule)
 _ORDERED_BUDGET = 1 << 25
 
 
-def select_rows(scores: mx.array, visible: mx.array, n_visible: np.ndarray, top_k: int) -> mx.array:
+def select_rows(scores: mx.array, visible: mx.array, n_visible: np.ndarray, top_k: int, mm: Schedule) -> mx.array:
     """Mask [T, N] of the rows each token attends: all visible rows, or the top_k best when more
-    are visible (`n_visible`, per token, known on the host)."""
+    are visible (`n_visible`, per token, known on the host). One call on the native CPU path."""
+    if mm.native:
+        return cpu_kernels.indexer_select(scores, visible, top_k)
     n = scores.shape[1]
     if n <= top_k:
         return visible

@@ -359,12 +359,14 @@ class Model:
                 if mm.fast and t <= kernels.MATVEC_MAX_TOKENS and not (
                         h.wants("indexer.hook_selected") or h.wants("hook_comp_mask")):
                     return comp, kernels.indexer_mask(scores, visible, window, cfg.indexer_top_k)
-                comp_mask = indexer.select_rows(scores, visible, n_visible, cfg.indexer_top_k)
+                comp_mask = indexer.select_rows(scores, visible, n_visible, cfg.indexer_top_k, mm)
             # A hook may choose other rows, never ones the token cannot see yet.
             comp_mask = _within(h, "indexer.hook_selected", comp_mask, visible)
         comp_mask = _within(h, "hook_comp_mask", comp_mask, visible)
         if comp_mask is None:                    # the whole mask is made on the host
             return comp, _window_and_rows_mask(p0, t, n_kept, cfg.n_swa, comp.shape[0], layer.ratio)
+        if mm.native:                            # joined on the host: the native attention reads it next
+            return comp, mx.array(np.concatenate([np.asarray(window), np.asarray(comp_mask)], axis=1))
         return comp, mx.concatenate([window, comp_mask], axis=1)
 
     def _hook_frontier(self, h: Scope, suffix: str, frontier: Frontier) -> Frontier:
