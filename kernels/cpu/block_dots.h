@@ -27,9 +27,6 @@ enum { TYPE_F32 = 0, TYPE_IQ2_XXS = 1, TYPE_Q2_K = 2, TYPE_Q4_K = 3 };
 
 #define QK 256
 
-typedef int32_t ilanes_t __attribute__((vector_size(LANES * sizeof(int32_t))));
-typedef uint8_t bytes8_t __attribute__((vector_size(LANES)));
-
 /* IEEE half to float, exactly (every half is a float). */
 INLINE float half_to_float(const uint8_t *p) {
     const uint32_t h = (uint32_t)p[0] | (uint32_t)p[1] << 8;
@@ -45,15 +42,13 @@ INLINE float half_to_float(const uint8_t *p) {
     return f;
 }
 
-/* Eight bytes widened to int32 lanes: portable, and with AVX2's one-instruction widening
- * (compilers scalarise the portable form on x86). Both give the same integers. */
-INLINE ilanes_t eight_bytes_portable(const uint8_t *p) {
-    bytes8_t b;
-    memcpy(&b, p, sizeof b);
-    return __builtin_convertvector(b, ilanes_t);
-}
-
 INLINE float sum_accumulators(const lanes_t a[4]) { return lanes_sum((a[0] + a[1]) + (a[2] + a[3])); }
+
+/* Eight K-quant weights (scale dl, min ml, integer levels q) times eight inputs: the decoder's
+ * w = dl * q - ml, then the product. */
+INLINE lanes_t kquant_terms(float dl, float ml, ilanes_t q, const float *x) {
+    return (dl * __builtin_convertvector(q, lanes_t) - ml) * load_floats(x);
+}
 
 typedef float (*block_dot_fn)(const uint8_t *row, const float *x, int64_t n, const uint8_t *grid,
                               const uint8_t *ksigns);
@@ -61,30 +56,25 @@ typedef float (*block_dot_fn)(const uint8_t *row, const float *x, int64_t n, con
 /* The dots, compiled once per instruction set (block_dots_body.h), chosen at run time. */
 #define DOT_TARGET
 #define DOT_NAME(name) name##_portable
-#define WIDEN8 eight_bytes_portable
+#define WIDEN8 widen_bytes
 #include "block_dots_body.h"
 #undef DOT_TARGET
 #undef DOT_NAME
 #undef WIDEN8
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define DOT_TARGET __attribute__((target("avx2")))
-DOT_TARGET INLINE ilanes_t eight_bytes_avx2(const uint8_t *p) {
-    return (ilanes_t)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-}
+#ifdef HAVE_AVX2_WIDEN
+#define DOT_TARGET AVX2
 #define DOT_NAME(name) name##_avx2
-#define WIDEN8 eight_bytes_avx2
+#define WIDEN8 widen_bytes_avx2
 #include "block_dots_body.h"
 #undef DOT_TARGET
 #undef DOT_NAME
 #undef WIDEN8
-#define HAVE_AVX2_DOTS 1
 #endif
 
 /* The row dot of a block type (TYPE_IQ2_XXS, TYPE_Q2_K, TYPE_Q4_K) for this CPU. */
 static block_dot_fn block_dot(int type) {
-#ifdef HAVE_AVX2_DOTS
+#ifdef HAVE_AVX2_WIDEN
     if (__builtin_cpu_supports("avx2"))
         return type == TYPE_IQ2_XXS ? dot_iq2_xxs_avx2 : type == TYPE_Q2_K ? dot_q2_k_avx2 : dot_q4_k_avx2;
 #endif

@@ -38,8 +38,7 @@ DOT_TARGET static float DOT_NAME(dot_q2_k)(const uint8_t *row, const float *x, i
                     const uint8_t sc = blk[8 * h + 2 * j + c / 2];
                     const float dl = d * (float)(sc & 15), ml = dmin * (float)(sc >> 4);
                     const ilanes_t q = (WIDEN8(blk + 16 + 32 * h + 8 * c) >> (2 * j)) & 3;
-                    const lanes_t w = dl * __builtin_convertvector(q, lanes_t) - ml;
-                    a[c] = a[c] + w * load_floats(x + b * QK + 128 * h + 32 * j + 8 * c);
+                    a[c] = a[c] + kquant_terms(dl, ml, q, x + b * QK + 128 * h + 32 * j + 8 * c);
                 }
     }
     return sum_accumulators(a);
@@ -58,8 +57,7 @@ DOT_TARGET static float DOT_NAME(dot_q4_k)(const uint8_t *row, const float *x, i
             const float dl = d * (float)sc, ml = dmin * (float)mn;
             for (int c = 0; c < 4; c++) {
                 const ilanes_t q = (WIDEN8(blk + 16 + 32 * (g / 2) + 8 * c) >> (4 * (g & 1))) & 15;
-                const lanes_t w = dl * __builtin_convertvector(q, lanes_t) - ml;
-                a[c] = a[c] + w * load_floats(x + b * QK + 32 * g + 8 * c);
+                a[c] = a[c] + kquant_terms(dl, ml, q, x + b * QK + 32 * g + 8 * c);
             }
         }
     }

@@ -38,4 +38,25 @@ INLINE float dot_lanes(const float *w, const float *x, int64_t n) {
     return lanes_sum((a0 + a1) + (a2 + a3));
 }
 
+typedef int32_t ilanes_t __attribute__((vector_size(LANES * sizeof(int32_t))));
+typedef uint8_t bytes_t __attribute__((vector_size(LANES)));
+
+/* Eight bytes widened to int32 lanes: portable, and with AVX2's one-instruction widening
+ * (compilers scalarise the portable form on x86; callers pick it at run time in functions
+ * built for AVX2). Both give the same integers. */
+INLINE ilanes_t widen_bytes(const uint8_t *p) {
+    bytes_t b;
+    memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(b, ilanes_t);
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define HAVE_AVX2_WIDEN 1
+#define AVX2 __attribute__((target("avx2")))
+AVX2 INLINE ilanes_t widen_bytes_avx2(const uint8_t *p) {
+    return (ilanes_t)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+}
+#endif
+
 #endif

@@ -27,9 +27,6 @@
 #define TOKEN_GROUP 4     /* rows of x sharing one pass over a block's converted codes */
 #define TOKEN_CHUNK 64    /* rows of x kept hot in the caches while the weight rows stream by */
 
-typedef int32_t ilanes_t __attribute__((vector_size(LANES * sizeof(int32_t))));
-typedef uint8_t codes_t __attribute__((vector_size(LANES)));
-
 typedef struct {
     const uint8_t *codes;
     const float *scales;
@@ -37,14 +34,6 @@ typedef struct {
     float *y;
     int64_t rows, cols, n_tokens;
 } job_t;
-
-/* Eight codes widened to int32 lanes: portable, and with AVX2's one-instruction widening
- * (compilers scalarise the portable form on x86). Both give the same integers. */
-INLINE ilanes_t widen_portable(const uint8_t *p) {
-    codes_t c;
-    memcpy(&c, p, sizeof c);
-    return __builtin_convertvector(c, ilanes_t);
-}
 
 /* Row o of W (codes, scales) against G consecutive rows of x, results G rows apart in y
  * (stride `out_stride`). Each row of x sees the same operations whatever G is. */
@@ -71,24 +60,19 @@ INLINE ilanes_t widen_portable(const uint8_t *p) {
 
 typedef void (*row_fn)(const uint8_t *, const float *, const float *, int64_t, float *, int64_t);
 
-ROW_TIMES_ROWS(group_portable, TOKEN_GROUP, , widen_portable)
-ROW_TIMES_ROWS(one_portable, 1, , widen_portable)
+ROW_TIMES_ROWS(group_portable, TOKEN_GROUP, , widen_bytes)
+ROW_TIMES_ROWS(one_portable, 1, , widen_bytes)
 
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define AVX2 __attribute__((target("avx2")))
-AVX2 INLINE ilanes_t widen_avx2(const uint8_t *p) {
-    return (ilanes_t)_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-}
-ROW_TIMES_ROWS(group_avx2, TOKEN_GROUP, AVX2, widen_avx2)
-ROW_TIMES_ROWS(one_avx2, 1, AVX2, widen_avx2)
+#ifdef HAVE_AVX2_WIDEN
+ROW_TIMES_ROWS(group_avx2, TOKEN_GROUP, AVX2, widen_bytes_avx2)
+ROW_TIMES_ROWS(one_avx2, 1, AVX2, widen_bytes_avx2)
 #endif
 
 /* Output rows [row_begin, row_end) of the product, every row of x. */
 static void rows_times_tokens(void *ctx, int64_t row_begin, int64_t row_end) {
     const job_t *job = (const job_t *)ctx;
     row_fn group = group_portable, one = one_portable;
-#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#ifdef HAVE_AVX2_WIDEN
     if (__builtin_cpu_supports("avx2")) group = group_avx2, one = one_avx2;
 #endif
     const int64_t cols = job->cols, n_blocks = cols / BLOCK;
