@@ -60,7 +60,7 @@ def attend_heads(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array, r
     (`cpu_kernels.attention`), which read only the visible keys."""
     if mm.fast:
         return kernels.attention_heads(q, keys, mask, sinks, (rotation.cos, rotation.sin), comp)
-    if mm.native and q.shape[-1] % 32 == 0:           # `cpu_kernels.attention`: one call, no gathers
+    if mm.native_rows(q):                             # `cpu_kernels.attention`: one call, no gathers
         return mm.finish_rows(cpu_kernels.attention(q, keys, comp, mask, sinks), rotation=rotation, inverse=True)
     if comp is not None:
         keys = mx.concatenate([keys, comp])

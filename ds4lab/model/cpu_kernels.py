@@ -348,7 +348,7 @@ def _expert_bytes(data: mx.array, type_name: str, rows: int, cols: int, what: st
         ok = out.shape[1:] == (rows, cols)
     else:
         out = np.ascontiguousarray(np.asarray(data).view(np.uint8)).reshape(data.shape[0], -1)
-        ok = type_name in EXPERT_TYPES and cols % 256 == 0 and out.shape[1] == rows * row_bytes(type_name, cols)
+        ok = reads_blocks(type_name, cols) and out.shape[1] == rows * row_bytes(type_name, cols)
     if not ok:
         raise ValueError(f"routed experts: {what} ({type_name}, {tuple(data.shape)}) does not hold "
                          f"[{rows}, {cols}] matrices")
@@ -371,7 +371,7 @@ def routed_experts(gate: tuple[mx.array, str], up: tuple[mx.array, str], down: t
     if gate[1] == "F32":
         n_ff = gate[0].shape[1]
     else:
-        per_row = row_bytes(gate[1], d) if gate[1] in EXPERT_TYPES and d % 256 == 0 else 0
+        per_row = row_bytes(gate[1], d) if reads_blocks(gate[1], d) else 0
         n_ff = int(np.prod(gate[0].shape[1:])) // max(per_row, 1)
     arrays = [_expert_bytes(data, kind, rows, cols, what) for (data, kind), rows, cols, what in
               ((gate, n_ff, d, "gate"), (up, n_ff, d, "up"), (down, d, n_ff, "down"))]

@@ -46,7 +46,7 @@ def indexer_scores(q: mx.array, weights: mx.array, keys: mx.array, mm: Schedule)
     (`cpu_kernels.indexer_scores`, its own fixed order)."""
     if mm.fast:
         return kernels.indexer_scores(q, weights, keys)
-    if mm.native and q.shape[-1] % 32 == 0:
+    if mm.native_rows(q):
         return cpu_kernels.indexer_scores(q, weights, keys)
     if not mm.batch_invariant:
         dots = q @ keys.T                                               # [T, H, N]

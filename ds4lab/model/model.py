@@ -33,7 +33,7 @@ from ..hooks import ActivationCache, HookFn, HookRegistry, NameFilter, Scope, fl
 from . import attention, cpu_kernels, indexer, kernels, moe
 from .compressor import Compressor, Frontier, row_span
 from .hc import HCControl, hc_collapse, hc_control, hc_expand, hc_fused_input, hc_head_weights
-from .numerics import MODES, Numerics, Schedule
+from .numerics import MODES, Numerics, Schedule, joined
 from .rope import Rotation, yarn_for
 from .state import LayerCache, SessionState
 from .weights import LayerWeights, ModelWeights
@@ -365,9 +365,7 @@ class Model:
         comp_mask = _within(h, "hook_comp_mask", comp_mask, visible)
         if comp_mask is None:                    # the whole mask is made on the host
             return comp, _window_and_rows_mask(p0, t, n_kept, cfg.n_swa, comp.shape[0], layer.ratio)
-        if mm.native:                            # joined on the host: the native attention reads it next
-            return comp, mx.array(np.concatenate([np.asarray(window), np.asarray(comp_mask)], axis=1))
-        return comp, mx.concatenate([window, comp_mask], axis=1)
+        return comp, joined([window, comp_mask], axis=1)
 
     def _hook_frontier(self, h: Scope, suffix: str, frontier: Frontier) -> Frontier:
         """The frontier after the chunk as [2 (kv, score), rows, width]; a replacement becomes the state."""

@@ -259,6 +259,14 @@ def batch_invariant_device() -> bool:
     return mx.default_device() == mx.cpu
 
 
+def joined(arrays: list[mx.array], axis: int = 0) -> mx.array:
+    """`mx.concatenate`; on the CPU joined on the host, so that the result is evaluated: the
+    native kernels that read it next would otherwise wait for MLX (a round trip each)."""
+    if batch_invariant_device():
+        return mx.array(np.concatenate([np.asarray(a) for a in arrays], axis=axis))
+    return mx.concatenate(arrays, axis=axis)
+
+
 class Numerics:
     """The model's numerics: "float" (float32, exact weights) or "ds4-cpu" (also ds4's CPU
     activation roundings: int8 per 32 before every Q8_0 matmul with ds4's integer block dots,
@@ -322,11 +330,12 @@ class Schedule:
         """ds4's RMSNorm (`rms_norm`); one kernel per call on the fast path and the native CPU path."""
         if self.fast:
             return kernels.row_finish(x, eps=eps, weight=weight)
-        if self._native_rows(x):
+        if self.native_rows(x):
             return cpu_kernels.row_finish(x, eps=eps, weight=weight)
         return rms_norm(x, weight, eps)
 
-    def _native_rows(self, x: mx.array) -> bool:
+    def native_rows(self, x: mx.array) -> bool:
+        """Whether the native kernels take x's rows (`native`, rows a multiple of 32 wide)."""
         return self.native and x.shape[-1] % 32 == 0
 
     def finish_rows(self, x: mx.array, *, eps: float | None = None, weight: mx.array | None = None,
@@ -338,7 +347,7 @@ class Schedule:
         (`fp8`), f16 storage rounding (`f16`). One kernel on the fast path, which repeats the
         reference's float steps (only the norm's sum runs in another order); so does the native
         CPU kernel."""
-        if self.fast or self._native_rows(x):
+        if self.fast or self.native_rows(x):
             rope = None if rotation is None else (rotation.cos, rotation.sin)
             return (kernels if self.fast else cpu_kernels).row_finish(x, eps=eps, weight=weight, rope=rope,
                                                                       inverse=inverse, qat=qat, fp8=fp8, f16=f16)
@@ -362,7 +371,7 @@ class Schedule:
         downstream turn that difference into different codes."""
         if self.slots is None:
             return x @ w.T
-        if self._native_rows(x):                  # batch-invariant by construction, no tiles
+        if self.native_rows(x):                  # batch-invariant by construction, no tiles
             return cpu_kernels.linear(x, w)
         if self.numerics.emulate:
             # ROW_TILE tiles whatever the weights: "ds4-cpu" keeps the products its comparisons were measured with.

@@ -33,6 +33,7 @@ import mlx.core as mx
 import numpy as np
 
 from ..floats import f32
+from .numerics import batch_invariant_device
 
 
 @dataclass(frozen=True)
@@ -254,7 +255,7 @@ class Rotation:
         last = first + step * (count - 1)
         cos, sin = cos_sin_table(n_rot, base, yarn, max(last, 0))
         end = last + 1
-        if mx.default_device() == mx.cpu:
+        if batch_invariant_device():
             # The rows copied out of the (evaluated) table on the host: an MLX slice would be
             # evaluated by the first native CPU kernel that reads it, a round trip per layer kind.
             return cls(*(mx.array(np.asarray(t)[first:end:step]) for t in (cos, sin)))

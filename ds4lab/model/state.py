@@ -20,6 +20,7 @@ import numpy as np
 
 from ..config import has_indexer
 from .compressor import Frontier
+from .numerics import batch_invariant_device, joined
 
 
 @dataclass
@@ -44,30 +45,23 @@ class LayerCache:
     def update_window(self, rows: mx.array, n_swa: int) -> mx.array:
         """Append a chunk's KV rows; keep the last n_swa; return every raw row a token of the
         chunk may see (the kept window, then the chunk's rows)."""
-        keys = _joined(self.raw, rows)
-        self.raw = mx.array(np.asarray(keys)[-n_swa:]) if mx.default_device() == mx.cpu else keys[-n_swa:]
+        keys = joined([self.raw, rows])
+        # On the CPU `keys` is a host array already: the kept rows copied out, evaluated.
+        self.raw = mx.array(np.asarray(keys)[-n_swa:]) if batch_invariant_device() else keys[-n_swa:]
         return keys
 
     def append_compressed(self, rows: mx.array) -> mx.array:
         """Append emitted compressed rows; return them all. (Most decode steps emit none: then
         no operation is added to the step.)"""
         if rows.shape[0]:
-            self.comp = _joined(self.comp, rows)
+            self.comp = joined([self.comp, rows])
         return self.comp
 
     def append_index_keys(self, rows: mx.array) -> mx.array:
         """Append emitted indexer keys; return them all (none emitted: no operation)."""
         if rows.shape[0]:
-            self.index_comp = _joined(self.index_comp, rows)
+            self.index_comp = joined([self.index_comp, rows])
         return self.index_comp
-
-
-def _joined(rows: mx.array, more: mx.array) -> mx.array:
-    """rows, then more. On the CPU joined on the host, so that the result is evaluated: the
-    native kernels that read it next would otherwise wait for MLX (a round trip a layer)."""
-    if mx.default_device() == mx.cpu:
-        return mx.array(np.concatenate([np.asarray(rows), np.asarray(more)]))
-    return mx.concatenate([rows, more])
 
 
 @dataclass

@@ -19,8 +19,9 @@ IQ2XXS_GRID_BYTES: np.ndarray = np.ascontiguousarray(IQ2_XXS.grid.reshape(256, 8
 
 IQ2XXS_KSIGNS: np.ndarray = np.frombuffer(IQ2_XXS.ksigns, dtype=np.uint8).copy()
 """The 128 sign bytes (7 stored bits, the 8th their parity), uint8 [128]."""
-_KSIGNS = IQ2XXS_KSIGNS
-IQ2XXS_SIGNS: np.ndarray = np.where((_KSIGNS[:, None] >> np.arange(8, dtype=np.uint8)) & 1, -1, 1).astype(np.float32)
+
+IQ2XXS_SIGNS: np.ndarray = np.where((IQ2XXS_KSIGNS[:, None] >> np.arange(8, dtype=np.uint8)) & 1, -1,
+                                    1).astype(np.float32)
 """The 128 sign patterns (7 stored bits plus even parity) as ±1, float32 [128, 8]."""
 
 IQ2XXS_SIGNED_GRID: np.ndarray = IQ2XXS_GRID[:, None, :] * IQ2XXS_SIGNS[None, :, :]
