@@ -21,7 +21,7 @@ import mlx.core as mx
 import numpy as np
 
 from ds4lab.config import preset
-from ds4lab.model import Model, attention, hc, kernels
+from ds4lab.model import Model, attention, hc, kernels, moe
 from ds4lab.model.moe import _decode
 from ds4lab.model.numerics import Numerics
 from ds4lab.model.random_weights import _expert_blocks, random_weights
@@ -196,6 +196,70 @@ def check_fused_kernels() -> None:
         print(f"indexer_mask ({t} tokens, {n_rows} rows, top {top_k}, ties) vs a stable sort: equal {equal}")
 
 
+def check_fused_products() -> None:
+    """The decode step's products with their next step inside, each against its composition:
+    q_a and kv in one launch, the shared expert's gate, up and SwiGLU, a last product and the
+    HC step after it, and the routed experts' gate, up and weighted SwiGLU; with the device
+    time of each against the launches it replaces."""
+    if not kernels.cuda_ready():
+        return
+    reference = Numerics("float")
+    reference.allow_fast = False
+    ref_mm = reference.schedule(np.arange(3))
+    q_a, kv = _q8_matrix(1024, 4096), _q8_matrix(512, 4096)
+    x = mx.random.normal((3, 4096))
+    ya, yb = kernels.q8_pair(q_a, kv, x)
+    err = max(_rel(ya, q_a.quantized(x)), _rel(yb, kv.quantized(x)))
+    _bar("q8_pair", err <= _KERNEL_BAR)
+    one = x[:1]
+    pair_s = _seconds(lambda v: kernels.q8_pair(q_a, kv, v), one)
+    apart_s = _seconds(lambda v: [kernels.q8_matvec(q_a, v), kernels.q8_matvec(kv, v)], one)
+    print(f"q8_pair (1024 + 512 rows of 4096, 3 tokens) vs quantized_matmul each: max rel err {err:.2e}; "
+          f"{pair_s * 1e6:.1f} us vs two q8_matvec {apart_s * 1e6:.1f} us")
+    gate, up = _q8_matrix(2048, 4096), _q8_matrix(2048, 4096)
+    for clamp in (0.0, 10.0):
+        xs = x * 40.0                          # products of a few tens: the clamp bites
+        mid = kernels.q8_swiglu(gate, up, xs, clamp)
+        err = _rel(mid, moe.swiglu(gate.quantized(xs), up.quantized(xs), clamp))
+        _bar(f"q8_swiglu clamp {clamp}", err <= _KERNEL_BAR)
+        print(f"q8_swiglu (2 x 2048 rows of 4096, 3 tokens, clamp {clamp}) vs products + swiglu: "
+              f"max rel err {err:.2e}")
+    fused_s = _seconds(lambda v: kernels.q8_swiglu(gate, up, v, 10.0), one)
+    apart_s = _seconds(lambda v: moe.swiglu(kernels.q8_matvec(gate, v), kernels.q8_matvec(up, v), 10.0), one)
+    print(f"q8_swiglu one token: {fused_s * 1e6:.1f} us vs two q8_matvec + swiglu {apart_s * 1e6:.1f} us")
+    down, n = _q8_matrix(4096, 2048), 4
+    h = mx.random.normal((3, 2048))
+    streams, add = mx.random.normal((3, n, 4096)), mx.random.normal((3, 4096))
+    control = hc.HCControl(mx.random.normal((3, n)), mx.random.uniform(0.5, 2.0, (3, n)),
+                           mx.random.uniform(0.0, 1.0, (3, n, n)))
+    for extra in (None, add):
+        fused = kernels.q8_hc(down, h, streams, control.post, control.comb, extra)
+        err = _rel(fused, hc.hc_expand(down.quantized(h), streams, control, ref_mm, add=extra))
+        _bar("q8_hc", err <= _KERNEL_BAR)
+        print(f"q8_hc (4096 x 2048, {n} streams, 3 tokens{', with add' if extra is not None else ''}) vs "
+              f"product + hc_expand: max rel err {err:.2e}")
+    ids = mx.array([[3, 15, 0, 9, 7, 12], [1, 3, 5, 15, 2, 8]], dtype=mx.int32)
+    weights = mx.random.uniform(0.1, 1.0, ids.shape)
+    one_ids, one_w = ids[:1], weights[:1]
+    for type_name in ("IQ2_XXS", "Q2_K", "Q4_K"):
+        g_t, u_t = (_expert_blocks(type_name, 16, 512, 1024) for _ in range(2))
+        xe = mx.random.normal((2, 1024)) * 4.0
+        mid = kernels.expert_swiglu(g_t, u_t, ids, xe, weights, 10.0)
+        xs = mx.repeat(xe, 6, axis=0)[:, :, None]
+        flat = ids.reshape(-1)
+        g, u = ((_decode(t, flat) @ xs)[..., 0] for t in (g_t, u_t))
+        err = _rel(mid, (moe.swiglu(g, u, 10.0) * weights.reshape(-1, 1)).reshape(2, 6, -1))
+        _bar(f"expert_swiglu {type_name}", err <= _KERNEL_BAR)
+        fused_s = _seconds(lambda v, g_t=g_t, u_t=u_t: kernels.expert_swiglu(g_t, u_t, one_ids, v, one_w, 10.0),
+                           xe[:1])
+        apart_s = _seconds(lambda v, g_t=g_t, u_t=u_t: moe.swiglu(
+            kernels.expert_matvec(g_t, one_ids, v, pairs_per_input=6),
+            kernels.expert_matvec(u_t, one_ids, v, pairs_per_input=6), 10.0) * one_w[..., None], xe[:1])
+        print(f"expert_swiglu {type_name} (2 tokens x 6 of 16 experts, 512x1024) vs decode, multiply, swiglu: "
+              f"max rel err {err:.2e}; one token {fused_s * 1e6:.1f} us vs two expert_matvec + swiglu "
+              f"{apart_s * 1e6:.1f} us")
+
+
 def _q8_matrix(rows: int, cols: int) -> Q8Matrix:
     codes = mx.random.randint(0, 256, (rows, cols)).astype(mx.uint8)
     scales = mx.random.uniform(1e-3, 1e-2, (rows, cols // 32))
@@ -368,7 +432,8 @@ def check_paths() -> None:
 
 # Each part runs in a few minutes on an H200; `--parts` picks some (the whole run takes about
 # seven, over some machines' limit for one command).
-PARTS = {"experts": check_fused_experts, "kernels": check_fused_kernels, "q8": check_q8_matvec,
+PARTS = {"experts": check_fused_experts, "kernels": check_fused_kernels, "fused": check_fused_products,
+         "q8": check_q8_matvec,
          "gemm": check_gemm, "paths": check_paths, "cpu": check_gpu_vs_cpu}
 
 

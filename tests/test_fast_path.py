@@ -175,15 +175,56 @@ def _router(inputs, t, grid, threadgroup):
     return [probs, experts, moe.route_weights(probs, experts, float(scale.item()))]
 
 
+def _q8_rows(codes, scales, cols):
+    """A Q8_0 matrix's rows as float32 (code = byte - 128, a float32 scale per 32)."""
+    assert codes.shape[1] == cols // 4 and scales.shape == (codes.shape[0], cols // 32)
+    return mx.dequantize(codes, scales, -128.0 * scales, group_size=32, bits=8).reshape(-1, cols)
+
+
+def _q8_products(w, x):
+    """x [T, cols] times each row of w, summed in float32 without a BLAS."""
+    return (x[:, None, :] * w[None]).sum(axis=-1)
+
+
+def _q8_warps(t, grid, rows, n_tok):
+    """A Q8_0 matvec kernel's geometry: R rows per warp cover `rows`; grid y the tokens."""
+    assert rows % t["R"] == 0 and grid[0] // 32 * t["R"] >= rows and grid[1] == n_tok
+
+
 def _q8_matvec(inputs, t, grid, threadgroup):
     codes, scales, x = inputs
     rows, cols, group_rows, r = t["ROWS"], t["COLS"], t["GROUP_ROWS"], t["R"]
     n_tok, groups = grid[1], rows // group_rows
     assert codes.shape == (rows, cols // 4) and x.size == n_tok * groups * cols
     assert grid[0] // 32 * r >= rows and group_rows % r == 0
-    w = mx.dequantize(codes, scales, -128.0 * scales, group_size=32, bits=8).reshape(-1, group_rows, cols)
+    w = _q8_rows(codes, scales, cols).reshape(-1, group_rows, cols)
     y = (x.reshape(n_tok, groups, 1, cols) * w[None]).sum(axis=-1).reshape(n_tok, rows)
     return [y.reshape(*x.shape[:-1], rows) if groups == 1 else y]
+
+
+def _q8_pair(inputs, t, grid, threadgroup):
+    codes_a, scales_a, codes_b, scales_b, x = inputs
+    _q8_warps(t, grid, t["ROWS_A"], x.shape[0])
+    _q8_warps(t, grid, t["ROWS_A"] + t["ROWS_B"], x.shape[0])
+    a, b = _q8_rows(codes_a, scales_a, t["COLS"]), _q8_rows(codes_b, scales_b, t["COLS"])
+    assert a.shape[0] == t["ROWS_A"] and b.shape[0] == t["ROWS_B"]
+    return [_q8_products(a, x), _q8_products(b, x)]
+
+
+def _q8_swiglu(inputs, t, grid, threadgroup):
+    codes_g, scales_g, codes_u, scales_u, x, clamp = inputs
+    _q8_warps(t, grid, t["ROWS"], x.shape[0])
+    gate, up = _q8_rows(codes_g, scales_g, t["COLS"]), _q8_rows(codes_u, scales_u, t["COLS"])
+    assert gate.shape[0] == up.shape[0] == t["ROWS"]
+    return [moe.swiglu(_q8_products(gate, x), _q8_products(up, x), float(clamp.item()))]
+
+
+def _q8_hc(inputs, t, grid, threadgroup):
+    codes, scales, x, add, streams, post, comb = inputs
+    _q8_warps(t, grid, t["E"], x.shape[0])
+    w = _q8_rows(codes, scales, t["COLS"])
+    assert w.shape[0] == t["E"] and streams.shape == (x.shape[0], t["N"], t["E"])
+    return _hc_post([_q8_products(w, x), add, streams, post, comb, mx.array(x.shape[0])], t, (streams.size,), None)
 
 
 def _gemm_split_x(inputs, t, grid, threadgroup):
@@ -200,7 +241,8 @@ def _gemm_split_x(inputs, t, grid, threadgroup):
     return [mx.array(hi), mx.array(lo), mx.array(sums), mx.array(k)]
 
 
-STAND_INS = {"q8_matvec": _q8_matvec, "router": _router, "row_finish": _row_finish, "hc_pre": _hc_pre,
+STAND_INS = {"q8_matvec": _q8_matvec, "q8_pair": _q8_pair, "q8_swiglu": _q8_swiglu, "q8_hc": _q8_hc,
+             "router": _router, "row_finish": _row_finish, "hc_pre": _hc_pre,
              "hc_post": _hc_post, "gemm_split_x": _gemm_split_x,
              "attention_heads": _attention_heads, "prefill_attention": _prefill_attention,
              "indexer_scores": _indexer_scores, "indexer_mask": _indexer_mask,
@@ -217,6 +259,20 @@ def _expert_matvec(type_name):
         xs = x.reshape(-1, cols)[mx.arange(flat.size) // x_div]
         y = (gather_experts(raw, flat, type_name, rows, cols) @ xs[:, :, None])[..., 0]
         return [y.reshape(*ids.shape, rows).sum(axis=-2) if per_out > 1 else y.reshape(*ids.shape, rows)]
+    return run
+
+
+def _expert_swiglu(type_name):
+    def run(inputs, t, grid, threadgroup):
+        raw_gate, raw_up, ids, x, w, clamp = inputs[:6]
+        rows, cols, x_div = t["ROWS"], t["COLS"], t["X_DIV"]
+        assert t["ROW_BYTES"] * rows == t["EXPERT_BYTES"] == raw_gate.shape[1] == raw_up.shape[1]
+        assert grid[1] == ids.size == w.size and x.shape == (ids.size // x_div, cols) and ids.shape[1] == x_div
+        flat = ids.reshape(-1)
+        xs = x[mx.arange(flat.size) // x_div][:, :, None]
+        gate, up = ((gather_experts(raw, flat, type_name, rows, cols) @ xs)[..., 0] for raw in (raw_gate, raw_up))
+        mid = moe.swiglu(gate, up, float(clamp.item())) * w.reshape(-1, 1)
+        return [mid.reshape(*ids.shape, rows)]
     return run
 
 
@@ -280,8 +336,9 @@ def stand_in_kernels(monkeypatch, batched):
     calls: dict[str, int] = {}
     monkeypatch.setattr(kernels, "cuda_ready", lambda: True)
     monkeypatch.setattr(kernels, "_fused", lambda name: _launcher(name, STAND_INS[name], calls))
-    monkeypatch.setattr(kernels, "_kernel", lambda type_name: _launcher("expert_matvec", _expert_matvec(type_name),
-                                                                         calls))
+    monkeypatch.setattr(kernels, "_kernel", lambda type_name, swiglu=False: (
+        _launcher("expert_swiglu", _expert_swiglu(type_name), calls) if swiglu
+        else _launcher("expert_matvec", _expert_matvec(type_name), calls)))
     monkeypatch.setattr(kernels, "_gemm_kernel", lambda type_name: _launcher("quant_gemm", _quant_gemm(type_name),
                                                                              calls))
     return calls
@@ -314,7 +371,7 @@ def test_fast_path_wiring_matches_the_reference(request, weights_fixture, stand_
     tokens = [(37 * i + 11) % 1000 + 100 for i in range(76)]
     assert model.numerics.fast
     fast_full, fast_decoded = _prefill_and_decode(model, tokens, 6)
-    every = set(STAND_INS) | {"expert_matvec", "quant_gemm"}
+    every = set(STAND_INS) | {"expert_matvec", "expert_swiglu", "quant_gemm"}
     assert set(stand_in_kernels) == every, f"kernels never called: {every - set(stand_in_kernels)}"
     model.numerics.allow_fast = False
     ref_full, ref_decoded = _prefill_and_decode(model, tokens, 6)
@@ -407,7 +464,10 @@ def test_a_hook_off_the_boundaries_sends_only_its_block_to_the_reference(small_w
     assert list(plan.compiled) == ["attn, ffn", "", "attn", "attn, ffn", "attn, ffn"]
     # one block of five on the reference: its two HC inputs and outputs leave the kernels
     assert stand_in_kernels["hc_pre"] == fast_calls["hc_pre"] - 2
-    assert stand_in_kernels["hc_post"] == fast_calls["hc_post"] - 2
+    # unhooked, each sublayer's last product and HC step are one kernel; block 2's FFN (its
+    # hook_out replaceable) keeps the HC step apart
+    assert "hc_post" not in fast_calls and stand_in_kernels["hc_post"] == 1
+    assert stand_in_kernels["q8_hc"] == fast_calls["q8_hc"] - 3
     # the compiled parts are traced once: the same chunk again launches only the uncompiled
     # blocks' kernels (block 1 on the reference: none; block 2's FFN as written)
     stand_in_kernels.clear()

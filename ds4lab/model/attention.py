@@ -20,20 +20,26 @@ from .rope import Rotation
 from .weights import LayerWeights, Q8Matrix
 
 
-def project_q(layer: LayerWeights, xa: mx.array, rotation: Rotation, n_head: int, head_dim: int, eps: float,
+def input_products(layer: LayerWeights, xa: mx.array, mm: Schedule) -> tuple[mx.array, mx.array]:
+    """(attn_q_a · xa, attn_kv · xa): the two products of the sublayer input (one kernel on
+    the fast path's matvec)."""
+    return mm.q8_pair(layer.q8["attn_q_a.weight"], layer.q8["attn_kv.weight"], xa)
+
+
+def project_q(layer: LayerWeights, qr: mx.array, rotation: Rotation, n_head: int, head_dim: int, eps: float,
               mm: Schedule) -> tuple[mx.array, mx.array]:
-    """(q [T, H, D] with per-head weightless RMS, rotated; qr_n [T, q_lora_rank], which also feeds the indexer)."""
-    qr = mm.q8(layer.q8["attn_q_a.weight"], xa)
+    """From qr = attn_q_a · xa: (q [T, H, D] with per-head weightless RMS, rotated; qr_n
+    [T, q_lora_rank], which also feeds the indexer)."""
     qr_n = mm.rms_norm(qr, layer.dense["attn_q_a_norm.weight"], eps)
-    q = mm.q8(layer.q8["attn_q_b.weight"], qr_n, shape=(xa.shape[0], n_head, head_dim))
+    q = mm.q8(layer.q8["attn_q_b.weight"], qr_n, shape=(qr.shape[0], n_head, head_dim))
     return mm.finish_rows(q, eps=eps, rotation=rotation), qr_n
 
 
-def kv_row(layer: LayerWeights, xa: mx.array, rotation: Rotation, eps: float, mm: Schedule) -> mx.array:
-    """The layer's KV row as stored, [T, D]: RMS(attn_kv · xa; kv_norm), RoPE at the token's
-    position, ds4's FP8 round trip on the non-RoPE dims, f16 storage."""
-    return mm.finish_rows(mm.q8(layer.q8["attn_kv.weight"], xa), eps=eps,
-                          weight=layer.dense["attn_kv_a_norm.weight"], rotation=rotation, fp8=True, f16=True)
+def kv_row(layer: LayerWeights, kv: mx.array, rotation: Rotation, eps: float, mm: Schedule) -> mx.array:
+    """The layer's KV row as stored, [T, D], from kv = attn_kv · xa: RMS(kv; kv_norm), RoPE at
+    the token's position, ds4's FP8 round trip on the non-RoPE dims, f16 storage."""
+    return mm.finish_rows(kv, eps=eps, weight=layer.dense["attn_kv_a_norm.weight"], rotation=rotation, fp8=True,
+                          f16=True)
 
 
 def visible_keys(mask: mx.array) -> tuple[mx.array, mx.array]:
@@ -167,8 +173,9 @@ def _attend_per_token(q: mx.array, keys: mx.array, index: mx.array, valid: mx.ar
     return out
 
 
-def grouped_output(layer: LayerWeights, heads: mx.array, n_out_group: int, mm: Schedule) -> mx.array:
-    """Inverse-rotated heads [T, H, D] -> [T, n_embd] through the grouped low-rank projection."""
+def grouped_low(layer: LayerWeights, heads: mx.array, n_out_group: int, mm: Schedule) -> mx.array:
+    """Inverse-rotated heads [T, H, D] -> [T, n_out_group · o_lora_rank], the grouped
+    projection's first half (attn_output_b takes it to [T, n_embd])."""
     t = heads.shape[0]
     out_a: Q8Matrix = layer.q8["attn_output_a.weight"]
     if mm.fast:                                                        # every group in one kernel
@@ -178,5 +185,5 @@ def grouped_output(layer: LayerWeights, heads: mx.array, n_out_group: int, mm: S
         # The native kernel reads the heads as they lie (one group's heads side by side).
         flat = heads if mm.native else heads.reshape(t, -1)
         low = mm.q8(out_a, flat, groups=n_out_group, shape=(t, out_a.rows))
-    return mm.q8(layer.q8["attn_output_b.weight"], low)
+    return low
 

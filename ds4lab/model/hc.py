@@ -10,12 +10,16 @@ streams. Shapes: streams [T, n_hc, n_embd]; control values are per token.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 import numpy as np
 
 from . import cpu_kernels, kernels
 from .numerics import Schedule
+
+if TYPE_CHECKING:
+    from .weights import Q8Matrix
 
 
 @dataclass
@@ -102,6 +106,15 @@ def hc_expand(out: mx.array, streams: mx.array, control: HCControl, mm: Schedule
         out = out + add
     mixed = (control.comb[:, :, :, None] * streams[:, :, None, :]).sum(axis=1)
     return control.post[:, :, None] * out[:, None, :] + mixed
+
+
+def hc_expand_q8(matrix: Q8Matrix, x: mx.array, streams: mx.array, control: HCControl, mm: Schedule,
+                 add: mx.array | None = None) -> mx.array:
+    """`hc_expand`(matrix · x, ...): a sublayer's last product and the new streams, one kernel
+    on the fast path's matvec (`kernels.q8_hc`); `add` is added to the product first."""
+    if mm.matvec(x):
+        return kernels.q8_hc(matrix, x, streams, control.post, control.comb, add)
+    return hc_expand(mm.q8(matrix, x), streams, control, mm, add=add)
 
 
 def hc_head_weights(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array,

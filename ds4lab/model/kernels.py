@@ -41,6 +41,7 @@ fast path uses them only on a CUDA GPU (`numerics.Numerics.fast`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -78,7 +79,7 @@ def available(type_name: str) -> bool:
 _KERNELS = {
     "hc_pre": ("hc_pre.cu", ("ds4lab_block.cuh", "hc_split.cuh"),
                ["streams", "mix", "scale", "base", "norm", "eps", "n_tok"], ["x", "pre", "post", "comb"]),
-    "hc_post": ("hc_post.cu", (), ["out", "add", "streams", "post", "comb", "n_tok"], ["y"]),
+    "hc_post": ("hc_post.cu", ("ds4lab_block.cuh",), ["out", "add", "streams", "post", "comb", "n_tok"], ["y"]),
     "row_finish": ("row_finish.cu", ("ds4lab_block.cuh",),
                    ["x", "weight", "rope_cos", "rope_sin", "eps", "hscale", "carry", "n_rows"], ["y"]),
     "attention_heads": ("decode_attention.cu", ("ds4lab_block.cuh",),
@@ -91,7 +92,13 @@ _KERNELS = {
                         ["kv_out", "score_out"]),
     "compressor_pool": ("compressor_pool.cu", (), ["old_kv", "old_score", "new_kv", "new_score"], ["out"]),
     "router": ("router.cu", (), ["logits", "bias", "scale"], ["probs", "experts", "weights"]),
-    "q8_matvec": ("q8_matvec.cu", ("ds4lab_block.cuh",), ["codes", "scales", "x"], ["y"]),
+    "q8_matvec": ("q8_matvec.cu", ("ds4lab_block.cuh", "q8_rows.cuh"), ["codes", "scales", "x"], ["y"]),
+    "q8_pair": ("q8_pair.cu", ("ds4lab_block.cuh", "q8_rows.cuh"),
+                ["codes_a", "scales_a", "codes_b", "scales_b", "x"], ["ya", "yb"]),
+    "q8_swiglu": ("q8_swiglu.cu", ("ds4lab_block.cuh", "q8_rows.cuh"),
+                  ["codes_g", "scales_g", "codes_u", "scales_u", "x", "clamp"], ["y"]),
+    "q8_hc": ("q8_hc.cu", ("ds4lab_block.cuh", "q8_rows.cuh"),
+              ["codes", "scales", "x", "add", "streams", "post", "comb"], ["y"]),
     "gemm_split_x": ("gemm_split_x.cu", ("ds4lab_block.cuh", "gemm_common.cuh"), ["x"], ["xh", "xl", "xsum", "xexp"]),
 }
 
@@ -280,13 +287,75 @@ def q8_matvec(matrix: Q8Matrix, x: mx.array, groups: int = 1, shape: tuple[int, 
     if shape is not None and int(np.prod(shape)) != t * matrix.rows:    # the kernel writes t·rows values
         raise ValueError(f"q8_matvec: output shape {tuple(shape)} does not hold {t}x{matrix.rows} values")
     group_rows = matrix.rows // groups
-    r = 4 if group_rows % 4 == 0 else 2 if group_rows % 2 == 0 else 1
+    r = _rows_per_warp(group_rows)
     (y,) = _fused("q8_matvec")(
         inputs=[matrix.codes, matrix.scales, x.astype(mx.float32)],
         template=[("ROWS", matrix.rows), ("COLS", cols), ("GROUP_ROWS", group_rows), ("R", r)],
-        grid=(-(-matrix.rows // (r * _Q8_WARPS)) * 32 * _Q8_WARPS, t, 1), threadgroup=(32 * _Q8_WARPS, 1, 1),
-        output_shapes=[shape or natural],
-        output_dtypes=[mx.float32])
+        **_q8_launch(matrix.rows, r, t), output_shapes=[shape or natural], output_dtypes=[mx.float32])
+    return y
+
+
+def _rows_per_warp(rows: int) -> int:
+    """Rows each warp of a Q8_0 matvec owns: 4, or 2 or 1 where 4 does not divide the rows."""
+    return 4 if rows % 4 == 0 else 2 if rows % 2 == 0 else 1
+
+
+def _q8_launch(rows: int, r: int, t: int) -> dict:
+    """A Q8_0 matvec's geometry: a warp per r of `rows`, _Q8_WARPS warps a block; y = token."""
+    return {"grid": (-(-rows // (r * _Q8_WARPS)) * 32 * _Q8_WARPS, t, 1), "threadgroup": (32 * _Q8_WARPS, 1, 1)}
+
+
+def _one_vector_tokens(name: str, matrices: tuple[Q8Matrix, ...], x: mx.array) -> int:
+    """The tokens of x [T, cols] for Q8_0 products that all read x (equal column counts)."""
+    cols = matrices[0].cols
+    if any(m.cols != cols for m in matrices) or x.ndim != 2 or x.shape[1] != cols:
+        shapes = ", ".join(f"{m.rows}x{m.cols}" for m in matrices)
+        raise ValueError(f"{name}: matrices {shapes} and input {tuple(x.shape)} (one [tokens, cols] vector each)")
+    return x.shape[0]
+
+
+def q8_pair(a: Q8Matrix, b: Q8Matrix, x: mx.array) -> tuple[mx.array, mx.array]:
+    """(A·x, B·x) for x [T, cols] in one launch: two products of one input (the attention's
+    q_a and kv projections), each [T, rows of its matrix]."""
+    t = _one_vector_tokens("q8_pair", (a, b), x)
+    r = _rows_per_warp(math.gcd(a.rows, b.rows))
+    return tuple(_fused("q8_pair")(
+        inputs=[a.codes, a.scales, b.codes, b.scales, x.astype(mx.float32)],
+        template=[("ROWS_A", a.rows), ("ROWS_B", b.rows), ("COLS", a.cols), ("R", r)],
+        **_q8_launch(a.rows + b.rows, r, t), output_shapes=[(t, a.rows), (t, b.rows)],
+        output_dtypes=[mx.float32] * 2))
+
+
+def q8_swiglu(gate: Q8Matrix, up: Q8Matrix, x: mx.array, clamp: float) -> mx.array:
+    """swiglu(G·x, U·x) [T, rows] for x [T, cols] in one launch (the shared expert's first
+    half; `moe.swiglu`'s clamp, 0 for none)."""
+    t = _one_vector_tokens("q8_swiglu", (gate, up), x)
+    if gate.rows != up.rows:
+        raise ValueError(f"q8_swiglu: gate has {gate.rows} rows, up {up.rows}")
+    r = _rows_per_warp(gate.rows)
+    (y,) = _fused("q8_swiglu")(
+        inputs=[gate.codes, gate.scales, up.codes, up.scales, x.astype(mx.float32), _scalar(clamp)],
+        template=[("ROWS", gate.rows), ("COLS", gate.cols), ("R", r)],
+        **_q8_launch(gate.rows, r, t), output_shapes=[(t, gate.rows)], output_dtypes=[mx.float32])
+    return y
+
+
+def q8_hc(matrix: Q8Matrix, x: mx.array, streams: mx.array, post: mx.array, comb: mx.array,
+          add: mx.array | None = None) -> mx.array:
+    """`hc_post`(W·x, ...) in one launch: a sublayer's last product (x [T, cols], W with
+    n_embd rows) and the new streams [T, N, E] from it; `add` [T, E] is added to W·x first
+    (the FFN's routed output beside the shared expert's)."""
+    t = _one_vector_tokens("q8_hc", (matrix,), x)
+    n, e = streams.shape[1:]
+    if streams.shape != (t, n, matrix.rows) or post.shape != (t, n) or comb.shape != (t, n, n) or n > 32:
+        raise ValueError(f"q8_hc: streams {tuple(streams.shape)}, post {tuple(post.shape)}, comb {tuple(comb.shape)} "
+                         f"for {t} tokens of a {matrix.rows}-row product")
+    r = _rows_per_warp(e)
+    (y,) = _fused("q8_hc")(
+        inputs=[matrix.codes, matrix.scales, x.astype(mx.float32), _scalar(0.0) if add is None else add,
+                streams, post, comb],
+        template=[("E", e), ("COLS", matrix.cols), ("R", r), ("N", n), ("ADD", add is not None)],
+        **_q8_launch(e, r, t), output_shapes=[streams.shape], output_dtypes=[mx.float32])
     return y
 
 
@@ -393,25 +462,36 @@ def expert_gemm(tensor: ExpertBlocks, tiles: PairTiles, x: mx.array, x_div: int)
     [P / x_div, cols] (a token's input shared by its x_div experts)."""
     n_expert = tensor.raw.shape[0]
     n_row_bytes = row_bytes(tensor.type_name, tensor.cols)
-    weights = [tensor.raw] + (list(_iq2_tables()) if tensor.type_name == "IQ2_XXS" else [])
+    weights = [tensor.raw, *_tables(tensor.type_name)]
     return _quant_gemm(tensor.type_name, weights,
                        [("ROW_BYTES", n_row_bytes), ("EXPERT_BYTES", tensor.rows * n_row_bytes)],
                        tensor.rows, tensor.cols, n_expert, x, x_div, tiles)
 
 
 @cache
-def _kernel(type_name: str):
+def _kernel(type_name: str, swiglu: bool = False):
+    """The routed-expert matvec in this block format; with `swiglu` its gate-and-up form."""
     name = _TYPES[type_name]
     header = "\n".join((KERNEL_DIR / f).read_text()
                        for f in ("ds4lab_block.cuh", "expert_matvec_common.cuh", f"expert_dot_{name}.cuh"))
-    inputs = ["raw", "ids", "x"] + (["grid", "ksigns"] if type_name == "IQ2_XXS" else [])
-    return mx.fast.cuda_kernel(name=f"ds4lab_expert_matvec_{name}", input_names=inputs, output_names=["y"],
-                               source=(KERNEL_DIR / "expert_matvec.cu").read_text(), header=header)
+    tables = ["grid", "ksigns"] if type_name == "IQ2_XXS" else []
+    if swiglu:
+        return mx.fast.cuda_kernel(name=f"ds4lab_expert_swiglu_{name}",
+                                   input_names=["raw_gate", "raw_up", "ids", "x", "w", "clamp", *tables],
+                                   output_names=["mid"], source=(KERNEL_DIR / "expert_swiglu.cu").read_text(),
+                                   header=header)
+    return mx.fast.cuda_kernel(name=f"ds4lab_expert_matvec_{name}", input_names=["raw", "ids", "x", *tables],
+                               output_names=["y"], source=(KERNEL_DIR / "expert_matvec.cu").read_text(), header=header)
 
 
 @cache
 def _iq2_tables() -> tuple[mx.array, mx.array]:
     return mx.array(IQ2XXS_GRID_BYTES.reshape(-1)), mx.array(IQ2XXS_KSIGNS)
+
+
+def _tables(type_name: str) -> list[mx.array]:
+    """The lookup tables a block format's expert kernels read (IQ2_XXS: its grid and signs)."""
+    return list(_iq2_tables()) if type_name == "IQ2_XXS" else []
 
 
 def expert_matvec(tensor: ExpertBlocks, ids: mx.array, x: mx.array, *, pairs_per_input: int = 1,
@@ -426,9 +506,7 @@ def expert_matvec(tensor: ExpertBlocks, ids: mx.array, x: mx.array, *, pairs_per
         raise ValueError(f"expert_matvec: {ids.size} pairs, {pairs_per_input} per input row, input {tuple(x.shape)}")
     per_out = ids.shape[-1] if sum_pairs else 1
     n_row_bytes = row_bytes(tensor.type_name, cols)
-    inputs = [tensor.raw, ids.astype(mx.int32), x.astype(mx.float32)]
-    if tensor.type_name == "IQ2_XXS":
-        inputs += list(_iq2_tables())
+    inputs = [tensor.raw, ids.astype(mx.int32), x.astype(mx.float32), *_tables(tensor.type_name)]
     threads = 32 * _ROWS_PER_BLOCK
     (y,) = _kernel(tensor.type_name)(
         inputs=inputs,
@@ -441,3 +519,27 @@ def expert_matvec(tensor: ExpertBlocks, ids: mx.array, x: mx.array, *, pairs_per
         output_dtypes=[mx.float32],
     )
     return y
+
+
+def expert_swiglu(gate: ExpertBlocks, up: ExpertBlocks, ids: mx.array, x: mx.array, weights: mx.array,
+                  clamp: float) -> mx.array:
+    """The routed experts' mid [T, U, rows] in one launch: for pair (t, u), expert ids[t, u]'s
+    swiglu(G·x[t], U·x[t]) times its route weight weights[t, u] (`moe.swiglu`'s clamp, 0 for
+    none), read from the block bytes; x [T, cols], the token's input, is read by its U pairs."""
+    rows, cols = gate.rows, gate.cols
+    if (gate.type_name, gate.rows, gate.cols) != (up.type_name, up.rows, up.cols):
+        raise ValueError(f"expert_swiglu: gate {gate.type_name} {gate.rows}x{gate.cols}, "
+                         f"up {up.type_name} {up.rows}x{up.cols} (one format and shape)")
+    if ids.ndim != 2 or weights.shape != ids.shape or x.shape != (ids.shape[0], cols):
+        raise ValueError(f"expert_swiglu: ids {tuple(ids.shape)}, weights {tuple(weights.shape)}, "
+                         f"input {tuple(x.shape)} (expected [T, U], [T, U], [T, {cols}])")
+    n_row_bytes = row_bytes(gate.type_name, cols)
+    threads = 32 * _ROWS_PER_BLOCK
+    (mid,) = _kernel(gate.type_name, True)(
+        inputs=[gate.raw, up.raw, ids.astype(mx.int32), x.astype(mx.float32), weights.astype(mx.float32),
+                _scalar(clamp), *_tables(gate.type_name)],
+        template=[("ROWS", rows), ("COLS", cols), ("ROW_BYTES", n_row_bytes),
+                  ("EXPERT_BYTES", rows * n_row_bytes), ("X_DIV", ids.shape[1])],
+        grid=(-(-rows // _ROWS_PER_BLOCK) * threads, ids.size, 1), threadgroup=(threads, 1, 1),
+        output_shapes=[(*ids.shape, rows)], output_dtypes=[mx.float32])
+    return mid

@@ -32,7 +32,7 @@ from ..config import ModelConfig, has_indexer
 from ..hooks import ActivationCache, HookFn, HookRegistry, NameFilter, Scope, floats_per_token, hook_names
 from . import attention, cpu_kernels, indexer, kernels, moe
 from .compressor import Compressor, Frontier, row_span
-from .hc import HCControl, hc_collapse, hc_control, hc_expand, hc_fused_input, hc_head_weights
+from .hc import HCControl, hc_collapse, hc_control, hc_expand, hc_expand_q8, hc_fused_input, hc_head_weights
 from .numerics import MODES, Numerics, Schedule, joined
 from .rope import Rotation, yarn_for
 from .state import LayerCache, SessionState
@@ -306,19 +306,24 @@ class Model:
         h = self._hooks.scope(f"{_prefix(layer)}.attn")
         rotation = Rotation(cos, sin)
         xa, control = self._sublayer_input(h, streams, "attn", layer, mm)
-        q, qr_n = attention.project_q(layer, xa, rotation, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm)
+        qr, kv = attention.input_products(layer, xa, mm)
+        q, qr_n = attention.project_q(layer, qr, rotation, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm)
         q = h("hook_q", q)
-        kv = h("hook_kv", attention.kv_row(layer, xa, rotation, cfg.rms_eps, mm))
+        kv = h("hook_kv", attention.kv_row(layer, kv, rotation, cfg.rms_eps, mm))
         queries = indexer.indexer_queries(layer, xa, qr_n, rotation, cfg.indexer_heads, cfg.indexer_head_dim,
                                           mm) if indexed else ()
         return xa, control.pre, control.post, control.comb, q, kv, *queries
 
     def _attention_output(self, layer: LayerWeights, mm: Schedule, heads: mx.array, streams: mx.array,
                           pre: mx.array, post: mx.array, comb: mx.array) -> mx.array:
-        """The heads through the grouped output projection (`hook_out`) into new streams."""
+        """The heads through the grouped output projection (`hook_out`) into new streams (the
+        last product and the HC step one kernel on the fast path's matvec, unless hooked)."""
         h = self._hooks.scope(f"{_prefix(layer)}.attn")
-        out = h("hook_out", attention.grouped_output(layer, heads, self.config.n_out_group, mm))
-        return hc_expand(out, streams, HCControl(pre, post, comb), mm)
+        low = attention.grouped_low(layer, heads, self.config.n_out_group, mm)
+        out_b, control = layer.q8["attn_output_b.weight"], HCControl(pre, post, comb)
+        if h.wants("hook_out"):
+            return hc_expand(h("hook_out", mm.q8(out_b, low)), streams, control, mm)
+        return hc_expand_q8(out_b, low, streams, control, mm)
 
     def _sublayer(self, part: str, layer: LayerWeights, mm: Schedule, fn: Callable, *arrays: mx.array):
         """fn(layer, mm, *arrays): one of the parts of a block with no cache inside (the
@@ -442,6 +447,9 @@ class Model:
         clamp = cfg.swiglu_clamp[MTP_LAYER if layer.index is None else layer.index]
         on_mid = (lambda mid: h("hook_routed_mid", mid)) if h.wants("hook_routed_mid") else None
         routed = h("hook_routed_out", moe.routed_experts(layer, xf, experts, weights, clamp, mm, on_mid))
+        if not (h.wants("hook_shared_out") or h.wants("hook_out")):     # the down product and HC: one kernel
+            return hc_expand_q8(layer.q8["ffn_down_shexp.weight"], moe.shared_mid(layer, xf, clamp, mm), streams,
+                                control, mm, add=routed), experts
         shared = h("hook_shared_out", moe.shared_expert(layer, xf, clamp, mm))
         if h.wants("hook_out"):
             routed, shared = h("hook_out", routed + shared), None

@@ -170,11 +170,15 @@ def _routed_gathered(gate_t: ExpertBlocks, up_t: ExpertBlocks, down_t: ExpertBlo
                      on_mid: Callable[[mx.array], object] | None, fused: bool) -> mx.array:
     t, u = experts.shape
     if fused:
-        # Three expert kernels and one compiled SwiGLU: each token's input read by its U
-        # pairs in place, the weighted down projections summed in the last kernel.
-        gate = kernels.expert_matvec(gate_t, experts, x_in, pairs_per_input=u)       # [T, U, n_ff]
-        up = kernels.expert_matvec(up_t, experts, x_in, pairs_per_input=u)
-        mid = _swiglu_compiled(clamp, True)(gate, up, weights)
+        # Two expert kernels: gate, up and the weighted SwiGLU, each token's input read by its
+        # U pairs in place; then the down projections, summed in the kernel. (Gate and up in
+        # two block formats: one kernel each and a compiled SwiGLU.)
+        if gate_t.type_name == up_t.type_name:
+            mid = kernels.expert_swiglu(gate_t, up_t, experts, x_in, weights, clamp)    # [T, U, n_ff]
+        else:
+            gate = kernels.expert_matvec(gate_t, experts, x_in, pairs_per_input=u)
+            up = kernels.expert_matvec(up_t, experts, x_in, pairs_per_input=u)
+            mid = _swiglu_compiled(clamp, True)(gate, up, weights)
         if on_mid is not None:
             on_mid(mid)
         return kernels.expert_matvec(down_t, experts, mid, sum_pairs=True)
@@ -245,6 +249,13 @@ def _decode(tensor: ExpertBlocks, ids: mx.array) -> mx.array:
 
 
 def shared_expert(layer: LayerWeights, xf: mx.array, clamp: float, mm: Schedule) -> mx.array:
-    gate = mm.q8(layer.q8["ffn_gate_shexp.weight"], xf)
-    up = mm.q8(layer.q8["ffn_up_shexp.weight"], xf)
-    return mm.q8(layer.q8["ffn_down_shexp.weight"], _swiglu(gate, up, clamp, mm))
+    return mm.q8(layer.q8["ffn_down_shexp.weight"], shared_mid(layer, xf, clamp, mm))
+
+
+def shared_mid(layer: LayerWeights, xf: mx.array, clamp: float, mm: Schedule) -> mx.array:
+    """The shared expert's swiglu(W_gate·x, W_up·x), the down projection's input: one kernel
+    on the fast path's matvec."""
+    gate, up = layer.q8["ffn_gate_shexp.weight"], layer.q8["ffn_up_shexp.weight"]
+    if mm.matvec(xf):
+        return kernels.q8_swiglu(gate, up, xf, clamp)
+    return _swiglu(mm.q8(gate, xf), mm.q8(up, xf), clamp, mm)

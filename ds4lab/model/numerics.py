@@ -400,7 +400,7 @@ class Schedule:
             per, xs = matrix.rows // groups, x.reshape(*x.shape[:-1], groups, -1)
             return mx.concatenate([self._q8(matrix.rows_slice(g * per, (g + 1) * per), xs[..., g, :])
                                    for g in range(groups)], axis=-1)
-        if self.fast and x.size // x.shape[-1] <= kernels.MATVEC_MAX_TOKENS:
+        if self.matvec(x):
             return kernels.q8_matvec(matrix, x, shape=shape)
         # On the CPU the native kernel reads the matrices in their codes, its sums batch-invariant
         # by construction; a chain of native steps then needs no MLX evaluation between them
@@ -409,6 +409,17 @@ class Schedule:
             return cpu_kernels.q8_0_matmul(matrix.codes, matrix.scales, x, shape=shape)
         y = self._q8(matrix, x)
         return y if shape is None else y.reshape(shape)
+
+    def matvec(self, x: mx.array) -> bool:
+        """Whether products of x [..., cols] are the fast path's matvec kernels: few tokens
+        (decode, MTP verification) on the fast path."""
+        return self.fast and x.size // x.shape[-1] <= kernels.MATVEC_MAX_TOKENS
+
+    def q8_pair(self, a: Q8Matrix, b: Q8Matrix, x: mx.array) -> tuple[mx.array, mx.array]:
+        """(`q8`(a, x), `q8`(b, x)): one kernel for both on the fast path's matvec."""
+        if self.matvec(x):
+            return kernels.q8_pair(a, b, x)
+        return self.q8(a, x), self.q8(b, x)
 
     def _q8(self, matrix: Q8Matrix, x: mx.array) -> mx.array:
         if self.numerics.emulate:

@@ -82,3 +82,25 @@ __device__ __forceinline__ void ds4lab_unrotate_pair(float& o0, float& o1, int d
     o1 = __fadd_rn(__fmul_rn(o0, sn), __fmul_rn(o1, c));
     o0 = r0;
 }
+
+// Stream c, dim d of token t's new residual from the sublayer output o there (model/hc.py
+// `hc_expand`): post[c] * o + sum_a comb[a][c] * streams[a][d], the mix summed over a in order.
+template <int N, int E>
+__device__ __forceinline__ float ds4lab_hc_value(float o, const float* streams, const float* post, const float* comb,
+                                                 size_t t, int c, int d) {
+    float mixed = 0.0f;
+    for (int a = 0; a < N; ++a) mixed += comb[(t * N + a) * N + c] * streams[(t * N + a) * E + d];
+    return post[t * N + c] * o + mixed;
+}
+
+// SwiGLU of one gate and up value (model/moe.py `swiglu`): with a clamp (> 1e-6) the gate
+// capped at it and up clipped to [-clamp, clamp]; then gate * sigmoid(gate) * up, the
+// sigmoid as MLX computes it (1 / (1 + e^|g|), reflected for g >= 0).
+__device__ __forceinline__ float ds4lab_swiglu(float g, float u, float clamp) {
+    if (clamp > 1e-6f) {
+        g = fminf(g, clamp);
+        u = fminf(fmaxf(u, -clamp), clamp);
+    }
+    const float e = 1.0f / (1.0f + expf(fabsf(g)));
+    return g * (g < 0.0f ? e : 1.0f - e) * u;
+}

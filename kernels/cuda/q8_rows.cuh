@@ -1,0 +1,48 @@
+// One warp's dot products of NR Q8_0 rows with one input vector: the inner loop of every
+// decode-step Q8_0 product (q8_matvec, q8_pair, q8_swiglu, q8_hc). Row i's codes are the
+// 16-byte words w[i] (byte = code + 128, model/weights.py `Q8Matrix`), its float32 block
+// scales s[i] (one per 32 values); xv is the input vector as float4.
+//
+// Reading the weights is the whole cost of a decode step's matvec, so the loop is shaped for
+// memory bandwidth: per step a lane loads 16 inputs once and, for each row, 16 codes in one
+// 16-byte load (a warp reads 512 contiguous bytes of a row) and their block's scale; the
+// loop is unrolled so that each lane has 8 such loads in flight.
+// A byte becomes the float (byte - 128) without an int-to-float conversion: placed in the
+// mantissa of 2^23 (bits 0x4B0000bb = 8388608 + byte, exact) and 8388608 + 128 subtracted.
+// Each lane sums in column order into acc[i]; the caller sums the warp.
+template <int NR, int COLS>
+__device__ __forceinline__ void ds4lab_q8_dots(const uint4* const* w, const float* const* s, const float4* xv,
+                                               int lane, float* acc) {
+#pragma unroll
+    for (int i = 0; i < NR; ++i) acc[i] = 0.0f;
+#pragma unroll (NR < 8 ? 8 / NR : 1)
+    for (int j = lane; j < COLS / 16; j += 32) {
+        float xs[16];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+            const float4 v = xv[4 * j + k];
+            xs[4 * k] = v.x; xs[4 * k + 1] = v.y; xs[4 * k + 2] = v.z; xs[4 * k + 3] = v.w;
+        }
+#pragma unroll
+        for (int i = 0; i < NR; ++i) {
+            const uint4 q = w[i][j];
+            const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+            float dot = 0.0f;
+#pragma unroll
+            for (int k = 0; k < 16; ++k) {
+                const uint32_t bits = __byte_perm(words[k >> 2], 0x4B000000u, 0x7540u | (k & 3));
+                dot += (__uint_as_float(bits) - 8388736.0f) * xs[k];
+            }
+            acc[i] += s[i][j >> 1] * dot;
+        }
+    }
+}
+
+// Row r of a Q8_0 matrix: its code words and scales (codes [rows, COLS / 4] uint32,
+// scales [rows, COLS / 32]).
+template <int COLS>
+__device__ __forceinline__ void ds4lab_q8_row(const uint32_t* codes, const float* scales, int r, const uint4*& w,
+                                              const float*& s) {
+    w = reinterpret_cast<const uint4*>(codes) + (size_t)r * (COLS / 16);
+    s = scales + (size_t)r * (COLS / 32);
+}
