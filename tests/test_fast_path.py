@@ -16,8 +16,9 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from ds4lab import generation
 from ds4lab.config import preset
-from ds4lab.model import Model, compressor, hc, kernels, moe
+from ds4lab.model import Model, compressor, hc, kernels, moe, rope, state
 from ds4lab.model import numerics as nm
 from ds4lab.model.random_weights import _expert_blocks, random_weights
 from ds4lab.model.rope import apply_rope_tail
@@ -326,8 +327,10 @@ def _launcher(name, emulate, calls):
 
 @pytest.fixture
 def batched(monkeypatch):
-    """The GPU's batched schedule on the CPU (no CUDA: the fast path stays off)."""
-    monkeypatch.setattr(nm, "batch_invariant_device", lambda: False)
+    """The GPU's batched schedule on the CPU (no CUDA: the fast path stays off), the state's
+    window and RoPE rows kept lazy as there."""
+    for module in (nm, state, rope):
+        monkeypatch.setattr(module, "batch_invariant_device", lambda: False)
 
 
 @pytest.fixture
@@ -554,3 +557,33 @@ def test_a_hook_inside_the_mtp_block_sends_it_to_the_reference(synth_dir, stand_
     with model.hooks([("mtp.attn.hook_hc_pre", lambda act, hook: seen.append(hook.name))]):
         model.mtp.run(model, state, session.state.hidden[None], [8])
     assert seen == ["mtp.attn.hook_hc_pre"]
+
+
+def test_greedy_stream_on_the_fast_path_encodes_on_a_worker_thread(tiny_weights, stand_in_kernels, monkeypatch):
+    """Hook-free greedy streaming on the fast path builds each step while a worker thread
+    evaluates the one before: the tokens and the session it leaves are plain decoding's, and
+    stopping early leaves the worker idle and the state as it was after the last yield. With
+    a hook registered it stays on one thread."""
+    model = Model(tiny_weights)
+    prompt = [(29 * i + 7) % 900 + 100 for i in range(20)]
+    plain = model.session()
+    seen, expected = [plain.prefill(prompt)], []
+    for _ in range(6):
+        expected.append(int(mx.argmax(seen[-1]).item()))
+        seen.append(plain.decode(expected[-1]))
+    workers = []
+    real_thread = generation.threading.Thread
+    monkeypatch.setattr(generation.threading, "Thread", lambda **kw: workers.append(real_thread(**kw)) or workers[-1])
+    session = model.session()
+    got = [s.token for s in generation.stream(model, prompt, max_tokens=6, session=session)]
+    assert got == expected and len(workers) == 1 and not workers[0].is_alive()
+    assert session.tokens == prompt + expected[:-1]
+    np.testing.assert_array_equal(np.array(session.logits), np.array(seen[5]))     # the logits of token 5
+    early = model.session()
+    steps = generation.stream(model, prompt, max_tokens=6, session=early)
+    assert [next(steps).token for _ in range(3)] == expected[:3]
+    steps.close()
+    assert early.tokens == prompt + expected[:2] and not workers[-1].is_alive() and len(workers) == 2
+    with model.hooks([("blocks.0.hook_resid_pre", lambda act, hook: None)]):
+        assert [s.token for s in generation.stream(model, prompt, max_tokens=3)] == expected[:3]
+    assert len(workers) == 2

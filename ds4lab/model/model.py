@@ -112,6 +112,11 @@ class Model:
         finally:
             self._hooks.remove(added)
 
+    @property
+    def hooked(self) -> bool:
+        """Whether any hook is registered (a `with model.hooks(...)` block, steering)."""
+        return bool(self._hooks.by_name)
+
     def fast_path_plan(self) -> pd.DataFrame:
         """Which blocks run the fast path with the hooks registered now (ask inside
         `with model.hooks(...)`): one row per block with its path ("fast" or "reference"), the

@@ -99,3 +99,12 @@ class SessionState:
     @property
     def n_tokens(self) -> int:
         return len(self.tokens)
+
+    def arrays(self) -> list[mx.array]:
+        """Every array the state holds: the layers' raw windows, compressed rows and
+        frontiers, the logits and final streams, the MTP head's (what `mx.eval` settles)."""
+        caches = self.layers + ([self.mtp.ring] if self.mtp is not None else [])
+        out = [a for c in caches for a in (c.raw, c.comp, c.index_comp) if a is not None]
+        out += [a for c in caches for f in (c.frontier, c.index_frontier) if f is not None for a in (f.kv, f.score)]
+        extra = (self.logits, self.hidden) + ((self.mtp.out, self.mtp.logits) if self.mtp is not None else ())
+        return out + [a for a in extra if a is not None]
