@@ -76,23 +76,14 @@ _VIEWS = {"Broadcast", "BroadcastAxes", "Reshape", "Slice", "Squeeze", "ExpandDi
           "View", "Unflatten", "Flatten", "Copy"}
 
 
-def _cache_arrays(state) -> list[mx.array]:
-    """The arrays of a session's layer caches: raw window, compressed rows, frontiers."""
-    out = []
-    for layer in state.layers:
-        out += [a for a in (layer.raw, layer.comp, layer.index_comp) if a is not None]
-        out += [a for f in (layer.frontier, layer.index_frontier) if f is not None for a in (f.kv, f.score)]
-    return out
-
-
 def step_ops(model: Model, state) -> Counter:
     """The primitives in the graph of one decode step from `state`, by name: its logits and the
     cache it leaves (a compressor's frontier update feeds no logits of its own step)."""
-    mx.eval(_cache_arrays(state))
+    mx.eval(state.arrays())
     result = model.forward(state, [1234], last_only=True)
     with tempfile.TemporaryDirectory() as tmp:
         dot = Path(tmp) / "step.dot"
-        mx.export_to_dot(str(dot), result.logits, *_cache_arrays(result.state))
+        mx.export_to_dot(str(dot), *result.state.arrays())
         return Counter(re.findall(r'label ?="?([A-Za-z0-9_]+)', dot.read_text()))
 
 
@@ -128,10 +119,10 @@ def bench(name: str, model: Model, contexts: list[int], steps: int, bw: float, h
         t = time.perf_counter()
         streamed = sum(1 for _ in stream(model, [], max_tokens=steps, session=session))
         pipelined = streamed / (time.perf_counter() - t)
-        mx.eval(_cache_arrays(session.state))              # one step alone: its logits and its cache
+        mx.eval(session.state.arrays())              # one step alone: its logits and its cache
         t = time.perf_counter()
         result = model.forward(session.state, [999], last_only=True)
-        step = [result.logits, *_cache_arrays(result.state)]
+        step = result.state.arrays()
         built = time.perf_counter() - t
         mx.async_eval(step)                                 # returns once the host has encoded the step
         encoded = time.perf_counter() - t - built
