@@ -11,6 +11,7 @@ filters, drawn with a seeded generator. `dump_logprobs` writes the JSON that ds4
 from __future__ import annotations
 
 import codecs
+import contextlib
 import json
 import os
 import queue
@@ -166,10 +167,9 @@ def stream(model, prompt: Sequence[int], max_tokens: int = 256, sampling: Sampli
     logits = session.prefill(list(prompt), progress=progress) if prompt else session.logits
     emitter = Emitter(max_tokens, stop, top_logprobs)
     if sampling.temperature <= 0:
-        if session.model.numerics.fast and not session.model.hooked:
-            yield from _greedy_threaded(session, logits, emitter, max_tokens)
-        else:
-            yield from _greedy_pipelined(session, logits, emitter, max_tokens)
+        threaded = session.model.numerics.fast and not session.model.hooked
+        encoder = _WorkerEncoder(session, logits) if threaded else _InlineEncoder()
+        yield from _greedy_pipelined(session, logits, emitter, max_tokens, encoder)
         return
     rng = np.random.default_rng(sampling.seed)
     for _ in range(max_tokens):
@@ -180,84 +180,29 @@ def stream(model, prompt: Sequence[int], max_tokens: int = 256, sampling: Sampli
         logits = session.decode(step.token)
 
 
-def _greedy_pipelined(session, logits: mx.array, emitter: Emitter, max_tokens: int) -> Iterator[Step]:
+def _greedy_pipelined(session, logits: mx.array, emitter: Emitter, max_tokens: int,
+                      encoder: _InlineEncoder | _WorkerEncoder) -> Iterator[Step]:
     """Greedy decoding with the host one step ahead of the device (mlx-lm's pattern): the
-    argmax stays on the device, the next step's graph is built from it and queued
-    (`mx.async_eval`) before the token is read, so building a step's graph overlaps the
-    device computing the one before. The next step runs on the state *after* the token
-    yielded; the session shows the state before it until the caller asks for the next step
-    (as plain decoding would leave it), and after the last step nothing extra is consumed."""
-    for index in range(max_tokens):
-        chosen = mx.argmax(logits)                     # the lowest id on ties, as `sample`
-        if index == max_tokens - 1:                    # nothing follows the last step
-            step = emitter.step(int(chosen.item()), logits)
-            yield step
-            return
-        before = session.state
-        upcoming = session.decode(chosen)              # built from the unread token
-        mx.async_eval(upcoming)
-        token = int(chosen.item())
-        after, session.state = session.state, before
-        after.tokens[-1] = token
-        step = emitter.step(token, logits)
-        yield step
-        if step.finish:
-            return
-        session.state, logits = after, upcoming
-
-
-@cache
-def _any_thread_stream(device: mx.Device) -> mx.Stream:
-    """A stream any thread may evaluate on (MLX's streams belong to their thread otherwise)."""
-    return mx.new_thread_unsafe_stream(device)
-
-
-def _greedy_threaded(session, logits: mx.array, emitter: Emitter, max_tokens: int) -> Iterator[Step]:
-    """`_greedy_pipelined` with the evaluation on a worker thread: the fast path on a GPU
-    (hook-free), where host work bounds a step. MLX encodes a graph on the thread that
-    evaluates it (on CUDA some 20 µs a kernel: ~20 ms a 43-layer step); building the graph
-    in Python takes ~7 ms more. Here this thread builds step n + 1 while the worker encodes
-    step n. The steps run on a stream any thread may use (MLX leaves the synchronisation to
-    its user): this thread evaluates nothing while the worker encodes, reads a token only
-    from a step already queued (waiting on the device, not encoding), and the worker takes
-    one step at a time. No hooks: a hook may evaluate an activation while the worker encodes.
-    Tokens, state and session are those `_greedy_pipelined` leaves."""
-    queued, encoded = queue.Queue(), queue.Queue()
-    busy = False                                       # a step handed to the worker, not yet encoded
-
-    def encode() -> None:
-        while (arrays := queued.get()) is not None:
-            try:
-                mx.async_eval(arrays)
-                encoded.put(None)
-            except Exception as error:     # handed to the generator, which raises it
-                encoded.put(error)
-
-    def settle() -> None:
-        nonlocal busy
-        if busy:
-            busy = False
-            if (error := encoded.get()) is not None:
-                raise error
-
-    mx.eval(logits, *session.state.arrays())          # nothing lazy left on this thread's stream
-    worker = threading.Thread(target=encode, name="ds4lab-encode", daemon=True)
-    worker.start()
+    argmax stays on the device, the next step's graph is built from it and handed to the
+    encoder (queued for the device) before the token is read, so building a step's graph
+    overlaps the device computing the one before. The next step runs on the state *after*
+    the token yielded; the session shows the state before it until the caller asks for the
+    next step (as plain decoding would leave it), and after the last step nothing extra is
+    consumed."""
     try:
-        with mx.stream(_any_thread_stream(mx.default_device())):
+        with encoder.stream():
             chosen = mx.argmax(logits)                 # the lowest id on ties, as `sample`
             for index in range(max_tokens):
                 if index == max_tokens - 1:            # nothing follows the last step
-                    settle()
+                    encoder.settle()
                     yield emitter.step(int(chosen.item()), logits)
                     return
                 before = session.state
-                upcoming = session.decode(chosen)      # built while the worker encodes the step before
+                upcoming = session.decode(chosen)      # built from the unread token
                 following = mx.argmax(upcoming)
-                settle()
-                queued.put([upcoming, following])
-                busy = True
-                token = int(chosen.item())             # its step is encoded: this waits on the device
+                encoder.settle()
+                encoder.submit([upcoming, following])
+                token = int(chosen.item())             # its step is queued: this waits on the device
                 after, session.state = session.state, before
                 after.tokens[-1] = token
                 step = emitter.step(token, logits)
@@ -266,11 +211,76 @@ def _greedy_threaded(session, logits: mx.array, emitter: Emitter, max_tokens: in
                     return
                 session.state, logits, chosen = after, upcoming, following
     finally:
+        encoder.close()
+
+
+class _InlineEncoder:
+    """Steps queued from this thread (`mx.async_eval` encodes them before it returns)."""
+
+    def stream(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def submit(self, arrays: list[mx.array]) -> None:
+        mx.async_eval(arrays)
+
+    def settle(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@cache
+def _any_thread_stream(device: mx.Device) -> mx.Stream:
+    """A stream any thread may evaluate on (MLX's streams belong to their thread otherwise)."""
+    return mx.new_thread_unsafe_stream(device)
+
+
+class _WorkerEncoder:
+    """Steps queued by a worker thread: for the fast path on a GPU (hook-free), where host work
+    bounds a step. MLX encodes a graph on the thread that evaluates it (on CUDA some 20 µs a
+    kernel: ~20 ms a 43-layer step), and building the graph in Python takes ~7 ms more; with
+    the worker, the generator's thread builds step n + 1 while the worker encodes step n. The
+    steps run on a stream any thread may use (MLX leaves the synchronisation to its user): the
+    worker takes one step at a time, and the generator evaluates nothing while it encodes
+    (`settle` first) and reads a token only from a step already queued (a wait on the
+    device). No hooks: a hook may evaluate an activation while the worker encodes."""
+
+    def __init__(self, session, logits: mx.array) -> None:
+        mx.eval(logits, *session.state.arrays())      # nothing lazy left on this thread's stream
+        self._queued, self._encoded = queue.Queue(), queue.Queue()
+        self._busy = False                             # a step handed over, not yet encoded
+        self._worker = threading.Thread(target=self._encode, name="ds4lab-encode", daemon=True)
+        self._worker.start()
+
+    def _encode(self) -> None:
+        while (arrays := self._queued.get()) is not None:
+            try:
+                mx.async_eval(arrays)
+                self._encoded.put(None)
+            except Exception as error:     # handed to the generator, which raises it
+                self._encoded.put(error)
+
+    def stream(self) -> contextlib.AbstractContextManager:
+        return mx.stream(_any_thread_stream(mx.default_device()))
+
+    def submit(self, arrays: list[mx.array]) -> None:
+        self._queued.put(arrays)
+        self._busy = True
+
+    def settle(self) -> None:
+        """Wait until the worker has encoded the step handed to it (its error raised here)."""
+        if self._busy:
+            self._busy = False
+            if (error := self._encoded.get()) is not None:
+                raise error
+
+    def close(self) -> None:
         try:
-            settle()
+            self.settle()
         finally:
-            queued.put(None)
-            worker.join()
+            self._queued.put(None)
+            self._worker.join()
 
 
 def generate(model, prompt: str | Sequence[int], max_tokens: int = 256, sampling: Sampling = Sampling(),

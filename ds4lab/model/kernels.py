@@ -22,7 +22,10 @@ reference's steps in the same order, so a Metal port can translate them line by 
   the attention mask (a radix select of the k-th score, ties ranked by row).
 - `q8_matvec`: a Q8_0 matrix (the model's 8-bit codes) times a few vectors, each warp a few
   rows with 16-byte loads; rows may come in groups that each read their own vector (the
-  grouped output projection). Every Q8_0 product of a decode step goes through it.
+  grouped output projection). Every Q8_0 product of a decode step goes through its loop
+  (`q8_rows.cuh`), some with the step after them in the same launch: `q8_pair` (two
+  matrices, one input: q_a and kv), `q8_swiglu` (the shared expert's gate, up and SwiGLU),
+  `q8_hc` (a sublayer's last product and the HC output step).
 - `quant_gemm`: prefill's products on the tensor cores, exact to float32, from the block
   bytes: Q8_0 matrices (`q8_gemm`) and the routed experts grouped by expert on the device
   (`expert_tiles`, `expert_gemm`: each expert's tile of pairs reads its weights once); its
@@ -32,7 +35,8 @@ reference's steps in the same order, so a Metal port can translate them line by 
   selected experts, one warp per output row; a token's input read once for all its experts,
   and the down projection's weighted outputs summed in the kernel (the portable path decodes
   each selected expert to a float32 matrix first: a few dozen kernels and three float32
-  copies per step).
+  copies per step). `expert_swiglu`: the gate and up projections and the route-weighted
+  SwiGLU of each pair in one launch (the down projection's input).
 
 Float sums run in another order than the reference's (same values up to float32
 reassociation); `bench/check_device.py` checks each kernel against its composition. The
