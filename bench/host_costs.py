@@ -62,6 +62,20 @@ def _kinds() -> dict[str, Callable[[mx.array], mx.array]]:
         kinds["custom kernel, 4 outputs (3 unused)"] = lambda x: outs(
             inputs=[x], grid=(256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[x.shape] * 4,
             output_dtypes=[x.dtype] * 4)[0]
+        # MLX hashes a custom kernel's whole source (header included) at every evaluation, and
+        # commits a CUDA graph once its inputs pass MLX_MAX_MB_PER_BUFFER (1000 MB on an H100
+        # or H200), counting each input whole: a routed-expert tensor is 0.5-0.7 GB.
+        header = "\n".join((kernels.KERNEL_DIR / f).read_text() for f in ("ds4lab_block.cuh", "q8_rows.cuh"))
+        headed = mx.fast.cuda_kernel(name="host_cost_add_headed", input_names=["x"], output_names=["out"],
+                                     source=_COPY, header=header)
+        kinds[f"custom kernel, the fast path's headers ({len(header) / 1024:.0f} KB)"] = lambda x: headed(
+            inputs=[x], grid=(256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[x.shape],
+            output_dtypes=[x.dtype])[0]
+        big = mx.zeros((150_000_000,), mx.float32)
+        mx.eval(big)
+        kinds["custom kernel, 2nd input 600 MB (a commit per 2)"] = lambda x: wide(
+            inputs=[x, big, *constants[:6]], grid=(256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[x.shape],
+            output_dtypes=[x.dtype])[0]
     mx.eval(w, index, *constants)
     return kinds
 
