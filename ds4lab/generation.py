@@ -18,7 +18,6 @@ import queue
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -26,6 +25,7 @@ import mlx.core as mx
 import numpy as np
 
 from .atomic import atomic_open
+from .model.rope import reserve_tables
 from .tokenizer import token_bytes, vocab
 
 if TYPE_CHECKING:
@@ -168,7 +168,7 @@ def stream(model, prompt: Sequence[int], max_tokens: int = 256, sampling: Sampli
     emitter = Emitter(max_tokens, stop, top_logprobs)
     if sampling.temperature <= 0:
         threaded = session.model.numerics.fast and not session.model.hooked
-        encoder = _WorkerEncoder(session, logits) if threaded else _InlineEncoder()
+        encoder = _WorkerEncoder(session, logits, max_tokens) if threaded else _InlineEncoder()
         yield from _greedy_pipelined(session, logits, emitter, max_tokens, encoder)
         return
     rng = np.random.default_rng(sampling.seed)
@@ -192,24 +192,28 @@ def _greedy_pipelined(session, logits: mx.array, emitter: Emitter, max_tokens: i
     try:
         with encoder.stream():
             chosen = mx.argmax(logits)                 # the lowest id on ties, as `sample`
-            for index in range(max_tokens):
-                if index == max_tokens - 1:            # nothing follows the last step
-                    encoder.settle()
-                    yield emitter.step(int(chosen.item()), logits)
-                    return
-                before = session.state
+        encoder.submit([chosen])
+        for index in range(max_tokens):
+            if index == max_tokens - 1:                # nothing follows the last step
+                encoder.settle()
+                yield emitter.step(int(chosen.item()), logits)
+                return
+            if session.model.hooked:                   # a hook may evaluate while the step is built
+                encoder.settle()
+            before = session.state
+            with encoder.stream():
                 upcoming = session.decode(chosen)      # built from the unread token
                 following = mx.argmax(upcoming)
-                encoder.settle()
-                encoder.submit([upcoming, following])
-                token = int(chosen.item())             # its step is queued: this waits on the device
-                after, session.state = session.state, before
-                after.tokens[-1] = token
-                step = emitter.step(token, logits)
-                yield step
-                if step.finish:
-                    return
-                session.state, logits, chosen = after, upcoming, following
+            encoder.settle()                           # `chosen`'s step (or `chosen`) is now queued
+            encoder.submit([upcoming, following])
+            token = int(chosen.item())                 # a wait on the device
+            after, session.state = session.state, before
+            after.tokens[-1] = token
+            step = emitter.step(token, logits)
+            yield step
+            if step.finish:
+                return
+            session.state, logits, chosen = after, upcoming, following
     finally:
         encoder.close()
 
@@ -230,10 +234,17 @@ class _InlineEncoder:
         pass
 
 
-@cache
-def _any_thread_stream(device: mx.Device) -> mx.Stream:
-    """A stream any thread may evaluate on (MLX's streams belong to their thread otherwise)."""
-    return mx.new_thread_unsafe_stream(device)
+_ANY_THREAD_STREAMS: dict[str, mx.Stream] = {}
+
+
+def _any_thread_stream() -> mx.Stream:
+    """A stream on the default device that any thread may evaluate on (MLX's streams belong
+    to their thread otherwise); one per device, so that compiled functions trace once for it."""
+    device = mx.default_device()
+    key = str(device)
+    if key not in _ANY_THREAD_STREAMS:
+        _ANY_THREAD_STREAMS[key] = mx.new_thread_unsafe_stream(device)
+    return _ANY_THREAD_STREAMS[key]
 
 
 class _WorkerEncoder:
@@ -241,13 +252,17 @@ class _WorkerEncoder:
     bounds a step. MLX encodes a graph on the thread that evaluates it (on CUDA some 20 µs a
     kernel: ~20 ms a 43-layer step), and building the graph in Python takes ~7 ms more; with
     the worker, the generator's thread builds step n + 1 while the worker encodes step n. The
-    steps run on a stream any thread may use (MLX leaves the synchronisation to its user): the
-    worker takes one step at a time, and the generator evaluates nothing while it encodes
-    (`settle` first) and reads a token only from a step already queued (a wait on the
-    device). No hooks: a hook may evaluate an activation while the worker encodes."""
+    steps are built on a stream any thread may use (MLX leaves the synchronisation to its
+    user): the worker takes one step at a time, and the generator evaluates nothing while it
+    encodes (`settle` first) and reads a token only from a step already queued (a wait on the
+    device). Building a step evaluates nothing: the RoPE tables are grown beforehand for every
+    position the generation can reach, and the loop settles before building when a hook is
+    registered (a hook may evaluate an activation). Between steps the caller's own work runs on
+    its own stream."""
 
-    def __init__(self, session, logits: mx.array) -> None:
+    def __init__(self, session, logits: mx.array, max_tokens: int) -> None:
         mx.eval(logits, *session.state.arrays())      # nothing lazy left on this thread's stream
+        reserve_tables(session.state.n_tokens + max_tokens)
         self._queued, self._encoded = queue.Queue(), queue.Queue()
         self._busy = False                             # a step handed over, not yet encoded
         self._worker = threading.Thread(target=self._encode, name="ds4lab-encode", daemon=True)
@@ -258,11 +273,11 @@ class _WorkerEncoder:
             try:
                 mx.async_eval(arrays)
                 self._encoded.put(None)
-            except Exception as error:     # handed to the generator, which raises it
+            except BaseException as error:     # handed to the generator, which raises it
                 self._encoded.put(error)
 
     def stream(self) -> contextlib.AbstractContextManager:
-        return mx.stream(_any_thread_stream(mx.default_device()))
+        return mx.stream(_any_thread_stream())
 
     def submit(self, arrays: list[mx.array]) -> None:
         self._queued.put(arrays)

@@ -561,9 +561,10 @@ def test_a_hook_inside_the_mtp_block_sends_it_to_the_reference(synth_dir, stand_
 
 def test_greedy_stream_on_the_fast_path_encodes_on_a_worker_thread(tiny_weights, stand_in_kernels, monkeypatch):
     """Hook-free greedy streaming on the fast path builds each step while a worker thread
-    evaluates the one before: the tokens and the session it leaves are plain decoding's, and
-    stopping early leaves the worker idle and the state as it was after the last yield. With
-    a hook registered it stays on one thread."""
+    evaluates the one before: every evaluation it queues runs on the worker, the tokens and
+    the session it leaves are plain decoding's, the caller's default stream is its own
+    between steps, stopping early leaves the worker joined, and an error in the worker is
+    raised to the caller. With a hook registered it stays on one thread."""
     model = Model(tiny_weights)
     prompt = [(29 * i + 7) % 900 + 100 for i in range(20)]
     plain = model.session()
@@ -571,12 +572,28 @@ def test_greedy_stream_on_the_fast_path_encodes_on_a_worker_thread(tiny_weights,
     for _ in range(6):
         expected.append(int(mx.argmax(seen[-1]).item()))
         seen.append(plain.decode(expected[-1]))
-    workers = []
-    real_thread = generation.threading.Thread
+    workers, queued_on = [], []
+    real_thread, real_async_eval = generation.threading.Thread, mx.async_eval
     monkeypatch.setattr(generation.threading, "Thread", lambda **kw: workers.append(real_thread(**kw)) or workers[-1])
+    fail_at = [None]
+
+    def async_eval(*arrays):
+        queued_on.append(generation.threading.current_thread().name)
+        if queued_on.count("ds4lab-encode") == fail_at[0]:
+            raise RuntimeError("encoding failed")
+        return real_async_eval(*arrays)
+
+    monkeypatch.setattr(mx, "async_eval", async_eval)
+    own_stream = mx.default_stream(mx.default_device())
     session = model.session()
-    got = [s.token for s in generation.stream(model, prompt, max_tokens=6, session=session)]
+    got = []
+    for s in generation.stream(model, prompt, max_tokens=6, session=session):
+        got.append(s.token)
+        assert mx.default_stream(mx.default_device()) == own_stream
     assert got == expected and len(workers) == 1 and not workers[0].is_alive()
+    # the prompt's chunks queued here; then the first token and five steps, on the worker only
+    first = queued_on.index("ds4lab-encode")
+    assert queued_on[first:] == ["ds4lab-encode"] * 6
     assert session.tokens == prompt + expected[:-1]
     np.testing.assert_array_equal(np.array(session.logits), np.array(seen[5]))     # the logits of token 5
     early = model.session()
@@ -584,6 +601,13 @@ def test_greedy_stream_on_the_fast_path_encodes_on_a_worker_thread(tiny_weights,
     assert [next(steps).token for _ in range(3)] == expected[:3]
     steps.close()
     assert early.tokens == prompt + expected[:2] and not workers[-1].is_alive() and len(workers) == 2
+    queued_on.clear()
+    fail_at[0] = 3
+    with pytest.raises(RuntimeError, match="encoding failed"):
+        list(generation.stream(model, prompt, max_tokens=6))
+    assert len(workers) == 3 and not workers[-1].is_alive() and queued_on.count("ds4lab-encode") == 3
+    fail_at[0] = None
+    queued_on.clear()
     with model.hooks([("blocks.0.hook_resid_pre", lambda act, hook: None)]):
         assert [s.token for s in generation.stream(model, prompt, max_tokens=3)] == expected[:3]
-    assert len(workers) == 2
+    assert len(workers) == 3 and queued_on and set(queued_on) == {generation.threading.current_thread().name}

@@ -240,6 +240,14 @@ def cos_sin_table(n_rot: int, base: float, yarn: YarnParams | None, upto: int) -
     return table
 
 
+def reserve_tables(upto: int) -> None:
+    """Grow every table made so far to cover positions 0..upto, so that building a graph for
+    them evaluates nothing (a worker thread may be evaluating meanwhile: see
+    `generation._WorkerEncoder`)."""
+    for n_rot, base, yarn in list(_tables):
+        cos_sin_table(n_rot, base, yarn, upto)
+
+
 @dataclass(frozen=True)
 class Rotation:
     """The (cos, sin) of a set of positions for one layer kind, gathered once and applied to

@@ -94,12 +94,13 @@ __device__ __forceinline__ float ds4lab_hc_value(float o, const float* streams, 
 }
 
 // SwiGLU of one gate and up value (model/moe.py `swiglu`): with a clamp (> 1e-6) the gate
-// capped at it and up clipped to [-clamp, clamp]; then gate * sigmoid(gate) * up, the
-// sigmoid as MLX computes it (1 / (1 + e^|g|), reflected for g >= 0).
+// capped at it and up clipped to [-clamp, clamp], a NaN kept as MLX's minimum and clip keep
+// it (comparisons, not fminf); then gate * sigmoid(gate) * up, the sigmoid as MLX computes it
+// (1 / (1 + e^|g|), reflected for g >= 0).
 __device__ __forceinline__ float ds4lab_swiglu(float g, float u, float clamp) {
     if (clamp > 1e-6f) {
-        g = fminf(g, clamp);
-        u = fminf(fmaxf(u, -clamp), clamp);
+        g = g > clamp ? clamp : g;
+        u = u < -clamp ? -clamp : (u > clamp ? clamp : u);
     }
     const float e = 1.0f / (1.0f + expf(fabsf(g)));
     return g * (g < 0.0f ? e : 1.0f - e) * u;
