@@ -180,10 +180,8 @@ def grouped_low(layer: LayerWeights, heads: mx.array, n_out_group: int, mm: Sche
     out_a: Q8Matrix = layer.q8["attn_output_a.weight"]
     if mm.fast:                                                        # every group in one kernel
         gemv = t <= kernels.MATVEC_MAX_TOKENS
-        low = (kernels.q8_matvec if gemv else kernels.q8_gemm)(out_a, heads, groups=n_out_group)
-    else:                                                              # heads of a group side by side
-        # The native kernel reads the heads as they lie (one group's heads side by side).
-        flat = heads if mm.native else heads.reshape(t, -1)
-        low = mm.q8(out_a, flat, groups=n_out_group, shape=(t, out_a.rows))
-    return low
+        return (kernels.q8_matvec if gemv else kernels.q8_gemm)(out_a, heads, groups=n_out_group)
+    # Heads of a group side by side; the native kernel reads them as they lie.
+    flat = heads if mm.native else heads.reshape(t, -1)
+    return mm.q8(out_a, flat, groups=n_out_group, shape=(t, out_a.rows))
 

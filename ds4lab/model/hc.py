@@ -111,9 +111,9 @@ def hc_expand(out: mx.array, streams: mx.array, control: HCControl, mm: Schedule
 def hc_expand_q8(matrix: Q8Matrix, x: mx.array, streams: mx.array, control: HCControl, mm: Schedule,
                  add: mx.array | None = None) -> mx.array:
     """`hc_expand`(matrix · x, ...): a sublayer's last product and the new streams, one kernel
-    on the fast path's matvec (`kernels.q8_hc`, up to 32 streams); `add` is added to the
-    product first."""
-    if mm.matvec(x) and streams.shape[1] <= 32:
+    on the fast path's matvec (`kernels.q8_hc`, up to its HC_MAX_STREAMS); `add` is added
+    to the product first."""
+    if mm.matvec(x) and streams.shape[1] <= kernels.HC_MAX_STREAMS:
         return kernels.q8_hc(matrix, x, streams, control.post, control.comb, add)
     return hc_expand(mm.q8(matrix, x), streams, control, mm, add=add)
 

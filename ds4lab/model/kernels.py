@@ -344,6 +344,10 @@ def q8_swiglu(gate: Q8Matrix, up: Q8Matrix, x: mx.array, clamp: float) -> mx.arr
     return y
 
 
+# q8_hc writes stream c from lane c of a warp.
+HC_MAX_STREAMS = 32
+
+
 def q8_hc(matrix: Q8Matrix, x: mx.array, streams: mx.array, post: mx.array, comb: mx.array,
           add: mx.array | None = None) -> mx.array:
     """`hc_post`(W·x, ...) in one launch: a sublayer's last product (x [T, cols], W with
@@ -351,7 +355,7 @@ def q8_hc(matrix: Q8Matrix, x: mx.array, streams: mx.array, post: mx.array, comb
     (the FFN's routed output beside the shared expert's)."""
     t = _one_vector_tokens("q8_hc", (matrix,), x)
     n, e = streams.shape[1:]
-    if streams.shape != (t, n, matrix.rows) or post.shape != (t, n) or comb.shape != (t, n, n) or n > 32:
+    if streams.shape != (t, n, matrix.rows) or post.shape != (t, n) or comb.shape != (t, n, n) or n > HC_MAX_STREAMS:
         raise ValueError(f"q8_hc: streams {tuple(streams.shape)}, post {tuple(post.shape)}, comb {tuple(comb.shape)} "
                          f"for {t} tokens of a {matrix.rows}-row product")
     r = _rows_per_warp(e)
