@@ -440,6 +440,23 @@ def test_expert_tiles_group_every_pair_once_by_expert():
         kernels.expert_gemm(gate, kernels.expert_tiles(experts[:, :1], 16), mx.zeros((149, 256)), x_div=1)
 
 
+def test_kernel_sources_lose_comments_and_indentation_not_code_or_line_numbers():
+    """What NVRTC gets (and MLX hashes at every launch): each line of every source, comment
+    cut and stripped, at its own line number; a string literal (the MMA's asm) kept whole."""
+    sent_total = raw_total = 0
+    for path in sorted(kernels.KERNEL_DIR.iterdir()):
+        raw = path.read_text()
+        sent = kernels.kernel_source(path.name)
+        raw_lines, sent_lines = raw.split("\n"), sent.split("\n")
+        assert len(sent_lines) == len(raw_lines), path.name
+        for i, (line, kept) in enumerate(zip(raw_lines, sent_lines, strict=True)):
+            code = line.split("//")[0] if "//" in line else line
+            assert kept == code.strip(), f"{path.name}:{i + 1}"
+        sent_total, raw_total = sent_total + len(sent), raw_total + len(raw)
+    assert '"{%0,%1,%2,%3};\\n"' in kernels.kernel_source("gemm_common.cuh")
+    assert sent_total < 0.7 * raw_total
+
+
 def test_q8_matvec_refuses_an_output_shape_of_other_size(small_weights):
     """The matvec writes tokens x rows values into the shape it is given: one of another size
     is refused before any launch (the kernel would write past it or leave values unset)."""

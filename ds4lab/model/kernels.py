@@ -46,6 +46,7 @@ fast path uses them only on a CUDA GPU (`numerics.Numerics.fast`).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -107,12 +108,28 @@ _KERNELS = {
 }
 
 
+# A string literal (kept whole), a line comment or a block comment of a CUDA source.
+_TOKEN = re.compile(r'"(?:\\.|[^"\\\n])*"|//[^\n]*|/\*.*?\*/', re.S)
+
+
+def kernel_source(*files: str) -> str:
+    """The text of these files (in `kernels/cuda/`) as handed to NVRTC: comments and each
+    line's indentation removed, every line break kept, so a compiler message's line numbers
+    still match the files'. MLX hashes a kernel's whole source (header included) at every
+    launch, the key of its compiled module: ~0.5 µs of host time per KB (`bench/host_costs.py`)
+    on each of a decode step's ~1000 launches, and the comments are half of these files."""
+    def blank(match: re.Match) -> str:
+        text = match.group()
+        return text if text.startswith('"') else "\n" * text.count("\n")
+    text = "\n".join((KERNEL_DIR / f).read_text() for f in files)
+    return "\n".join(line.strip() for line in _TOKEN.sub(blank, text).split("\n"))
+
+
 @cache
 def _fused(name: str):
     source, headers, inputs, outputs = _KERNELS[name]
     return mx.fast.cuda_kernel(name=f"ds4lab_{name}", input_names=inputs, output_names=outputs,
-                               source=(KERNEL_DIR / source).read_text(),
-                               header="\n".join((KERNEL_DIR / h).read_text() for h in headers))
+                               source=kernel_source(source), header=kernel_source(*headers))
 
 
 @cache
@@ -393,12 +410,11 @@ def _gemm_kernel(type_name: str):
     name = "q8_0" if type_name == "Q8_0" else _TYPES[type_name]
     weights = (["codes", "scales"] if type_name == "Q8_0" else
                ["raw"] + (["grid", "ksigns"] if type_name == "IQ2_XXS" else []))
-    header = "\n".join((KERNEL_DIR / f).read_text()
-                       for f in ("ds4lab_block.cuh", "gemm_common.cuh", f"gemm_rows_{name}.cuh"))
     return mx.fast.cuda_kernel(name=f"ds4lab_quant_gemm_{name}",
                                input_names=[*weights, "xh", "xl", "xsum", "xexp", "order", "pair_offsets",
                                             "tile_offsets"],
-                               output_names=["y"], source=(KERNEL_DIR / "quant_gemm.cu").read_text(), header=header)
+                               output_names=["y"], source=kernel_source("quant_gemm.cu"),
+                               header=kernel_source("ds4lab_block.cuh", "gemm_common.cuh", f"gemm_rows_{name}.cuh"))
 
 
 @dataclass(frozen=True)
@@ -480,16 +496,14 @@ def expert_gemm(tensor: ExpertBlocks, tiles: PairTiles, x: mx.array, x_div: int)
 def _kernel(type_name: str, swiglu: bool = False):
     """The routed-expert matvec in this block format; with `swiglu` its gate-and-up form."""
     name = _TYPES[type_name]
-    header = "\n".join((KERNEL_DIR / f).read_text()
-                       for f in ("ds4lab_block.cuh", "expert_matvec_common.cuh", f"expert_dot_{name}.cuh"))
+    header = kernel_source("ds4lab_block.cuh", "expert_matvec_common.cuh", f"expert_dot_{name}.cuh")
     tables = ["grid", "ksigns"] if type_name == "IQ2_XXS" else []
     if swiglu:
         return mx.fast.cuda_kernel(name=f"ds4lab_expert_swiglu_{name}",
                                    input_names=["raw_gate", "raw_up", "ids", "x", "w", "clamp", *tables],
-                                   output_names=["mid"], source=(KERNEL_DIR / "expert_swiglu.cu").read_text(),
-                                   header=header)
+                                   output_names=["mid"], source=kernel_source("expert_swiglu.cu"), header=header)
     return mx.fast.cuda_kernel(name=f"ds4lab_expert_matvec_{name}", input_names=["raw", "ids", "x", *tables],
-                               output_names=["y"], source=(KERNEL_DIR / "expert_matvec.cu").read_text(), header=header)
+                               output_names=["y"], source=kernel_source("expert_matvec.cu"), header=header)
 
 
 @cache
