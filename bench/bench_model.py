@@ -72,7 +72,7 @@ def decode_bytes(w: ModelWeights) -> int:
 WARM_STEPS = 8
 
 # Primitives that only describe a view of their input: they launch no kernel.
-_VIEWS = {"Broadcast", "BroadcastAxes", "Reshape", "Slice", "Squeeze", "ExpandDims", "Transpose", "AsStrided",
+VIEWS = {"Broadcast", "BroadcastAxes", "Reshape", "Slice", "Squeeze", "ExpandDims", "Transpose", "AsStrided",
           "View", "Unflatten", "Flatten", "Copy"}
 
 
@@ -129,7 +129,7 @@ def bench(name: str, model: Model, contexts: list[int], steps: int, bw: float, h
         mx.eval(step)
         waited = time.perf_counter() - t - built - encoded
         ops, layers = step_ops(model, session.state), model.config.n_layer
-        kernel_ops = sum(n for op, n in ops.items() if op not in _VIEWS)
+        kernel_ops = sum(n for op, n in ops.items() if op not in VIEWS)
         print(f"{name:30s} context {context:6d}: prefill {prefill:8.1f} tok/s   decode {decode:7.2f} tok/s "
               f"(greedy stream, pipelined: {pipelined:7.2f})   "
               f"{per_token / 2**20:8.1f} MiB/token   roofline ratio {max(decode, pipelined) * per_token / bw:6.1%}   "

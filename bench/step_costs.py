@@ -1,0 +1,138 @@
+"""Where a decode step's host time goes on the fast path: the step's encoding per primitive,
+against each of its kernels relaunched alone with the step's own inputs.
+
+`host_costs.py` prices primitives in chains on tiny arrays (a custom kernel: ~5 µs of
+encoding on an H200); a 43-layer decode step encodes at ~19 µs a primitive. This builds an
+N-layer flash-dims q2 model in memory, prefills `--context` tokens, decodes a few steps, then
+
+1. times one step as decoding runs it (sublayers compiled): its graph's build, its encoding
+   (`mx.async_eval` until it returns) and the wait for the device, per primitive;
+2. records the kernel launches of one step of a fresh model whose sublayers are not compiled
+   (so that the launches see the step's real arrays), and relaunches each kernel `--chain`
+   times with the inputs of its launch in the middle layer: independent launches that share
+   their inputs, as a step's share weights (MLX commits a CUDA graph each time the inputs it
+   has seen pass MLX_MAX_MB_PER_BUFFER, counting an input at every launch). Printed per kernel:
+   µs per launch to build, to encode and on the device, its input MB and its outputs.
+
+    python bench/step_costs.py [--layers 8] [--context 128] [--chain 200]
+
+On the CPU the fast path is off: only part 1 runs.
+"""
+
+from __future__ import annotations
+
+import ds4lab  # noqa: F401  (first: OpenBLAS before MLX on Linux)
+
+# isort: split
+import argparse
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+
+import mlx.core as mx
+from bench_model import VIEWS, step_ops
+
+from ds4lab.config import preset
+from ds4lab.model import Model, kernels
+from ds4lab.model.random_weights import random_weights
+
+
+@contextlib.contextmanager
+def recorded_launches() -> Iterator[list[tuple[str, Callable, dict]]]:
+    """Every fused-kernel launch made inside: (name, kernel, keyword arguments). Sublayers are
+    not compiled inside (`mx.compile` is the identity), so a launch's inputs are real arrays."""
+    launches: list[tuple[str, Callable, dict]] = []
+
+    def recording(name: str, kernel: Callable) -> Callable:
+        def launch(**kwargs):
+            launches.append((name, kernel, kwargs))
+            return kernel(**kwargs)
+        return launch
+
+    saved = kernels._fused, kernels._kernel, kernels._gemm_kernel, mx.compile
+    kernels._fused = lambda name: recording(name, saved[0](name))
+    kernels._kernel = lambda type_name, swiglu=False: recording(
+        f"expert_{'swiglu' if swiglu else 'matvec'}_{type_name}", saved[1](type_name, swiglu))
+    kernels._gemm_kernel = lambda type_name: recording(f"quant_gemm_{type_name}", saved[2](type_name))
+    mx.compile = lambda fn, *args, **kwargs: fn
+    try:
+        yield launches
+    finally:
+        kernels._fused, kernels._kernel, kernels._gemm_kernel, mx.compile = saved
+
+
+def time_step(model: Model, state, token: int, repeat: int = 5) -> tuple[float, float, float]:
+    """Seconds (build, encode, wait) of one decode step from `state`, the fastest of `repeat`."""
+    best = None
+    for _ in range(repeat):
+        mx.eval(state.arrays())
+        t = time.perf_counter()
+        arrays = model.forward(state, [token], last_only=True).state.arrays()
+        built = time.perf_counter() - t
+        mx.async_eval(arrays)
+        encoded = time.perf_counter() - t - built
+        mx.eval(arrays)
+        waited = time.perf_counter() - t - built - encoded
+        if best is None or built + encoded < best[0] + best[1]:
+            best = (built, encoded, waited)
+    return best
+
+
+def relaunch(kernel: Callable, kwargs: dict, chain: int) -> tuple[float, float, float]:
+    """Seconds per launch (build, encode, device) of `chain` launches with these arguments."""
+    t = time.perf_counter()
+    outs = [kernel(**kwargs) for _ in range(chain)]
+    built = time.perf_counter() - t
+    mx.async_eval(outs)
+    encoded = time.perf_counter() - t - built
+    mx.eval(outs)
+    waited = time.perf_counter() - t - built - encoded
+    return built / chain, encoded / chain, waited / chain
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--context", type=int, default=128, help="tokens prefilled before the timed steps")
+    parser.add_argument("--chain", type=int, default=200, help="relaunches per kernel")
+    args = parser.parse_args()
+    weights = random_weights(preset("flash-dims", args.layers), "q2")
+    model = Model(weights)
+    session = model.session()
+    mx.eval(session.prefill([1000 + i for i in range(args.context)]))
+    for _ in range(8):                       # compiles and traces, not timed
+        mx.eval(session.decode(999))
+    ops = step_ops(model, session.state)
+    primitives = ops.total()
+    kernel_ops = sum(n for op, n in ops.items() if op not in VIEWS)
+    built, encoded, waited = time_step(model, session.state, 999)
+    print(f"device {mx.default_device()}, flash-dims {args.layers}L q2, {args.context} tokens of context")
+    print(f"one step (sublayers compiled): {primitives} primitives ({kernel_ops} not views); built in "
+          f"{built * 1e3:.2f} ms, encoded in {encoded * 1e3:.2f} ms ({encoded / primitives * 1e6:.1f} µs per "
+          f"primitive), then {waited * 1e3:.2f} ms waiting for the device")
+    if not model.numerics.fast:
+        print("(no fast path on this device: no kernels to relaunch)")
+        return
+    fresh = Model(weights)                   # its sublayers traced inside: not compiled
+    with recorded_launches() as launches:
+        built_plain, encoded_plain, _ = time_step(fresh, session.state, 999, repeat=3)
+    del launches[len(launches) // 3:]        # one step's
+    print(f"one step, sublayers not compiled: built in {built_plain * 1e3:.2f} ms, encoded in "
+          f"{encoded_plain * 1e3:.2f} ms; {len(launches)} kernel launches")
+    by_name: dict[str, list[tuple[Callable, dict]]] = {}
+    for name, kernel, kwargs in launches:
+        by_name.setdefault(name, []).append((kernel, kwargs))
+    print(f"{'kernel':28s} {'launches':>8s} {'build':>8s} {'encode':>8s} {'device':>8s} {'in MB':>9s} {'outs':>4s}"
+          "  (µs per launch, relaunched alone)")
+    for name, calls in by_name.items():
+        kernel, kwargs = calls[len(calls) // 2]
+        mx.eval(kwargs["inputs"])
+        relaunch(kernel, kwargs, 4)
+        cost = relaunch(kernel, kwargs, args.chain)
+        mb = sum(x.nbytes for x in kwargs["inputs"]) / 2**20
+        print(f"{name:28s} {len(calls):8d} " + " ".join(f"{v * 1e6:8.2f}" for v in cost) +
+              f" {mb:9.1f} {len(kwargs['output_shapes']):4d}")
+
+
+if __name__ == "__main__":
+    main()
