@@ -83,20 +83,29 @@ def _kinds() -> dict[str, Callable[[mx.array], mx.array]]:
     return kinds
 
 
+def build_encode_wait(build: Callable[[], object]) -> tuple[float, float, float]:
+    """Seconds to build a graph (`build()`), to encode it (`mx.async_eval` until it returns)
+    and to wait for the device to finish it."""
+    t = time.perf_counter()
+    arrays = build()
+    built = time.perf_counter() - t
+    mx.async_eval(arrays)
+    encoded = time.perf_counter() - t - built
+    mx.eval(arrays)
+    return built, encoded, time.perf_counter() - t - built - encoded
+
+
 def measure(op: Callable[[mx.array], mx.array], n_ops: int) -> tuple[float, float, float]:
     """Seconds per primitive: (build, encode, wait) for a chain of n_ops."""
     x = mx.random.normal((256,))
     mx.eval(x)
-    t = time.perf_counter()
-    y = x
-    for _ in range(n_ops):
-        y = op(y)
-    built = time.perf_counter() - t
-    mx.async_eval(y)
-    encoded = time.perf_counter() - t - built
-    mx.eval(y)
-    waited = time.perf_counter() - t - built - encoded
-    return built / n_ops, encoded / n_ops, waited / n_ops
+
+    def chain() -> mx.array:
+        y = x
+        for _ in range(n_ops):
+            y = op(y)
+        return y
+    return tuple(v / n_ops for v in build_encode_wait(chain))
 
 
 def main() -> None:

@@ -26,11 +26,11 @@ import ds4lab  # noqa: F401  (first: OpenBLAS before MLX on Linux)
 # isort: split
 import argparse
 import contextlib
-import time
 from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 from bench_model import VIEWS, step_ops
+from host_costs import build_encode_wait
 
 from ds4lab.config import preset
 from ds4lab.model import Model, kernels
@@ -63,31 +63,15 @@ def recorded_launches() -> Iterator[list[tuple[str, Callable, dict]]]:
 
 def time_step(model: Model, state, token: int, repeat: int = 5) -> tuple[float, float, float]:
     """Seconds (build, encode, wait) of one decode step from `state`, the fastest of `repeat`."""
-    best = None
-    for _ in range(repeat):
-        mx.eval(state.arrays())
-        t = time.perf_counter()
-        arrays = model.forward(state, [token], last_only=True).state.arrays()
-        built = time.perf_counter() - t
-        mx.async_eval(arrays)
-        encoded = time.perf_counter() - t - built
-        mx.eval(arrays)
-        waited = time.perf_counter() - t - built - encoded
-        if best is None or built + encoded < best[0] + best[1]:
-            best = (built, encoded, waited)
-    return best
+    mx.eval(state.arrays())
+    runs = [build_encode_wait(lambda: model.forward(state, [token], last_only=True).state.arrays())
+            for _ in range(repeat)]
+    return min(runs, key=lambda r: r[0] + r[1])
 
 
 def relaunch(kernel: Callable, kwargs: dict, chain: int) -> tuple[float, float, float]:
     """Seconds per launch (build, encode, device) of `chain` launches with these arguments."""
-    t = time.perf_counter()
-    outs = [kernel(**kwargs) for _ in range(chain)]
-    built = time.perf_counter() - t
-    mx.async_eval(outs)
-    encoded = time.perf_counter() - t - built
-    mx.eval(outs)
-    waited = time.perf_counter() - t - built - encoded
-    return built / chain, encoded / chain, waited / chain
+    return tuple(v / chain for v in build_encode_wait(lambda: [kernel(**kwargs) for _ in range(chain)]))
 
 
 def main() -> None:
