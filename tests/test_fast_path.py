@@ -457,6 +457,15 @@ def test_kernel_sources_lose_comments_and_indentation_not_code_or_line_numbers()
     assert sent_total < 0.7 * raw_total
 
 
+def test_kernel_constants_stay_bounded_over_a_long_session():
+    """The key counts a decode step passes grow with the context: the constants cache keeps
+    the latest, not one array per length ever seen."""
+    for n in range(kernels.CONSTANTS_KEPT + 1000):
+        kernels._constant((n, n + 7), mx.int32)
+    assert kernels._constant.cache_info().currsize <= kernels.CONSTANTS_KEPT
+    assert np.array(kernels._constant((5, 12), mx.int32)).tolist() == [5, 12]
+
+
 def test_q8_matvec_refuses_an_output_shape_of_other_size(small_weights):
     """The matvec writes tokens x rows values into the shape it is given: one of another size
     is refused before any launch (the kernel would write past it or leave values unset)."""

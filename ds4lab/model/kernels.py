@@ -48,7 +48,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from functools import cache
+from functools import cache, lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -137,7 +137,13 @@ def _carry_table() -> mx.array:
     return mx.array(log2f_carry_table())
 
 
-@cache
+# Small input arrays kept (`_constant`): a step's few dozen, with room for the lengths that
+# grow with the context (the attention's key counts, the indexer's rows: new every few tokens,
+# so an unbounded cache would grow for as long as a session decodes).
+CONSTANTS_KEPT = 4096
+
+
+@lru_cache(maxsize=CONSTANTS_KEPT)
 def _constant(values: tuple, dtype=mx.float32) -> mx.array:
     """A small input array; kept, so that a decode step does not upload hundreds of copies."""
     return mx.array(values, dtype)
