@@ -27,6 +27,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
+from host_costs import build_encode_wait
 
 from ds4lab.config import preset
 from ds4lab.generation import stream
@@ -120,14 +121,8 @@ def bench(name: str, model: Model, contexts: list[int], steps: int, bw: float, h
         streamed = sum(1 for _ in stream(model, [], max_tokens=steps, session=session))
         pipelined = streamed / (time.perf_counter() - t)
         mx.eval(session.state.arrays())              # one step alone: its logits and its cache
-        t = time.perf_counter()
-        result = model.forward(session.state, [999], last_only=True)
-        step = result.state.arrays()
-        built = time.perf_counter() - t
-        mx.async_eval(step)                                 # returns once the host has encoded the step
-        encoded = time.perf_counter() - t - built
-        mx.eval(step)
-        waited = time.perf_counter() - t - built - encoded
+        built, encoded, waited = build_encode_wait(
+            lambda state=session.state: model.forward(state, [999], last_only=True).state.arrays())
         ops, layers = step_ops(model, session.state), model.config.n_layer
         kernel_ops = sum(n for op, n in ops.items() if op not in VIEWS)
         print(f"{name:30s} context {context:6d}: prefill {prefill:8.1f} tok/s   decode {decode:7.2f} tok/s "

@@ -433,8 +433,7 @@ def check_paths() -> None:
 # Each part runs in a few minutes on an H200; `--parts` picks some (the whole run takes about
 # seven, over some machines' limit for one command).
 PARTS = {"experts": check_fused_experts, "kernels": check_fused_kernels, "fused": check_fused_products,
-         "q8": check_q8_matvec,
-         "gemm": check_gemm, "paths": check_paths, "cpu": check_gpu_vs_cpu}
+         "q8": check_q8_matvec, "gemm": check_gemm, "paths": check_paths, "cpu": check_gpu_vs_cpu}
 
 
 def main() -> None:
