@@ -14,7 +14,12 @@ N-layer flash-dims q2 model in memory, prefills `--context` tokens, decodes a fe
    has seen pass MLX_MAX_MB_PER_BUFFER, counting an input at every launch). Printed per kernel:
    µs per launch to build, to encode and on the device, its input MB and its outputs.
 
-    python bench/step_costs.py [--layers 8] [--context 128] [--chain 200]
+   Also printed: the input elements the step's launches hand MLX's CUDA encoder, which commits
+   a CUDA graph each time their count, in 2^20s, passes MLX_MAX_MB_PER_BUFFER (1000 on an
+   H100/H200; it counts elements, not bytes: the weights are uint8) or its kernels
+   pass MLX_MAX_OPS_PER_BUFFER (100), and lets the host run only 10 commits ahead of the device.
+
+    python bench/step_costs.py [--layers 8] [--context 128] [--chain 200]   # --chain 0: part 1 only
 
 On the CPU the fast path is off: only part 1 runs.
 """
@@ -26,6 +31,8 @@ import ds4lab  # noqa: F401  (first: OpenBLAS before MLX on Linux)
 # isort: split
 import argparse
 import contextlib
+import os
+import time
 from collections.abc import Callable, Iterator
 
 import mlx.core as mx
@@ -69,6 +76,17 @@ def time_step(model: Model, state, token: int, repeat: int = 5) -> tuple[float, 
     return min(runs, key=lambda r: r[0] + r[1])
 
 
+def alone(kernel: Callable, kwargs: dict, repeat: int = 10) -> float:
+    """Seconds of one launch evaluated by itself (encoded, run, waited for), the fastest of
+    `repeat`: its device time plus a fixed cost, which an empty launch's figure prices."""
+    best = float("inf")
+    for _ in range(repeat):
+        t = time.perf_counter()
+        mx.eval(kernel(**kwargs))
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 def relaunch(kernel: Callable, kwargs: dict, chain: int) -> tuple[float, float, float]:
     """Seconds per launch (build, encode, device) of `chain` launches with these arguments."""
     return tuple(v / chain for v in build_encode_wait(lambda: [kernel(**kwargs) for _ in range(chain)]))
@@ -94,28 +112,37 @@ def main() -> None:
     print(f"one step (sublayers compiled): {primitives} primitives ({kernel_ops} not views); built in "
           f"{built * 1e3:.2f} ms, encoded in {encoded * 1e3:.2f} ms ({encoded / primitives * 1e6:.1f} µs per "
           f"primitive), then {waited * 1e3:.2f} ms waiting for the device")
-    if not model.numerics.fast:
-        print("(no fast path on this device: no kernels to relaunch)")
+    if not model.numerics.fast or args.chain == 0:
         return
     fresh = Model(weights)                   # its sublayers traced inside: not compiled
     with recorded_launches() as launches:
         built_plain, encoded_plain, _ = time_step(fresh, session.state, 999, repeat=3)
     del launches[len(launches) // 3:]        # one step's
+    handed = sum(x.size for _, _, kwargs in launches for x in kwargs["inputs"]) / 2**20
     print(f"one step, sublayers not compiled: built in {built_plain * 1e3:.2f} ms, encoded in "
-          f"{encoded_plain * 1e3:.2f} ms; {len(launches)} kernel launches")
+          f"{encoded_plain * 1e3:.2f} ms; {len(launches)} kernel launches handing the encoder {handed:.0f} Mi "
+          f"input elements (MLX_MAX_MB_PER_BUFFER={os.environ.get('MLX_MAX_MB_PER_BUFFER', 'default')}, "
+          f"MLX_MAX_OPS_PER_BUFFER={os.environ.get('MLX_MAX_OPS_PER_BUFFER', 'default')})")
     by_name: dict[str, list[tuple[Callable, dict]]] = {}
     for name, kernel, kwargs in launches:
         by_name.setdefault(name, []).append((kernel, kwargs))
-    print(f"{'kernel':28s} {'launches':>8s} {'build':>8s} {'encode':>8s} {'device':>8s} {'in MB':>9s} {'outs':>4s}"
-          "  (µs per launch, relaunched alone)")
+    empty = alone(lambda inputs: [inputs[0] + 1], {"inputs": [mx.zeros((1,))]}, repeat=50)
+    print(f"one launch evaluated alone: an empty one takes {empty * 1e6:.1f} µs; the column 'alone' is a "
+          "kernel's less that, and 'per step' that times its launches in a step")
+    print(f"{'kernel':28s} {'launches':>8s} {'build':>8s} {'encode':>8s} {'device':>8s} {'alone':>8s} "
+          f"{'per step':>9s} {'in MB':>9s} {'outs':>4s}  (µs per launch, relaunched {args.chain} times; µs)")
+    step_device = 0.0
     for name, calls in by_name.items():
         kernel, kwargs = calls[len(calls) // 2]
         mx.eval(kwargs["inputs"])
         relaunch(kernel, kwargs, 4)
         cost = relaunch(kernel, kwargs, args.chain)
+        own = alone(kernel, kwargs) - empty
+        step_device += own * len(calls)
         mb = sum(x.nbytes for x in kwargs["inputs"]) / 2**20
         print(f"{name:28s} {len(calls):8d} " + " ".join(f"{v * 1e6:8.2f}" for v in cost) +
-              f" {mb:9.1f} {len(kwargs['output_shapes']):4d}")
+              f" {own * 1e6:8.2f} {own * len(calls) * 1e6:9.1f} {mb:9.1f} {len(kwargs['output_shapes']):4d}")
+    print(f"the step's kernels, each alone: {step_device * 1e3:.2f} ms of device time")
 
 
 if __name__ == "__main__":

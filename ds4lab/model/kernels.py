@@ -291,6 +291,7 @@ def compressor_pool(old: tuple[mx.array, mx.array], new: tuple[mx.array, mx.arra
 # fast path; a prefill chunk is a tensor-core GEMM (`q8_gemm`).
 MATVEC_MAX_TOKENS = 8
 _Q8_WARPS = 4                            # warps per thread block of the Q8_0 matvec
+_Q8_WARPS_WANTED = 4096                  # fewest warps a Q8_0 matvec takes 4 or 2 rows a warp with
 
 
 def _grouped_tokens(name: str, matrix: Q8Matrix, x: mx.array, groups: int) -> int:
@@ -314,7 +315,7 @@ def q8_matvec(matrix: Q8Matrix, x: mx.array, groups: int = 1, shape: tuple[int, 
     if shape is not None and int(np.prod(shape)) != t * matrix.rows:    # the kernel writes t·rows values
         raise ValueError(f"q8_matvec: output shape {tuple(shape)} does not hold {t}x{matrix.rows} values")
     group_rows = matrix.rows // groups
-    r = _rows_per_warp(group_rows)
+    r = _rows_per_warp(matrix.rows, group_rows)
     (y,) = _fused("q8_matvec")(
         inputs=[matrix.codes, matrix.scales, x.astype(mx.float32)],
         template=[("ROWS", matrix.rows), ("COLS", cols), ("GROUP_ROWS", group_rows), ("R", r)],
@@ -322,9 +323,16 @@ def q8_matvec(matrix: Q8Matrix, x: mx.array, groups: int = 1, shape: tuple[int, 
     return y
 
 
-def _rows_per_warp(rows: int) -> int:
-    """Rows each warp of a Q8_0 matvec owns: 4, or 2 or 1 where 4 does not divide the rows."""
-    return 4 if rows % 4 == 0 else 2 if rows % 2 == 0 else 1
+def _rows_per_warp(rows: int, unit: int | None = None) -> int:
+    """Rows each warp of a Q8_0 matvec over `rows` owns: 4 (one read of the input serves 4
+    rows), or 2, while that leaves at least _Q8_WARPS_WANTED warps, else 1; it divides `unit`
+    (default: rows; a warp's rows stay in one group or one matrix). A decode step's matvec
+    waits on memory latency: the more warps, the more loads in flight (an H200 holds 132 SMs
+    x 64 warps; the shared expert's 2048 rows at 4 a warp kept one block of 4 warps per SM)."""
+    for r in (4, 2):
+        if (unit or rows) % r == 0 and rows // r >= _Q8_WARPS_WANTED:
+            return r
+    return 1
 
 
 def _q8_launch(rows: int, r: int, t: int) -> dict:
@@ -345,7 +353,7 @@ def q8_pair(a: Q8Matrix, b: Q8Matrix, x: mx.array) -> tuple[mx.array, mx.array]:
     """(A·x, B·x) for x [T, cols] in one launch: two products of one input (the attention's
     q_a and kv projections), each [T, rows of its matrix]."""
     t = _one_vector_tokens("q8_pair", (a, b), x)
-    r = _rows_per_warp(math.gcd(a.rows, b.rows))
+    r = _rows_per_warp(a.rows + b.rows, math.gcd(a.rows, b.rows))
     return tuple(_fused("q8_pair")(
         inputs=[a.codes, a.scales, b.codes, b.scales, x.astype(mx.float32)],
         template=[("ROWS_A", a.rows), ("ROWS_B", b.rows), ("COLS", a.cols), ("R", r)],

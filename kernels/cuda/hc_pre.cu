@@ -15,6 +15,8 @@ constexpr int M = (2 + N) * N;
 __shared__ float scratch[32];
 __shared__ float weights[N];
 __shared__ float mixed[MIX ? 32 * M : 1];             // per warp, then summed in warp order
+__shared__ float m[M];
+__shared__ float cells[N * N];
 float ss = 0.0f;
 float acc[MIX ? M : 1] = {};
 for (int i = threadIdx.x; i < N * E; i += blockDim.x) {
@@ -29,17 +31,18 @@ if (MIX)
         if ((threadIdx.x & 31) == 0) mixed[(threadIdx.x >> 5) * M + j] = w;
     }
 ss = ds4lab_block_sum(ss, scratch);                    // also orders the writes above before the reads
-if (threadIdx.x == 0) {
-    const float inv = 1.0f / sqrtf(ss / (float)(N * E) + eps[0]);
-    float m[M];
-    for (int i = 0; i < M; ++i) {
-        float v = 0.0f;
-        if (MIX)
-            for (int w = 0; w < (int)(blockDim.x >> 5); ++w) v += mixed[w * M + i];
-        m[i] = (MIX ? v : mix[(size_t)t * M + i]) * inv;
-    }
-    ds4lab_hc_split<N, ITERS>(m, scale, base, eps[1], pre + t * N, post + t * N, comb + (size_t)t * N * N);
-    for (int i = 0; i < N; ++i) weights[i] = pre[t * N + i];
+const float inv = 1.0f / sqrtf(ss / (float)(N * E) + eps[0]);
+for (int i = threadIdx.x; i < M; i += blockDim.x) {   // a thread per mixer output
+    float v = 0.0f;
+    if (MIX)
+        for (int w = 0; w < (int)(blockDim.x >> 5); ++w) v += mixed[w * M + i];
+    m[i] = (MIX ? v : mix[(size_t)t * M + i]) * inv;
+}
+__syncthreads();
+if (threadIdx.x < 32) {
+    ds4lab_hc_split<N, ITERS>(m, scale, base, eps[1], pre + t * N, post + t * N, comb + (size_t)t * N * N, cells,
+                              threadIdx.x);
+    for (int i = threadIdx.x; i < N; i += 32) weights[i] = pre[t * N + i];
 }
 __syncthreads();
 float* xt = x + (size_t)t * E;
