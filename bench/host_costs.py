@@ -23,7 +23,7 @@ import mlx.core as mx
 
 from ds4lab.model import kernels
 
-_COPY = """
+ADD_ONE = """
     unsigned int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i < x_shape[0]) out[i] = x[i] + 1.0f;
 """
@@ -48,11 +48,11 @@ def _kinds() -> dict[str, Callable[[mx.array], mx.array]]:
     if kernels.cuda_ready():
         # The fast path's kernels take 4-8 inputs (small constants among them) and some write
         # several outputs: what each input and output adds to a launch's host cost.
-        kernel = mx.fast.cuda_kernel(name="host_cost_add", input_names=["x"], output_names=["out"], source=_COPY)
+        kernel = mx.fast.cuda_kernel(name="host_cost_add", input_names=["x"], output_names=["out"], source=ADD_ONE)
         wide = mx.fast.cuda_kernel(name="host_cost_add8", input_names=["x", *"abcdefg"], output_names=["out"],
-                                   source=_COPY)
+                                   source=ADD_ONE)
         outs = mx.fast.cuda_kernel(name="host_cost_add_4out", input_names=["x"], output_names=["out", "o1", "o2", "o3"],
-                                   source=_COPY)
+                                   source=ADD_ONE)
         kinds["custom kernel (mx.fast.cuda_kernel)"] = lambda x: kernel(
             inputs=[x], grid=(256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[x.shape],
             output_dtypes=[x.dtype])[0]
@@ -70,7 +70,7 @@ def _kinds() -> dict[str, Callable[[mx.array], mx.array]]:
         for how, header in (("as written", "\n".join((kernels.KERNEL_DIR / f).read_text() for f in files)),
                             ("as sent", kernels.kernel_source(*files))):
             headed = mx.fast.cuda_kernel(name=f"host_cost_add_headed_{how[3:]}", input_names=["x"],
-                                         output_names=["out"], source=_COPY, header=header)
+                                         output_names=["out"], source=ADD_ONE, header=header)
             kinds[f"custom kernel, q8 headers {how} ({len(header) / 1024:.1f} KB)"] = (
                 lambda x, headed=headed: headed(inputs=[x], grid=(256, 1, 1), threadgroup=(256, 1, 1),
                                                 output_shapes=[x.shape], output_dtypes=[x.dtype])[0])

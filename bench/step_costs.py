@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 from bench_model import VIEWS, step_ops
-from host_costs import build_encode_wait
+from host_costs import ADD_ONE, build_encode_wait
 
 from ds4lab.config import preset
 from ds4lab.model import Model, kernels
@@ -126,9 +126,11 @@ def main() -> None:
     by_name: dict[str, list[tuple[Callable, dict]]] = {}
     for name, kernel, kwargs in launches:
         by_name.setdefault(name, []).append((kernel, kwargs))
-    empty = alone(lambda inputs: [inputs[0] + 1], {"inputs": [mx.zeros((1,))]}, repeat=50)
-    print(f"one launch evaluated alone: an empty one takes {empty * 1e6:.1f} µs; the column 'alone' is a "
-          "kernel's less that, and 'per step' that times its launches in a step")
+    one = mx.fast.cuda_kernel(name="step_costs_one", input_names=["x"], output_names=["out"], source=ADD_ONE)
+    empty = alone(one, {"inputs": [mx.zeros((1,))], "grid": (32, 1, 1), "threadgroup": (32, 1, 1),
+                        "output_shapes": [(1,)], "output_dtypes": [mx.float32]}, repeat=50)
+    print(f"one launch evaluated alone: a one-thread custom kernel takes {empty * 1e6:.1f} µs; the column "
+          "'alone' is a kernel's less that, and 'per step' that times its launches in a step")
     print(f"{'kernel':28s} {'launches':>8s} {'build':>8s} {'encode':>8s} {'device':>8s} {'alone':>8s} "
           f"{'per step':>9s} {'in MB':>9s} {'outs':>4s}  (µs per launch, relaunched {args.chain} times; µs)")
     step_device = 0.0
