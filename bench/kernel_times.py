@@ -1,0 +1,130 @@
+"""Device time of each kernel of a decode step, from Nsight Compute (`ncu`), against the
+step's wall time.
+
+`step_costs.py` can only time kernels from the host, where a launch's fixed costs (~20 µs
+evaluated alone) and its overlap with the next launch's encoding hide the device's share.
+This runs an N-layer flash-dims q2 model (random weights, in memory), prefills `--context`
+tokens, decodes untimed steps (compiling everything), times `--steps` decode steps, then
+decodes `--steps` more with the CUDA profiler on, under `ncu` (which it starts itself, on
+this same script, with `--profile-from-start off`: only those steps are measured). Printed
+per kernel name: launches per step, mean µs per launch, µs per step and per layer, and its
+share of the kernels' device time; then the kernels' sum per step beside the step's wall
+time (under ncu each kernel runs alone, serialised, so the sum is the device's floor).
+
+    python bench/kernel_times.py [--layers 4] [--context 128] [--steps 4] [--ncu /usr/local/cuda/bin/ncu]
+
+Needs a CUDA device and `ncu` (the CUDA toolkit's); on the H200 machine it is
+/usr/local/cuda/bin/ncu. Nothing runs on the CPU.
+"""
+
+from __future__ import annotations
+
+import ds4lab  # noqa: F401  (first: OpenBLAS before MLX on Linux)
+
+# isort: split
+import argparse
+import csv
+import ctypes
+import io
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+import mlx.core as mx
+
+from ds4lab.config import preset
+from ds4lab.model import Model, kernels
+from ds4lab.model.random_weights import random_weights
+
+# Set in the child that ncu runs: the script profiles instead of reporting.
+_CHILD = "DS4LAB_KERNEL_TIMES_CHILD"
+_METRIC = "gpu__time_duration.sum"
+
+
+def decode_steps(layers: int, context: int, steps: int, profile: bool) -> float:
+    """Seconds per decode step (wall, `steps` steps after a warm-up); with `profile`, the
+    CUDA profiler is on for `steps` more steps."""
+    model = Model(random_weights(preset("flash-dims", layers), "q2"))
+    session = model.session()
+    mx.eval(session.prefill([1000 + i for i in range(context)]))
+    for _ in range(8):                               # compiles (NVRTC) and traces, not timed
+        mx.eval(session.decode(999))
+    t = time.perf_counter()
+    for _ in range(steps):
+        mx.eval(session.decode(999))
+    wall = (time.perf_counter() - t) / steps
+    if profile:
+        driver = ctypes.CDLL("libcuda.so.1")
+        driver.cuProfilerStart()
+        for _ in range(steps):
+            mx.eval(session.decode(999))
+        driver.cuProfilerStop()
+    return wall
+
+
+def kernel_name(name: str) -> str:
+    """A kernel's name without its namespace, template arguments and parameter list."""
+    name = re.sub(r"\(.*\)$", "", name.removeprefix("void "))
+    name = re.sub(r"<.*>", "", name)
+    return name.rsplit("::", 1)[-1]
+
+
+def per_kernel(report: str) -> dict[str, list[float]]:
+    """Nanoseconds of each launch, by kernel name, from ncu's CSV (`--csv --print-units base`)."""
+    start = report.find('"ID"')
+    if start < 0:
+        raise ValueError("ncu's output holds no CSV table (did it profile anything?):\n" + report[-2000:])
+    times: dict[str, list[float]] = defaultdict(list)
+    for row in csv.DictReader(io.StringIO(report[start:])):
+        if row.get("Metric Name") == _METRIC:
+            times[kernel_name(row["Kernel Name"])].append(float(row["Metric Value"].replace(",", "")))
+    return times
+
+
+def report(times: dict[str, list[float]], steps: int, layers: int, wall: float) -> None:
+    total = sum(sum(v) for v in times.values()) / steps
+    print(f"{'kernel':40s} {'per step':>8s} {'µs each':>8s} {'µs/step':>9s} {'µs/layer':>9s} {'share':>6s}")
+    for name, ns in sorted(times.items(), key=lambda kv: -sum(kv[1])):
+        per_step = sum(ns) / steps
+        print(f"{name[:40]:40s} {len(ns) / steps:8.1f} {sum(ns) / len(ns) / 1e3:8.2f} {per_step / 1e3:9.1f} "
+              f"{per_step / layers / 1e3:9.1f} {per_step / total:6.1%}")
+    print(f"kernels' device time per step {total / 1e6:.3f} ms ({sum(len(v) for v in times.values()) / steps:.0f} "
+          f"launches); the step's wall time without ncu {wall * 1e3:.3f} ms")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--context", type=int, default=128, help="tokens prefilled before the steps")
+    parser.add_argument("--steps", type=int, default=4, help="decode steps timed, and then profiled")
+    parser.add_argument("--ncu", default=shutil.which("ncu") or "/usr/local/cuda/bin/ncu")
+    args = parser.parse_args()
+    if os.environ.get(_CHILD):
+        decode_steps(args.layers, args.context, args.steps, profile=True)
+        return
+    if not kernels.cuda_ready():
+        sys.exit("kernel_times.py needs a CUDA device (the fast path's kernels)")
+    if not os.path.exists(args.ncu):
+        sys.exit(f"no ncu at {args.ncu} (--ncu PATH)")
+    wall = decode_steps(args.layers, args.context, args.steps, profile=False)
+    mx.clear_cache()                                 # the child builds its own model
+    with tempfile.TemporaryDirectory() as tmp:
+        log = os.path.join(tmp, "ncu.csv")
+        run = subprocess.run([args.ncu, "--profile-from-start", "off", "--metrics", _METRIC, "--csv",
+                              "--print-units", "base", "--log-file", log, sys.executable, *sys.argv],
+                             env={**os.environ, _CHILD: "1"}, capture_output=True, text=True)
+        text = open(log).read() if os.path.exists(log) else ""
+    if run.returncode != 0:
+        sys.exit(f"ncu failed ({run.returncode}):\n{run.stderr[-3000:]}\n{text[-2000:]}")
+    print(f"device {mx.default_device()}, flash-dims {args.layers}L q2, {args.context} tokens of context, "
+          f"{args.steps} decode steps under ncu")
+    report(per_kernel(text), args.steps, args.layers, wall)
+
+
+if __name__ == "__main__":
+    main()
