@@ -1,0 +1,156 @@
+"""Every CUDA kernel the fast path launches compiles, as MLX would compile it, on the CPU.
+
+A kernel source that does not compile only shows on a GPU machine, where device time is
+scarce. Here a tiny model prefills a chunk and decodes on the CPU with `mx.fast.cuda_kernel`
+replaced by a recorder (each launch's outputs from test_fast_path's stand-ins, so the model
+runs its real fast-path branches): every launch's name, source, header, templates and
+input/output types are kept. Each distinct one is then wrapped the way MLX's CUDA back-end
+wraps a custom kernel (its default header, a `__global__` function of typed pointers, the
+templates as constexprs) and compiled with NVRTC (the `nvidia-cuda-nvrtc-cu12` wheel of the
+dev extra, with the CUDA runtime and CCCL wheels' headers) for an H100/H200 (compute_90a), with
+MLX's NVRTC options.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import platform
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from test_fast_path import STAND_INS, _expert_matvec, _expert_swiglu, _launcher, _quant_gemm
+
+from ds4lab.config import preset
+from ds4lab.model import Model, kernels
+from ds4lab.model.random_weights import random_weights
+
+# MLX's CUDA custom-kernel wrapper (mlx/backend/cuda/custom_kernel.cpp): its default header
+# includes its device utilities (the f16/bf16 types, cuda::std: INFINITY, the int types) and
+# cooperative groups.
+_MLX_HEADER = "".join(f"#include <{h}>\n" for h in ("cuda_fp16.h", "cuda_bf16.h", "cuda/std/complex", "cuda/std/limits",
+                                                      "cuda/std/array", "cooperative_groups.h"))
+_CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.int32: "int32_t",
+               mx.uint32: "uint32_t", mx.uint8: "uint8_t", mx.int8: "int8_t", mx.bool_: "bool"}
+_OPTIONS = [b"--device-as-default-execution-space", b"--gpu-architecture=compute_90a"]
+
+
+def _nvidia_dir(package: str) -> Path:
+    import nvidia
+    for root in nvidia.__path__:
+        if (Path(root) / package).is_dir():
+            return Path(root) / package
+    raise FileNotFoundError(f"nvidia/{package} (pip install -e '.[dev]' installs it on Linux x86_64)")
+
+
+@pytest.fixture(scope="module")
+def nvrtc():
+    """(libnvrtc, its NVRTC options with the CUDA headers' include path)."""
+    if (platform.system(), platform.machine()) != ("Linux", "x86_64"):
+        pytest.skip("the NVRTC wheel is for Linux x86_64")
+    lib = ctypes.CDLL(str(_nvidia_dir("cuda_nvrtc") / "lib" / "libnvrtc.so.12"))
+    includes = [f"--include-path={_nvidia_dir(p) / 'include'}".encode() for p in ("cuda_cccl", "cuda_runtime")]
+    return lib, [*_OPTIONS, *includes]
+
+
+def wrapped_source(launch: dict) -> str:
+    """A launch's kernel as MLX hands it to NVRTC."""
+    params = [f"    const {_CUDA_TYPES[d]}* {n}" for n, d in zip(launch["inputs"], launch["input_types"], strict=True)]
+    params += [f"    {_CUDA_TYPES[d]}* {n}" for n, d in zip(launch["outputs"], launch["output_types"], strict=True)]
+    constants = "".join(f"  constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = {str(v).lower()};\n"
+                        for k, v in launch["template"])
+    return (f"{_MLX_HEADER}{launch['header']}\nnamespace mlx::core::cu {{\nnamespace cg = cooperative_groups;\n"
+            f"__global__ void {launch['name']}(\n" + ",\n".join(params) + ") {\n" + constants + launch["source"] +
+            "\n}\n} // namespace mlx::core::cu\n")
+
+
+def compile_log(lib, options: list[bytes], source: str, name: str) -> str | None:
+    """None when NVRTC compiles `source`, else its log."""
+    program = ctypes.c_void_p()
+    assert lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), f"{name}.cu".encode(), 0, None, None) == 0
+    try:
+        result = lib.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(program, log)
+        return None if result == 0 else log.value.decode(errors="replace")
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(program))
+
+
+def _stand_in(short: str):
+    """The stand-in of a kernel named ds4lab_<short>, and its name for `_launcher`."""
+    types = {v: k for k, v in kernels._TYPES.items()} | {"q8_0": "Q8_0"}
+    for prefix, make in (("expert_swiglu_", _expert_swiglu), ("expert_matvec_", _expert_matvec),
+                         ("quant_gemm_", _quant_gemm)):
+        if short.startswith(prefix):
+            return prefix[:-1], make(types[short.removeprefix(prefix)])
+    return short, STAND_INS[short]
+
+
+def _clear_kernel_caches() -> None:
+    for made in (kernels._fused, kernels._kernel, kernels._gemm_kernel):
+        made.cache_clear()
+
+
+@pytest.fixture
+def recorded_launches(monkeypatch):
+    """The fast path on the CPU with `mx.fast.cuda_kernel` recording; returns the launches."""
+    from ds4lab.model import numerics as nm
+    from ds4lab.model import rope, state
+    for module in (nm, state, rope):
+        monkeypatch.setattr(module, "batch_invariant_device", lambda: False)
+    monkeypatch.setattr(kernels, "cuda_ready", lambda: True)
+    launches: list[dict] = []
+
+    def cuda_kernel(*, name, input_names, output_names, source, header=""):
+        key, emulate = _stand_in(name.removeprefix("ds4lab_"))
+        run = _launcher(key, emulate, {})
+
+        def launch(**kwargs):
+            launches.append({"name": name, "source": source, "header": header, "inputs": list(input_names),
+                             "outputs": list(output_names), "input_types": [x.dtype for x in kwargs["inputs"]],
+                             "output_types": list(kwargs["output_dtypes"]),
+                             "template": tuple(kwargs.get("template", ()))})
+            return run(**kwargs)
+        return launch
+
+    _clear_kernel_caches()
+    monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel)
+    yield launches
+    _clear_kernel_caches()
+
+
+def test_every_launched_kernel_compiles_with_nvrtc(recorded_launches, nvrtc):
+    model = Model(random_weights(preset("tiny"), "q2", seed=5))
+    session = model.session()
+    logits = session.prefill([(37 * i + 11) % 900 + 100 for i in range(40)])
+    for _ in range(6):
+        logits = session.decode(int(mx.argmax(logits).item()))
+    distinct = {(launch["name"], launch["template"], tuple(map(str, launch["input_types"]))): launch
+                for launch in recorded_launches}
+    names = {launch["name"] for launch in distinct.values()}
+    # The step's kernels and a chunk's: the fused ones, an expert format's pair, the GEMM.
+    assert {"ds4lab_hc_pre", "ds4lab_q8_hc", "ds4lab_attention_heads", "ds4lab_prefill_attention",
+            "ds4lab_router"} <= names, names
+    assert any(n.startswith("ds4lab_expert_swiglu_") for n in names)
+    assert any(n.startswith("ds4lab_quant_gemm_") for n in names)
+    lib, options = nvrtc
+    with ThreadPoolExecutor(4) as pool:
+        logs = list(pool.map(lambda launch: compile_log(lib, options, wrapped_source(launch), launch["name"]),
+                             distinct.values()))
+    failed = [f"{launch['name']} {launch['template']}:\n{log[:2000]}"
+              for launch, log in zip(distinct.values(), logs, strict=True) if log is not None]
+    assert not failed, "\n\n".join(failed)
+
+
+def test_the_compile_check_catches_a_broken_source(nvrtc):
+    """The check can fail: a kernel body with an undeclared name does not compile."""
+    lib, options = nvrtc
+    launch = {"name": "ds4lab_broken", "header": "", "inputs": ["x"], "outputs": ["y"], "input_types": [mx.float32],
+              "output_types": [mx.float32], "template": (("N", 4),), "source": "y[0] = x[0] * N + missing;"}
+    log = compile_log(lib, options, wrapped_source(launch), "broken")
+    assert log is not None and "missing" in log
+    assert compile_log(lib, options, wrapped_source({**launch, "source": "y[0] = x[0] * N;"}), "fine") is None
