@@ -105,7 +105,7 @@ def check_fused_kernels() -> None:
         ref = ref_mm.finish_rows(x, rotation=rotation, **args)
         exact = "" if "norm" in on else f", equal bits {bool(mx.array_equal(fused, ref))}"
         print(f"row_finish {name} {shape} ({steps}): max rel err {_rel(fused, ref):.2e}{exact}")
-    for n, t, e in ((4, 1, 4096), (4, 300, 256), (2, 17, 192)):
+    for n, t, e in ((4, 1, 4096), (4, 300, 256), (2, 17, 192), (2, 3, 200)):   # last: hc_mix's last block half empty
         streams = mx.random.normal((t, n, e))
         fn = mx.random.normal(((2 + n) * n, n * e)) * 0.01
         scale, base = mx.random.uniform(0.5, 2.0, (3,)), mx.random.normal(((2 + n) * n,))
@@ -118,6 +118,8 @@ def check_fused_kernels() -> None:
         out, add = mx.random.normal((t, e)), mx.random.normal((t, e))
         expand = max(_rel(kernels.hc_post(out, streams, control.post, control.comb, *extra),
                           hc.hc_expand(out, streams, control, ref_mm, *extra)) for extra in ((), (add,)))
+        _bar(f"hc_pre n_hc {n}, {t} tokens", err <= _KERNEL_BAR)
+        _bar(f"hc_post n_hc {n}, {t} tokens", expand <= _KERNEL_BAR)
         print(f"hc_pre (n_hc {n}, {t} tokens, width {e}) vs control + collapse + norm: max rel err {err:.2e}; "
               f"hc_post vs hc_expand (out, and out + add) {expand:.2e}")
     # Decode's kernel, then (more than 8 tokens) prefill's, over keys stored f16 as the model's

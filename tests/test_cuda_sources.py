@@ -133,7 +133,7 @@ def test_every_launched_kernel_compiles_with_nvrtc(recorded_launches, nvrtc):
                 for launch in recorded_launches}
     names = {launch["name"] for launch in distinct.values()}
     # The step's kernels and a chunk's: the fused ones, an expert format's pair, the GEMM.
-    assert {"ds4lab_hc_pre", "ds4lab_q8_hc", "ds4lab_attention_heads", "ds4lab_prefill_attention",
+    assert {"ds4lab_hc_pre", "ds4lab_hc_mix", "ds4lab_q8_hc", "ds4lab_attention_heads", "ds4lab_prefill_attention",
             "ds4lab_router"} <= names, names
     assert any(n.startswith("ds4lab_expert_swiglu_") for n in names)
     assert any(n.startswith("ds4lab_quant_gemm_") for n in names)

@@ -62,12 +62,23 @@ def _hc_pre(inputs, t, grid, threadgroup):
     assert threadgroup[0] % 32 == 0 and threadgroup[0] <= 1024
     rms_eps, hc_eps = (float(v) for v in eps.tolist())
     flat = streams.reshape(tokens, -1)
-    if t["MIX"]:                                   # the mixer matrix itself: the kernel's matvec
-        assert mix.shape == ((2 + n) * n, n * e)
-        mix = flat @ mix.T
+    assert mix.shape[0] == tokens and mix.size == tokens * t["PARTS"] * (2 + n) * n   # [T, PARTS, M] ([T, M]: 1)
+    mix = mix.reshape(tokens, t["PARTS"], -1).sum(axis=1)         # partial sums, added in order
     inv = 1.0 / mx.sqrt(mx.mean(mx.square(flat), axis=-1, keepdims=True) + rms_eps)
     pre, post, comb = hc._split(mix * inv, scale, base, n, t["ITERS"], hc_eps)
     return [nm.rms_norm((streams * pre[:, :, None]).sum(axis=1), norm, rms_eps), pre, post, comb]
+
+
+def _hc_mix(inputs, t, grid, threadgroup):
+    streams, mix = inputs
+    n, e, parts = t["N"], t["E"], t["PARTS"]
+    blocks, tokens = _blocks(grid, threadgroup)
+    assert blocks == parts and parts * threadgroup[0] >= n * e > (parts - 1) * threadgroup[0]
+    assert streams.shape == (tokens, n, e) and mix.shape == ((2 + n) * n, n * e)
+    columns = threadgroup[0]                       # block b: columns [b·256, (b + 1)·256)
+    flat = streams.reshape(tokens, -1)
+    return [mx.stack([flat[:, b * columns:(b + 1) * columns] @ mix[:, b * columns:(b + 1) * columns].T
+                      for b in range(parts)], axis=1)]
 
 
 def _hc_post(inputs, t, grid, threadgroup):
@@ -243,7 +254,7 @@ def _gemm_split_x(inputs, t, grid, threadgroup):
 
 
 STAND_INS = {"q8_matvec": _q8_matvec, "q8_pair": _q8_pair, "q8_swiglu": _q8_swiglu, "q8_hc": _q8_hc,
-             "router": _router, "row_finish": _row_finish, "hc_pre": _hc_pre,
+             "router": _router, "row_finish": _row_finish, "hc_pre": _hc_pre, "hc_mix": _hc_mix,
              "hc_post": _hc_post, "gemm_split_x": _gemm_split_x,
              "attention_heads": _attention_heads, "prefill_attention": _prefill_attention,
              "indexer_scores": _indexer_scores, "indexer_mask": _indexer_mask,

@@ -54,8 +54,9 @@ def hc_control(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array,
 def hc_fused_input(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array, norm: mx.array,
                    sinkhorn_iters: int, rms_eps: float, hc_eps: float) -> tuple[mx.array, HCControl]:
     """The fast path's `hc_control` + `hc_collapse` + the sublayer's RMSNorm in one kernel
-    (`kernels/cuda/hc_pre.cu`, the split of a token in one thread as ds4's `hc_split_sinkhorn`;
-    a decode step's mixer matvec inside it too). Returns (sublayer input [T, n_embd], control)."""
+    (`kernels/cuda/hc_pre.cu`, the split of a token as ds4's `hc_split_sinkhorn`; a decode
+    step's mixer product first in `hc_mix.cu`'s partial sums). Returns (sublayer input
+    [T, n_embd], control)."""
     x, pre, post, comb = kernels.hc_pre(streams, fn, scale, base, norm, sinkhorn_iters, rms_eps, hc_eps)
     return x, HCControl(pre, post, comb)
 

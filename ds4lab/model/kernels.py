@@ -5,9 +5,10 @@ elementwise chains, not reductions: the reference composition of a decode step i
 300 operations per layer. These kernels each replace a chain of them; each repeats the
 reference's steps in the same order, so a Metal port can translate them line by line:
 
-- `hc_pre`: the hyper-connection split (pre, post, Sinkhorn comb; one thread per token, as
-  ds4's `hc_split_sinkhorn`), the collapse of the streams and the sublayer's RMSNorm; for a
-  few tokens (decode) also the mixer matvec before it.
+- `hc_pre`: the hyper-connection split (pre, post, Sinkhorn comb; one warp per token, each
+  lane a cell, bit for bit ds4's one-thread `hc_split_sinkhorn`), the collapse of the
+  streams and the sublayer's RMSNorm; for a few tokens (decode) the mixer product before it
+  is `hc_mix`, partial sums over the whole GPU that hc_pre adds in order.
 - `hc_post`: the new streams from the sublayer output (`hc.hc_expand`), optionally the sum
   of two outputs (the FFN's routed and shared experts).
 - `row_finish`: per-row RMSNorm, weight, RoPE (or its inverse), Hadamard + FP4, FP8 and f16
@@ -67,7 +68,8 @@ _TYPES = {"IQ2_XXS": "iq2_xxs", "Q2_K": "q2_k", "Q4_K": "q4_k"}
 _ROWS_PER_BLOCK = 4                      # warps per thread block of the expert matvec
 _THREADS = 128                           # threads per block of the row and HC kernels
 _ATTENTION_WARPS = 8
-_HC_MIX_THREADS = 1024                   # hc_pre's block when it also runs the mixer matvec (reads it all)
+_HC_DECODE_THREADS = 1024                # hc_pre's block for a decode step's token (one block a token)
+_HC_MIX_COLUMNS = 256                    # hc_mix's block: a column of the mixer product a thread
 
 
 def cuda_ready() -> bool:
@@ -84,6 +86,7 @@ def available(type_name: str) -> bool:
 _KERNELS = {
     "hc_pre": ("hc_pre.cu", ("ds4lab_block.cuh", "hc_split.cuh"),
                ["streams", "mix", "scale", "base", "norm", "eps", "n_tok"], ["x", "pre", "post", "comb"]),
+    "hc_mix": ("hc_mix.cu", ("ds4lab_block.cuh",), ["streams", "mix"], ["part"]),
     "hc_post": ("hc_post.cu", ("ds4lab_block.cuh",), ["out", "add", "streams", "post", "comb", "n_tok"], ["y"]),
     "row_finish": ("row_finish.cu", ("ds4lab_block.cuh",),
                    ["x", "weight", "rope_cos", "rope_sin", "eps", "hscale", "carry", "n_rows"], ["y"]),
@@ -156,15 +159,22 @@ def _scalar(value, dtype=mx.float32) -> mx.array:
 def hc_pre(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array, norm: mx.array, sinkhorn_iters: int,
            rms_eps: float, hc_eps: float) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """(x [T, E], pre [T, N], post [T, N], comb [T, N, N]) from the streams [T, N, E] and the
-    mixer matrix fn [(2 + N)·N, N·E]. Up to MATVEC_MAX_TOKENS tokens the kernel multiplies
-    by the mixer itself (a thread block per token); a chunk's mixer product is one GEMM first."""
+    mixer matrix fn [(2 + N)·N, N·E]. Up to MATVEC_MAX_TOKENS tokens the mixer product is
+    `hc_mix`'s partial sums (a block per 256 columns; hc_pre adds them in order); a chunk's
+    is one GEMM first."""
     t, n, e = streams.shape
-    in_kernel = t <= MATVEC_MAX_TOKENS
-    threads = _HC_MIX_THREADS if in_kernel else _THREADS
-    mix = fn if in_kernel else streams.reshape(t, -1) @ fn.T
+    if t <= MATVEC_MAX_TOKENS:
+        parts = -(-n * e // _HC_MIX_COLUMNS)
+        (mix,) = _fused("hc_mix")(
+            inputs=[streams, fn], template=[("N", n), ("E", e), ("PARTS", parts)],
+            grid=(parts * _HC_MIX_COLUMNS, t, 1), threadgroup=(_HC_MIX_COLUMNS, 1, 1),
+            output_shapes=[(t, parts, (2 + n) * n)], output_dtypes=[mx.float32])
+        threads = _HC_DECODE_THREADS
+    else:
+        parts, mix, threads = 1, streams.reshape(t, -1) @ fn.T, _THREADS
     return tuple(_fused("hc_pre")(
         inputs=[streams, mix, scale, base, norm, _constant((rms_eps, hc_eps)), _scalar(t, mx.int32)],
-        template=[("N", n), ("E", e), ("ITERS", sinkhorn_iters), ("MIX", in_kernel)],
+        template=[("N", n), ("E", e), ("ITERS", sinkhorn_iters), ("PARTS", parts)],
         grid=(t * threads, 1, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(t, e), (t, n), (t, n), (t, n, n)], output_dtypes=[mx.float32] * 4))
 

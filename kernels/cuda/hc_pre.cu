@@ -1,42 +1,32 @@
 // HC pre-sublayer (ds4's hc_split_weighted_sum_norm) for one token per thread block: the
 // control (pre, post, comb) and the sublayer input x = RMSNorm(sum_a pre[a] * streams[a]) * weight.
 // Replaces model/hc.py `hc_control` + `hc_collapse` + the sublayer norm (some 20 MLX ops).
-//   mix: the mixer matvec of the raw flattened streams, [T, (2 + N) * N]; RMSNorm of the
-//        flat streams is a per-token scale, applied here (inv_rms * mix) rather than before
-//        the matvec as the reference does (same value up to float rounding).
-//        With MIX, `mix` is the mixer matrix itself, [(2 + N) * N, N * E], and the block
-//        computes the matvec while it reads the streams for their sum of squares (a decode
-//        step's token: two operations fewer per sublayer than a separate product).
-//   eps[0]: the RMS epsilon, eps[1]: the HC epsilon. Templates: N (streams), E (width), ITERS, MIX.
+//   mix: the mixer matvec of the raw flattened streams in PARTS partial sums, [T, PARTS,
+//        (2 + N) * N], added here in order (a chunk's GEMM: PARTS = 1; a decode step's
+//        hc_mix.cu: one per 256 columns); RMSNorm of the flat streams is a per-token scale,
+//        applied here (inv_rms * mix) rather than before the matvec as the reference does
+//        (same value up to float rounding).
+//   eps[0]: the RMS epsilon, eps[1]: the HC epsilon. Templates: N (streams), E (width), ITERS, PARTS.
 const int t = blockIdx.x;
 if (t >= n_tok[0]) return;
 const float* s = streams + (size_t)t * N * E;
 constexpr int M = (2 + N) * N;
 __shared__ float scratch[32];
 __shared__ float weights[N];
-__shared__ float mixed[MIX ? 32 * M : 1];             // per warp, then summed in warp order
 __shared__ float m[M];
 __shared__ float cells[N * N];
 float ss = 0.0f;
-float acc[MIX ? M : 1] = {};
+#pragma unroll 4
 for (int i = threadIdx.x; i < N * E; i += blockDim.x) {
     const float v = s[i];
     ss += v * v;
-    if (MIX)
-        for (int j = 0; j < M; ++j) acc[j] += v * mix[(size_t)j * N * E + i];
 }
-if (MIX)
-    for (int j = 0; j < M; ++j) {
-        const float w = ds4lab_warp_sum_all(acc[j]);
-        if ((threadIdx.x & 31) == 0) mixed[(threadIdx.x >> 5) * M + j] = w;
-    }
-ss = ds4lab_block_sum(ss, scratch);                    // also orders the writes above before the reads
+ss = ds4lab_block_sum(ss, scratch);
 const float inv = 1.0f / sqrtf(ss / (float)(N * E) + eps[0]);
 for (int i = threadIdx.x; i < M; i += blockDim.x) {   // a thread per mixer output
     float v = 0.0f;
-    if (MIX)
-        for (int w = 0; w < (int)(blockDim.x >> 5); ++w) v += mixed[w * M + i];
-    m[i] = (MIX ? v : mix[(size_t)t * M + i]) * inv;
+    for (int p = 0; p < PARTS; ++p) v += mix[((size_t)t * PARTS + p) * M + i];
+    m[i] = v * inv;
 }
 __syncthreads();
 if (threadIdx.x < 32) {

@@ -1,0 +1,29 @@
+// The HC mixer product of a decode step's tokens, spread over the GPU: partial sums of
+// mix[j] . streams[t] (the raw flattened streams, N * E values; mix [(2 + N) * N, N * E]),
+// one per block of 256 columns, for hc_pre.cu to add up in block order.
+// Why: hc_pre runs one thread block per token, and a token's product reads the whole
+// 1.6 MB mixer (flash: 24 x 16384 floats); one block on one SM read it in ~80 µs, twice a
+// layer. Here each thread reads one column (its stream value and the 24 mixer values: all
+// its loads in flight at once) and the block sums the 24 products in warp order.
+// Grid: x = PARTS blocks of blockDim.x (256) threads, y = the token. Output: part
+// [T, PARTS, M]. Templates: N (streams), E (width), PARTS.
+constexpr int M = (2 + N) * N;
+__shared__ float warp_sums[32 * M];
+const int t = blockIdx.y;
+const int i = blockIdx.x * blockDim.x + threadIdx.x;
+const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+float acc[M];
+const float v = i < N * E ? streams[(size_t)t * N * E + i] : 0.0f;
+#pragma unroll
+for (int j = 0; j < M; ++j) acc[j] = i < N * E ? v * mix[(size_t)j * N * E + i] : 0.0f;
+#pragma unroll
+for (int j = 0; j < M; ++j) {
+    const float w = ds4lab_warp_sum_all(acc[j]);
+    if (lane == 0) warp_sums[warp * M + j] = w;
+}
+__syncthreads();
+for (int j = threadIdx.x; j < M; j += blockDim.x) {
+    float s = 0.0f;
+    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) s += warp_sums[w * M + j];
+    part[((size_t)t * PARTS + blockIdx.x) * M + j] = s;
+}
