@@ -10,6 +10,8 @@ this same script, with `--profile-from-start off`: only those steps are measured
 per kernel name: launches per step, mean µs per launch, µs per step and per layer, and its
 share of the kernels' device time; then the kernels' sum per step beside the step's wall
 time (under ncu each kernel runs alone, serialised, so the sum is the device's floor).
+Clocks and caches are left as they run (`--clock-control none --cache-control none`): a
+kernel finds in L2 what the one before it wrote, as in a step.
 
     python bench/kernel_times.py [--layers 4] [--context 128] [--steps 4] [--ncu /usr/local/cuda/bin/ncu]
 
@@ -116,7 +118,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "ncu.csv")
         run = subprocess.run([args.ncu, "--profile-from-start", "off", "--metrics", _METRIC, "--csv",
-                              "--print-units", "base", "--log-file", log, sys.executable, *sys.argv],
+                              "--print-units", "base", "--cache-control", "none", "--clock-control", "none",
+                              "--log-file", log, sys.executable, *sys.argv],
                              env={**os.environ, _CHILD: "1"}, capture_output=True, text=True)
         text = open(log).read() if os.path.exists(log) else ""
     if run.returncode != 0:
