@@ -97,6 +97,25 @@ def on_cpu():
     mx.set_default_device(before)
 
 
+@pytest.fixture
+def batched(monkeypatch):
+    """The GPU's batched schedule on the CPU (no CUDA: the fast path stays off), the state's
+    window and RoPE rows kept lazy as there."""
+    from ds4lab.model import numerics, rope, state
+
+    for module in (numerics, state, rope):
+        monkeypatch.setattr(module, "batch_invariant_device", lambda: False)
+
+
+@pytest.fixture(scope="module")
+def tiny_weights():
+    """The tiny preset's q2 weights, random, in memory (the fast-path tests' model)."""
+    from ds4lab.config import preset
+    from ds4lab.model.random_weights import random_weights
+
+    return random_weights(preset("tiny"), "q2", seed=5)
+
+
 # Two shapes and seeds, one strength: the successor-structure tests hold on each (tuned to none).
 STRUCTURED = (("tiny", 2, 9), ("small", 2, 3))
 SUCCESSOR = 0.5

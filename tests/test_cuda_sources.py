@@ -22,9 +22,7 @@ import mlx.core as mx
 import pytest
 from test_fast_path import STAND_INS, _expert_matvec, _expert_swiglu, _launcher, _quant_gemm
 
-from ds4lab.config import preset
 from ds4lab.model import Model, kernels
-from ds4lab.model.random_weights import random_weights
 
 # MLX's CUDA custom-kernel wrapper (mlx/backend/cuda/custom_kernel.cpp): its default header
 # includes its device utilities (the f16/bf16 types, cuda::std: INFINITY, the int types) and
@@ -96,12 +94,8 @@ def _clear_kernel_caches() -> None:
 
 
 @pytest.fixture
-def recorded_launches(monkeypatch):
+def recorded_launches(monkeypatch, batched):
     """The fast path on the CPU with `mx.fast.cuda_kernel` recording; returns the launches."""
-    from ds4lab.model import numerics as nm
-    from ds4lab.model import rope, state
-    for module in (nm, state, rope):
-        monkeypatch.setattr(module, "batch_invariant_device", lambda: False)
     monkeypatch.setattr(kernels, "cuda_ready", lambda: True)
     launches: list[dict] = []
 
@@ -123,8 +117,8 @@ def recorded_launches(monkeypatch):
     _clear_kernel_caches()
 
 
-def test_every_launched_kernel_compiles_with_nvrtc(recorded_launches, nvrtc):
-    model = Model(random_weights(preset("tiny"), "q2", seed=5))
+def test_every_launched_kernel_compiles_with_nvrtc(recorded_launches, nvrtc, tiny_weights):
+    model = Model(tiny_weights)
     session = model.session()
     logits = session.prefill([(37 * i + 11) % 900 + 100 for i in range(40)])
     for _ in range(6):

@@ -18,7 +18,7 @@ import pytest
 
 from ds4lab import generation
 from ds4lab.config import preset
-from ds4lab.model import Model, compressor, hc, kernels, moe, rope, state
+from ds4lab.model import Model, compressor, hc, kernels, moe
 from ds4lab.model import numerics as nm
 from ds4lab.model.random_weights import _expert_blocks, random_weights
 from ds4lab.model.rope import apply_rope_tail
@@ -337,14 +337,6 @@ def _launcher(name, emulate, calls):
 
 
 @pytest.fixture
-def batched(monkeypatch):
-    """The GPU's batched schedule on the CPU (no CUDA: the fast path stays off), the state's
-    window and RoPE rows kept lazy as there."""
-    for module in (nm, state, rope):
-        monkeypatch.setattr(module, "batch_invariant_device", lambda: False)
-
-
-@pytest.fixture
 def stand_in_kernels(monkeypatch, batched):
     """CUDA 'ready', every compiled kernel replaced by its stand-in; returns the launches, by kernel."""
     calls: dict[str, int] = {}
@@ -361,11 +353,6 @@ def stand_in_kernels(monkeypatch, batched):
 @pytest.fixture(scope="module")
 def small_weights():
     return random_weights(preset("small"), "q2", seed=4)
-
-
-@pytest.fixture(scope="module")
-def tiny_weights():
-    return random_weights(preset("tiny"), "q2", seed=5)
 
 
 def _prefill_and_decode(model: Model, tokens: list[int], decoded: int) -> tuple[np.ndarray, np.ndarray]:
