@@ -38,9 +38,10 @@ import time
 from collections import defaultdict
 
 import mlx.core as mx
+from step_costs import decoding_session
 
 from ds4lab.config import preset
-from ds4lab.model import Model, kernels
+from ds4lab.model import kernels
 from ds4lab.model.random_weights import random_weights
 
 # Set in the child that ncu runs: the script profiles instead of reporting.
@@ -51,11 +52,7 @@ _METRIC = "gpu__time_duration.sum"
 def decode_steps(layers: int, context: int, steps: int, profile: bool) -> float:
     """Seconds per decode step (wall, `steps` steps after a warm-up); with `profile`, the
     CUDA profiler is on for `steps` more steps."""
-    model = Model(random_weights(preset("flash-dims", layers), "q2"))
-    session = model.session()
-    mx.eval(session.prefill([1000 + i for i in range(context)]))
-    for _ in range(8):                               # compiles (NVRTC) and traces, not timed
-        mx.eval(session.decode(999))
+    _, session = decoding_session(random_weights(preset("flash-dims", layers), "q2"), context)
     t = time.perf_counter()
     for _ in range(steps):
         mx.eval(session.decode(999))

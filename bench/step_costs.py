@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import mlx.core as mx
-from bench_model import VIEWS, step_ops
+from bench_model import VIEWS, WARM_STEPS, step_ops
 from host_costs import ADD_ONE, build_encode_wait
 
 from ds4lab.config import preset
@@ -66,6 +66,17 @@ def recorded_launches() -> Iterator[list[tuple[str, Callable, dict]]]:
         yield launches
     finally:
         kernels._fused, kernels._kernel, kernels._gemm_kernel, mx.compile = saved
+
+
+def decoding_session(weights, context: int):
+    """(model, session) of these weights after a `context`-token prefill and WARM_STEPS decode
+    steps (the kernels compiled, the sublayers traced: nothing left to pay once)."""
+    model = Model(weights)
+    session = model.session()
+    mx.eval(session.prefill([1000 + i for i in range(context)]))
+    for _ in range(WARM_STEPS):
+        mx.eval(session.decode(999))
+    return model, session
 
 
 def time_step(model: Model, state, token: int, repeat: int = 5) -> tuple[float, float, float]:
@@ -99,11 +110,7 @@ def main() -> None:
     parser.add_argument("--chain", type=int, default=200, help="relaunches per kernel")
     args = parser.parse_args()
     weights = random_weights(preset("flash-dims", args.layers), "q2")
-    model = Model(weights)
-    session = model.session()
-    mx.eval(session.prefill([1000 + i for i in range(args.context)]))
-    for _ in range(8):                       # compiles and traces, not timed
-        mx.eval(session.decode(999))
+    model, session = decoding_session(weights, args.context)
     ops = step_ops(model, session.state)
     primitives = ops.total()
     kernel_ops = sum(n for op, n in ops.items() if op not in VIEWS)
