@@ -23,6 +23,8 @@ import pytest
 from test_fast_path import STAND_INS, _expert_matvec, _expert_swiglu, _launcher, _quant_gemm
 
 from ds4lab.model import Model, kernels
+from ds4lab.model.weights import ExpertBlocks
+from ds4lab.quants.formats import row_bytes
 
 # MLX's CUDA custom-kernel wrapper (mlx/backend/cuda/custom_kernel.cpp): its default header
 # includes its device utilities (the f16/bf16 types, cuda::std: INFINITY, the int types) and
@@ -123,13 +125,21 @@ def test_every_launched_kernel_compiles_with_nvrtc(recorded_launches, nvrtc, tin
     logits = session.prefill([(37 * i + 11) % 900 + 100 for i in range(40)])
     for _ in range(6):
         logits = session.decode(int(mx.argmax(logits).item()))
+    # Every block format's expert kernels, not only the model's: zero bytes of 3 experts,
+    # 5 rows (odd: the matvec's last warp has one row) of 512 columns.
+    x, ids = mx.ones((1, 512)), mx.array([[0, 2]], mx.int32)
+    for type_name in kernels._TYPES:
+        blocks = ExpertBlocks(mx.zeros((3, 5 * row_bytes(type_name, 512)), mx.uint8), type_name, 5, 512)
+        kernels.expert_swiglu(blocks, blocks, ids, x, mx.ones((1, 2)), 0.0)
+        kernels.expert_matvec(blocks, ids, x, pairs_per_input=2)
     distinct = {(launch["name"], launch["template"], tuple(map(str, launch["input_types"]))): launch
                 for launch in recorded_launches}
     names = {launch["name"] for launch in distinct.values()}
     # The step's kernels and a chunk's: the fused ones, an expert format's pair, the GEMM.
     assert {"ds4lab_hc_pre", "ds4lab_hc_mix", "ds4lab_q8_hc", "ds4lab_attention_heads", "ds4lab_prefill_attention",
             "ds4lab_router"} <= names, names
-    assert any(n.startswith("ds4lab_expert_swiglu_") for n in names)
+    experts = {f"ds4lab_expert_{kind}_{name}" for kind in ("swiglu", "matvec") for name in kernels._TYPES.values()}
+    assert experts <= names, names
     assert any(n.startswith("ds4lab_quant_gemm_") for n in names)
     lib, options = nvrtc
     with ThreadPoolExecutor(4) as pool:

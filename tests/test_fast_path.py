@@ -267,6 +267,7 @@ def _expert_matvec(type_name):
         rows, cols, per_out, x_div = t["ROWS"], t["COLS"], t["PAIRS_PER_OUT"], t["X_DIV"]
         assert t["ROW_BYTES"] * rows == t["EXPERT_BYTES"] == raw.shape[1]
         assert grid[1] * per_out == ids.size and x.size == ids.size // x_div * cols
+        assert grid[0] // 32 * 2 >= rows                  # a warp per two rows
         flat = ids.reshape(-1)
         xs = x.reshape(-1, cols)[mx.arange(flat.size) // x_div]
         y = (gather_experts(raw, flat, type_name, rows, cols) @ xs[:, :, None])[..., 0]
@@ -280,6 +281,7 @@ def _expert_swiglu(type_name):
         rows, cols, x_div = t["ROWS"], t["COLS"], t["X_DIV"]
         assert t["ROW_BYTES"] * rows == t["EXPERT_BYTES"] == raw_gate.shape[1] == raw_up.shape[1]
         assert grid[1] == ids.size == w.size and x.shape == (ids.size // x_div, cols) and ids.shape[1] == x_div
+        assert grid[0] // 32 >= rows                      # a warp per row
         flat = ids.reshape(-1)
         xs = x[mx.arange(flat.size) // x_div][:, :, None]
         gate, up = ((gather_experts(raw, flat, type_name, rows, cols) @ xs)[..., 0] for raw in (raw_gate, raw_up))

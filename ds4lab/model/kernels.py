@@ -65,9 +65,9 @@ if TYPE_CHECKING:
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels" / "cuda"
 _TYPES = {"IQ2_XXS": "iq2_xxs", "Q2_K": "q2_k", "Q4_K": "q4_k"}
-_ROWS_PER_BLOCK = 4                      # warps per thread block of the expert matvec
+_EXPERT_WARPS = 4                        # warps per thread block of the expert kernels
 _THREADS = 128                           # threads per block of the row and HC kernels
-_ATTENTION_WARPS = 8
+_ATTENTION_WARPS = 16                    # warps per (token, head) block of decode attention
 _HC_DECODE_THREADS = 1024                # hc_pre's block for a decode step's token (one block a token)
 _HC_MIX_COLUMNS = 256                    # hc_mix's block: a column of the mixer product a thread
 
@@ -553,13 +553,13 @@ def expert_matvec(tensor: ExpertBlocks, ids: mx.array, x: mx.array, *, pairs_per
     per_out = ids.shape[-1] if sum_pairs else 1
     n_row_bytes = row_bytes(tensor.type_name, cols)
     inputs = [tensor.raw, ids.astype(mx.int32), x.astype(mx.float32), *_tables(tensor.type_name)]
-    threads = 32 * _ROWS_PER_BLOCK
+    threads = 32 * _EXPERT_WARPS
     (y,) = _kernel(tensor.type_name)(
         inputs=inputs,
         template=[("ROWS", rows), ("COLS", cols), ("ROW_BYTES", n_row_bytes),
                   ("EXPERT_BYTES", rows * n_row_bytes), ("PAIRS_PER_OUT", per_out),
                   ("X_DIV", pairs_per_input)],
-        grid=(-(-rows // _ROWS_PER_BLOCK) * threads, ids.size // per_out, 1),
+        grid=(-(-rows // (2 * _EXPERT_WARPS)) * threads, ids.size // per_out, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(*ids.shape[:-1], rows) if sum_pairs else (*ids.shape, rows)],
         output_dtypes=[mx.float32],
@@ -580,12 +580,12 @@ def expert_swiglu(gate: ExpertBlocks, up: ExpertBlocks, ids: mx.array, x: mx.arr
         raise ValueError(f"expert_swiglu: ids {tuple(ids.shape)}, weights {tuple(weights.shape)}, "
                          f"input {tuple(x.shape)} (expected [T, U], [T, U], [T, {cols}])")
     n_row_bytes = row_bytes(gate.type_name, cols)
-    threads = 32 * _ROWS_PER_BLOCK
+    threads = 32 * _EXPERT_WARPS
     (mid,) = _kernel(gate.type_name, True)(
         inputs=[gate.raw, up.raw, ids.astype(mx.int32), x.astype(mx.float32), weights.astype(mx.float32),
                 _scalar(clamp), *_tables(gate.type_name)],
         template=[("ROWS", rows), ("COLS", cols), ("ROW_BYTES", n_row_bytes),
                   ("EXPERT_BYTES", rows * n_row_bytes), ("X_DIV", ids.shape[1])],
-        grid=(-(-rows // _ROWS_PER_BLOCK) * threads, ids.size, 1), threadgroup=(threads, 1, 1),
+        grid=(-(-rows // _EXPERT_WARPS) * threads, ids.size, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(*ids.shape, rows)], output_dtypes=[mx.float32])
     return mid

@@ -8,7 +8,11 @@
 // Each of the WARPS warps runs an online softmax over every WARPS-th key (a lane holds D/32
 // dims); the warps' partial sums are then combined with the sink. Masked keys are skipped,
 // so only the selected compressed rows are read.
-constexpr int PER = D / 32;
+// A warp takes its keys BATCH at a time: the batch's mask bytes, then its key rows, are all
+// in flight together, and one softmax rescale covers the batch. One key at a time, each key
+// waited for two dependent loads and a shuffle reduction, and the kernel ran at the speed of
+// that chain rather than of the L2.
+constexpr int PER = D / 32, BATCH = 4;
 const int h = blockIdx.x, t = blockIdx.y, n_head = gridDim.x;
 const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
 const int n_raw = n_keys[0], nk = n_keys[1];
@@ -18,18 +22,51 @@ const bool* visible = mask + (size_t)t * nk;
 float qv[PER], acc[PER];
 for (int k = 0; k < PER; ++k) { qv[k] = qh[lane + 32 * k]; acc[k] = 0.0f; }
 float m = -INFINITY, l = 0.0f;
-for (int n = warp; n < nk; n += WARPS) {
-    if (!visible[n]) continue;
-    const float* kr = n < n_raw ? keys + (size_t)n * D : comp + (size_t)(n - n_raw) * D;
-    float kv[PER];
-    float dot = 0.0f;
-    for (int k = 0; k < PER; ++k) { kv[k] = kr[lane + 32 * k]; dot += qv[k] * kv[k]; }
-    dot = ds4lab_warp_sum_all(dot) * scale;
-    const float m_new = fmaxf(m, dot);
+for (int n0 = warp; n0 < nk; n0 += WARPS * BATCH) {
+    bool vis[BATCH];
+    float kv[BATCH][PER], dot[BATCH];
+    #pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+        const int n = n0 + b * WARPS;
+        vis[b] = n < nk && visible[n];
+    }
+    #pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+        const int n = n0 + b * WARPS;
+        const float* kr = n < n_raw ? keys + (size_t)n * D : comp + (size_t)(n - n_raw) * D;
+        #pragma unroll
+        for (int k = 0; k < PER; ++k) kv[b][k] = vis[b] ? kr[lane + 32 * k] : 0.0f;
+    }
+    #pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+        dot[b] = 0.0f;
+        #pragma unroll
+        for (int k = 0; k < PER; ++k) dot[b] += qv[k] * kv[b][k];
+    }
+    #pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        #pragma unroll
+        for (int b = 0; b < BATCH; ++b) dot[b] += __shfl_xor_sync(0xffffffffu, dot[b], offset);
+    }
+    float m_new = m;
+    #pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+        dot[b] *= scale;
+        if (vis[b]) m_new = fmaxf(m_new, dot[b]);
+    }
+    if (m_new == -INFINITY) continue;   // nothing visible yet (the same in every lane)
     const float corr = expf(m - m_new);
-    const float p = expf(dot - m_new);
-    l = l * corr + p;
-    for (int k = 0; k < PER; ++k) acc[k] = acc[k] * corr + p * kv[k];
+    l *= corr;
+    #pragma unroll
+    for (int k = 0; k < PER; ++k) acc[k] *= corr;
+    #pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+        if (!vis[b]) continue;
+        const float p = expf(dot[b] - m_new);
+        l += p;
+        #pragma unroll
+        for (int k = 0; k < PER; ++k) acc[k] += p * kv[b][k];
+    }
     m = m_new;
 }
 __shared__ float part_m[WARPS], part_l[WARPS], part_w[WARPS];

@@ -1,20 +1,28 @@
 // Shared helpers of the routed-expert matvec (ds4lab/model/kernels.py `expert_matvec`).
-// Each block format's header (expert_dot_*.cuh) defines ds4lab_expert_dot: one lane's share
-// of the dot product of a weight row in that format with an activation. Lanes take 8
-// consecutive values of every 256-value block, decode them from the block bytes and multiply
-// them with the activation; expert_matvec.cu sums the lanes.
+// Each block format's header (expert_dot_*.cuh) defines ds4lab_expert_dot<COLS, R>: one
+// lane's share of the dot products of R weight rows in that format with one activation,
+// added to acc[R]. Lanes take 8 consecutive values of every 256-value block, decode them
+// from the block bytes and multiply them with the activation; the kernels sum the lanes.
+// The R rows share the lane's activation loads: on these shapes the kernels read more bytes
+// of the (cached) activation than of the weights, so a warp takes two rows (expert_matvec)
+// or a row of gate and of up (expert_swiglu) at once. Each row keeps its own sum, in the
+// same order as one row alone.
 // A block gives a lane only a few bytes, far too little to hide the memory latency, so each
-// format walks the row U blocks at a time: first the loads of all U blocks (in flight
-// together), then their arithmetic.
+// format walks the rows U blocks at a time: first the loads of all U blocks of every row (in
+// flight together), then their arithmetic.
+// A format may need lookup tables in shared memory: its DS4LAB_DOT_STAGE copies them there
+// (the whole thread block, before any thread returns) and DS4LAB_DOT_TABLES passes them on.
 __device__ __forceinline__ float ds4lab_warp_sum(float v) {
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
     return v;
 }
 
-// Blocks per step: the largest of 8, 4, 2, 1 that divides the row's block count.
-template <int NB>
+// Blocks per step for R rows: the largest of 8 / R, 4, 2, 1 (at most 8 / R) that divides
+// the row's block count, so that at most 8 blocks' loads are in flight per lane.
+template <int NB, int R>
 struct ds4lab_step {
-    static constexpr int U = NB % 8 == 0 ? 8 : NB % 4 == 0 ? 4 : NB % 2 == 0 ? 2 : 1;
+    static constexpr int M = 8 / R;
+    static constexpr int U = M >= 8 && NB % 8 == 0 ? 8 : M >= 4 && NB % 4 == 0 ? 4 : M >= 2 && NB % 2 == 0 ? 2 : 1;
 };
 
 // The lane's 8 activations of block b.
@@ -24,13 +32,11 @@ __device__ __forceinline__ void ds4lab_lane_inputs(const float* xv, int b, int l
     xs[0] = a.x; xs[1] = a.y; xs[2] = a.z; xs[3] = a.w; xs[4] = c.x; xs[5] = c.y; xs[6] = c.z; xs[7] = c.w;
 }
 
-// acc + sum over the lane's 8 values of block b of (dl * q - ml) * x, the K-quant row form
+// acc + sum over the lane's 8 values xs of a block of (dl * q - ml) * x, the K-quant row form
 // (d * scale * q - dmin * min), with q = (byte >> shift) & MASK of the 8 code bytes in lo, hi.
 template <uint32_t MASK>
 __device__ __forceinline__ float ds4lab_kquant_dot8(float acc, float dl, float ml, uint32_t lo, uint32_t hi, int shift,
-                                                   const float* xv, int b, int lane) {
-    float xs[8];
-    ds4lab_lane_inputs(xv, b, lane, xs);
+                                                   const float xs[8]) {
 #pragma unroll
     for (int k = 0; k < 8; ++k) {
         const uint32_t byte = ((k < 4 ? lo : hi) >> (8 * (k & 3))) & 0xffu;

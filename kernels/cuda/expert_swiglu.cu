@@ -2,16 +2,19 @@
 // mid[p][row] = swiglu(G[ids[p]][row, :] . x, U[ids[p]][row, :] . x) * w[p], x the input row
 // p / X_DIV (a token's input shared by its X_DIV = n_expert_used pairs), w the route weights
 // (ds4lab_swiglu as the shared expert's; model/moe.py multiplies by the weight after it).
-// One warp per output row of one pair (grid y); the format header says how a row's bytes
-// decode (both matrices of one block format).
+// One warp per output row of one pair (grid y): the row of gate and of up in one pass over
+// x; the format header says how a row's bytes decode (both matrices of one block format).
 // Inputs: raw_gate, raw_up [n_expert, EXPERT_BYTES] uint8 (ROW_BYTES per row), ids (pairs,
 // int32), x [pairs / X_DIV, COLS], w (pairs), clamp [1] (0: none).
+DS4LAB_DOT_STAGE
 const int lane = threadIdx.x & 31;
 const int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
 const int p = blockIdx.y;
 if (row >= ROWS) return;
 const size_t at = (size_t)ids[p] * EXPERT_BYTES + (size_t)row * ROW_BYTES;
-const float* xp = x + (size_t)(p / X_DIV) * COLS;
-const float g = ds4lab_warp_sum(ds4lab_expert_dot<COLS>(raw_gate + at, xp, lane DS4LAB_DOT_TABLES));
-const float u = ds4lab_warp_sum(ds4lab_expert_dot<COLS>(raw_up + at, xp, lane DS4LAB_DOT_TABLES));
+const uint8_t* const rows[2] = {raw_gate + at, raw_up + at};
+float gu[2] = {0.0f, 0.0f};
+ds4lab_expert_dot<COLS, 2>(rows, x + (size_t)(p / X_DIV) * COLS, lane, gu DS4LAB_DOT_TABLES);
+const float g = ds4lab_warp_sum(gu[0]);
+const float u = ds4lab_warp_sum(gu[1]);
 if (lane == 0) mid[(size_t)p * ROWS + row] = ds4lab_swiglu(g, u, clamp[0]) * w[p];
