@@ -108,10 +108,14 @@ def main() -> None:
     # Each layer's sums against that layer's own input difference (the devices drift apart
     # layer by layer, most after near-tied indexer choices).
     gpu_in, cpu_in = on(GPU, ffn_inputs), on(mx.cpu, ffn_inputs)
-    excess = max(rms_rel(gpu_m[k].sum2, cpu_m[k].sum2)
-                 / (4 * rms_rel(gpu_in[f"blocks.{k.split('.')[1]}.ffn.hook_in"],
-                                cpu_in[f"blocks.{k.split('.')[1]}.ffn.hook_in"]) + 1e-6) for k in cpu_m)
-    results.append(report("imatrix sum2 rms diff / 4x its layer's input diff", excess, 1.0))
+    sums = {k: rms_rel(gpu_m[k].sum2, cpu_m[k].sum2) for k in cpu_m}
+    point = {k: f"blocks.{k.split('.')[1]}.ffn.hook_in" for k in cpu_m}
+    inputs = {k: rms_rel(gpu_in[point[k]], cpu_in[point[k]]) for k in cpu_m}
+    worst = max(cpu_m, key=lambda k: sums[k] / (4 * inputs[k] + 1e-6))
+    print(f"{'imatrix worst entry':52s} {worst}: sum2 diff {sums[worst]:.2e}, "
+          f"its layer's input diff {inputs[worst]:.2e}")
+    results.append(report("imatrix sum2 rms diff / 4x its layer's input diff", sums[worst] / (4 * inputs[worst] + 1e-6),
+                          1.0))
 
     # The edit sits in the last block: what runs after it (that block's FFN with pinned
     # experts, the head) has no FP8 rounding, so each path's edited and unedited runs share
