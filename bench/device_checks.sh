@@ -2,8 +2,9 @@
 # The GPU checks and speed runs of the decode issue, in the order a short device session
 # wants them: correctness first, then where the time goes, then the headline speed.
 #
-#   bash bench/device_checks.sh checks   # check_device (kernels, fused, paths; TF32 off), research (~5 min)
-#   bash bench/device_checks.sh speed    # kernel_times (ncu, 4 layers), 43-layer decode at 128 and 4096 (~5 min)
+#   bash bench/device_checks.sh checks   # check_device (kernels, experts, fused, paths; TF32 off) (~7 min)
+#   bash bench/device_checks.sh speed    # kernel_times (ncu, 4 layers), 43-layer decode at 128 and 4096,
+#                                        # research (~7 min)
 #   bash bench/device_checks.sh all
 #
 # Each run's output also goes to $OUT/<name>.txt when $OUT is set (the device machine's
@@ -25,14 +26,14 @@ step() {
 }
 
 checks() {
-    step kernels 200 env MLX_ENABLE_TF32=0 python3 bench/check_device.py --parts kernels fused
-    step paths 200 env MLX_ENABLE_TF32=0 python3 bench/check_device.py --parts paths
-    step research 150 python3 bench/check_device_research.py
+    step kernels 240 env MLX_ENABLE_TF32=0 python3 bench/check_device.py --parts kernels experts fused
+    step paths 300 env MLX_ENABLE_TF32=0 python3 bench/check_device.py --parts paths
 }
 
 speed() {
-    step kernel_times 200 python3 bench/kernel_times.py --layers 4 --steps 2
-    step decode43 280 python3 bench/bench_model.py --in-memory --layers 43 --prompt 128 4096 --steps 16
+    step kernel_times 150 python3 bench/kernel_times.py --layers 4 --steps 2
+    step decode43 200 python3 bench/bench_model.py --in-memory --layers 43 --prompt 128 4096 --steps 16
+    step research 150 python3 bench/check_device_research.py
 }
 
 case "${1:-all}" in
