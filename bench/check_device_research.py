@@ -8,8 +8,8 @@ an H200), so the checks ask that the new paths add no error of their own:
 - `ffn.hook_routed_mid` (route-weighted SwiGLU activations): its GPU-CPU rms difference is at
   most twice the shared expert's, which reads the same input;
 - steering at scale 1 leaves no component along the direction at the hooked output;
-- imatrix collection: the same counts, and each layer's sums of squares within four times
-  that layer's input rms difference;
+- imatrix collection: the same counts, and each entry's sums of squares within four times
+  the rms difference of the activations it sums (FFN input, or routed mid for down);
 - a replacement at a block boundary (`attn.hook_out` of the last block) keeps every block on
   the fast path and changes the logits as on the reference path (the two effects within the
   paths' own unedited difference, at least 1e-4 of the logits' std);
@@ -100,21 +100,22 @@ def main() -> None:
     print(f"{'imatrix counts equal':52s} {counts_equal}")
     results.append(counts_equal)
 
-    def ffn_inputs():
+    def entry_inputs():
         with model.hooks(pin):
-            _, cache = model.run_with_cache(tokens, lambda n: n.endswith("ffn.hook_in"))
+            _, cache = model.run_with_cache(tokens, lambda n: n.endswith(("ffn.hook_in", "ffn.hook_routed_mid")))
         return cache
 
-    # Each layer's sums against that layer's own input difference (the devices drift apart
-    # layer by layer, most after near-tied indexer choices).
-    gpu_in, cpu_in = on(GPU, ffn_inputs), on(mx.cpu, ffn_inputs)
+    # Each entry's sums against the difference of the very activations it sums (the devices
+    # drift apart layer by layer, most after near-tied indexer choices): the FFN input for
+    # gate and up, the routed mid for down, whose drift can be several times its layer input's.
+    gpu_in, cpu_in = on(GPU, entry_inputs), on(mx.cpu, entry_inputs)
     sums = {k: rms_rel(gpu_m[k].sum2, cpu_m[k].sum2) for k in cpu_m}
-    point = {k: f"blocks.{k.split('.')[1]}.ffn.hook_in" for k in cpu_m}
+    point = {k: f"blocks.{k.split('.')[1]}.ffn.{'hook_routed_mid' if 'ffn_down' in k else 'hook_in'}" for k in cpu_m}
     inputs = {k: rms_rel(gpu_in[point[k]], cpu_in[point[k]]) for k in cpu_m}
     worst = max(cpu_m, key=lambda k: sums[k] / (4 * inputs[k] + 1e-6))
     print(f"{'imatrix worst entry':52s} {worst}: sum2 diff {sums[worst]:.2e}, "
-          f"its layer's input diff {inputs[worst]:.2e}")
-    results.append(report("imatrix sum2 rms diff / 4x its layer's input diff", sums[worst] / (4 * inputs[worst] + 1e-6),
+          f"its input's diff {inputs[worst]:.2e}")
+    results.append(report("imatrix sum2 rms diff / 4x its input's diff", sums[worst] / (4 * inputs[worst] + 1e-6),
                           1.0))
 
     # The edit sits in the last block: what runs after it (that block's FFN with pinned
