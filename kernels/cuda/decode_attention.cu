@@ -9,9 +9,8 @@
 // dims); the warps' partial sums are then combined with the sink. Masked keys are skipped,
 // so only the selected compressed rows are read.
 // A warp takes its keys BATCH at a time: the batch's mask bytes, then its key rows, are all
-// in flight together, and one softmax rescale covers the batch. One key at a time, each key
-// waited for two dependent loads and a shuffle reduction, and the kernel ran at the speed of
-// that chain rather than of the L2.
+// in flight together, and one softmax rescale covers the batch (one key at a time, every key
+// waits for two dependent loads and a shuffle reduction before the next key's loads start).
 constexpr int PER = D / 32, BATCH = 4;
 const int h = blockIdx.x, t = blockIdx.y, n_head = gridDim.x;
 const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
