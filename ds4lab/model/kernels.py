@@ -15,10 +15,9 @@ reference's steps in the same order, so a Metal port can translate them line by 
   roundings, each optional: q heads, KV rows, compressed rows, indexer queries and keys.
 - `attention_heads`: softmax attention with sinks over the visible keys (masked ones are not
   read; the raw window and the compressed rows from their own arrays), online softmax
-  across warps (each taking its keys four at a time), and the inverse RoPE of the output; a
-  chunk of tokens
-  (prefill) runs `prefill_attention` instead: a token's heads 16 at a time on the tensor
-  cores, each visible key read once for them.
+  across warps (each taking its keys four at a time), and the inverse RoPE of the output;
+  a chunk of tokens (prefill) runs `prefill_attention` instead: a token's heads 16 at a time
+  on the tensor cores, each visible key read once for them.
 - `indexer_scores`: the lightning indexer's Σ_h w_h·relu(q_h·k) per key row.
 - `indexer_mask`: the indexer's top-k of those rows, written with the window's columns as
   the attention mask (a radix select of the k-th score, ties ranked by row).
@@ -35,12 +34,11 @@ reference's steps in the same order, so a Metal port can translate them line by 
 - `router`: router scores, biased top-k selection and route weights of a token in one block.
 - `expert_matvec`: routed-expert matvec on the IQ2_XXS, Q2_K or Q4_K block bytes of the
   selected experts, one warp per two output rows (their activation loads shared); a token's
-  input read once for all its experts,
-  and the down projection's weighted outputs summed in the kernel (the portable path decodes
-  each selected expert to a float32 matrix first: a few dozen kernels and three float32
-  copies per step). `expert_swiglu`: the gate and up projections and the route-weighted
-  SwiGLU of each pair in one launch (the down projection's input), a warp per row of gate
-  and up in one pass.
+  input read once for all its experts, and the down projection's weighted outputs summed in
+  the kernel (the portable path decodes each selected expert to a float32 matrix first: a
+  few dozen kernels and three float32 copies per step). `expert_swiglu`: the gate and up
+  projections and the route-weighted SwiGLU of each pair in one launch (the down
+  projection's input), a warp per row of gate and up in one pass.
 
 Float sums run in another order than the reference's (same values up to float32
 reassociation); `bench/check_device.py` checks each kernel against its composition. The
