@@ -29,6 +29,7 @@ import mlx.core as mx
 import numpy as np
 from host_costs import build_encode_wait
 
+from ds4lab import generation
 from ds4lab.config import preset
 from ds4lab.generation import stream
 from ds4lab.model import Model
@@ -153,6 +154,23 @@ def bench_prefill(name: str, model: Model, prompts: list[int]) -> None:
     print(f"{name:30s} imatrix collection over {n} tokens: {n / (time.perf_counter() - t):8.1f} tok/s")
 
 
+def empty_kernel_bodies() -> None:
+    """From now on every `mx.fast.cuda_kernel` (the fast path's, made on first use) returns at
+    its first statement: the same source hashed, the same inputs, outputs and grid launched,
+    so a step costs the host and the launches what it does with real kernels, and the device
+    nothing more. The logits are then garbage (NaN, whose argmax on CUDA may be any integer):
+    the stream's tokens are wrapped into the vocabulary and its text left empty."""
+    make = mx.fast.cuda_kernel
+
+    def empty(*, name: str, source: str, **kwargs):
+        return make(name=f"{name}_empty", source="return;\n" + source, **kwargs)
+
+    mx.fast.cuda_kernel = empty
+    emit = generation.Emitter.step
+    generation.Emitter.step = lambda self, token, logits: emit(self, token % logits.shape[-1], logits)
+    generation.token_bytes = lambda token: b""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--in-memory", action="store_true", help="flash-dims with random weights, no file")
@@ -163,7 +181,12 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--prefill-only", action="store_true", help="only prefill tok/s of each --prompt length")
     parser.add_argument("--op-histogram", action="store_true", help="print a decode step's primitives by name")
+    parser.add_argument("--empty-kernels", action="store_true",
+                        help="every custom kernel returns at once (launched with its inputs, outputs and grid, "
+                             "its values garbage): the step's host and launch floor, without the kernels' work")
     args = parser.parse_args()
+    if args.empty_kernels:
+        empty_kernel_bodies()
     device = mx.default_device()
     bw = bandwidth()
     print(f"device {device}, measured memory bandwidth {bw / 1e9:.1f} GB/s")
