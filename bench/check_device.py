@@ -220,6 +220,15 @@ def check_fused_products() -> None:
     apart_s = _seconds(lambda v: [kernels.q8_matvec(q_a, v), kernels.q8_matvec(kv, v)], one)
     print(f"q8_pair (1024 + 512 rows of 4096, 3 tokens) vs quantized_matmul each: max rel err {err:.2e}; "
           f"{pair_s * 1e6:.1f} us vs two q8_matvec {apart_s * 1e6:.1f} us")
+    q_b, norm = _q8_matrix(32768, 1024), mx.random.uniform(0.5, 1.5, (1024,))
+    qr = mx.random.normal((3, 1024)) * 3.0
+    inside = kernels.q8_matvec(q_b, qr, norm=(norm, 1e-6))
+    apart = kernels.q8_matvec(q_b, kernels.row_finish(qr, eps=1e-6, weight=norm))
+    err = _rel(inside, q_b.quantized(ref_mm.rms_norm(qr, norm, 1e-6)))
+    _bar("q8_matvec with the norm inside", err <= _KERNEL_BAR)
+    print(f"q8_matvec with q_a's norm inside (32768 rows of 1024, 3 tokens) vs rms_norm + quantized_matmul: "
+          f"max rel err {err:.2e}; the same bits as row_finish then q8_matvec: "
+          f"{bool(mx.array_equal(inside, apart).item())}")
     gate, up = _q8_matrix(2048, 4096), _q8_matrix(2048, 4096)
     for clamp in (0.0, 10.0):
         xs = x * 0.5                           # products of ~10: the clamp bites on some

@@ -18,10 +18,10 @@ import pytest
 
 from ds4lab import generation
 from ds4lab.config import preset
-from ds4lab.model import Model, compressor, hc, kernels, moe
+from ds4lab.model import Model, attention, compressor, hc, kernels, moe
 from ds4lab.model import numerics as nm
 from ds4lab.model.random_weights import _expert_blocks, random_weights
-from ds4lab.model.rope import apply_rope_tail
+from ds4lab.model.rope import Rotation, apply_rope_tail, yarn_for
 from ds4lab.quants import gather_experts
 
 
@@ -30,16 +30,19 @@ def _blocks(grid, threadgroup) -> tuple[int, int]:
     return grid[0] // threadgroup[0], grid[1] // threadgroup[1]
 
 
+def _rms_weighted(y, eps, weight):
+    """row_finish's first steps: RMSNorm (eps given), then times weight (given)."""
+    if eps is not None:
+        y = nm.rms_norm(y, None, float(eps.item()))
+    return y if weight is None else y * weight
+
+
 def _row_finish(inputs, t, grid, threadgroup):
     x, weight, cos, sin, eps, hscale, carry, n_rows = inputs
     d, rows = t["D"], int(n_rows.item())
     assert carry.shape == (254,)                                   # one entry per normal exponent
     assert x.shape[-1] == d and x.size == rows * d and _blocks(grid, threadgroup)[0] == rows
-    y = x.reshape(rows, d)
-    if t["NORM"]:
-        y = nm.rms_norm(y, None, float(eps.item()))
-    if t["WEIGHT"]:
-        y = y * weight
+    y = _rms_weighted(x.reshape(rows, d), eps if t["NORM"] else None, weight if t["WEIGHT"] else None)
     if t["ROPE"]:
         assert cos.shape[-1] * 2 == t["NROT"]
         at = mx.arange(rows) // t["POS_DIV"]
@@ -204,11 +207,14 @@ def _q8_warps(t, grid, rows, n_tok):
 
 
 def _q8_matvec(inputs, t, grid, threadgroup):
-    codes, scales, x = inputs
+    codes, scales, x, norm_w, eps = inputs
     rows, cols, group_rows, r = t["ROWS"], t["COLS"], t["GROUP_ROWS"], t["R"]
     n_tok, groups = grid[1], rows // group_rows
     assert codes.shape == (rows, cols // 4) and x.size == n_tok * groups * cols
     assert grid[0] // 32 * r >= rows and group_rows % r == 0
+    if t["NORM"]:                        # one group, x RMS-normed and weighted first, as row_finish does
+        assert groups == 1 and norm_w.shape == (cols,) and threadgroup[0] == kernels._THREADS
+        x = _rms_weighted(x.reshape(n_tok, cols), eps, norm_w)
     w = _q8_rows(codes, scales, cols).reshape(-1, group_rows, cols)
     y = (x.reshape(n_tok, groups, 1, cols) * w[None]).sum(axis=-1).reshape(n_tok, rows)
     return [y.reshape(*x.shape[:-1], rows) if groups == 1 else y]
@@ -503,6 +509,25 @@ def test_a_hook_off_the_boundaries_sends_only_its_block_to_the_reference(small_w
     with model.hooks([(name, lambda act, hook: None) for name in ("blocks.1.attn.hook_q", "blocks.2.ffn.hook_out")]):
         model(tokens)
     assert stand_in_kernels["hc_pre"] == 1 and stand_in_kernels["hc_post"] == 1
+
+
+def test_q_a_norm_runs_inside_the_q_b_product_unless_the_indexer_needs_it(small_weights, stand_in_kernels):
+    """A decode token's q: q_a's RMSNorm inside the q_b matvec (one launch less) when the
+    normed q_a feeds no indexer, the same values as the norm's own launch then the product."""
+    cfg, layer = small_weights.config, small_weights.layers[2]
+    mm = Model(small_weights).numerics.schedule(np.arange(40, 41))
+    assert mm.fast
+    rotation = Rotation.at(40, 1, cfg.n_rot, cfg.rope_base(2), yarn_for(cfg, layer.ratio))
+    qr = mx.random.normal((1, cfg.q_lora_rank), key=mx.random.key(3))
+    args = (layer, qr, rotation, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm)
+    q_apart, qr_n = attention.project_q(*args, keep_normed=True)
+    apart = dict(stand_in_kernels)
+    stand_in_kernels.clear()
+    q_inside, none = attention.project_q(*args, keep_normed=False)
+    assert qr_n is not None and none is None
+    assert stand_in_kernels["row_finish"] == apart["row_finish"] - 1
+    assert stand_in_kernels["q8_matvec"] == apart["q8_matvec"]
+    assert np.array_equal(np.array(q_inside), np.array(q_apart))
 
 
 def test_boundary_hooks_keep_the_fast_path_and_their_replacements_count(small_weights, stand_in_kernels):

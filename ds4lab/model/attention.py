@@ -27,11 +27,16 @@ def input_products(layer: LayerWeights, xa: mx.array, mm: Schedule) -> tuple[mx.
 
 
 def project_q(layer: LayerWeights, qr: mx.array, rotation: Rotation, n_head: int, head_dim: int, eps: float,
-              mm: Schedule) -> tuple[mx.array, mx.array]:
+              mm: Schedule, keep_normed: bool = True) -> tuple[mx.array, mx.array | None]:
     """From qr = attn_q_a · xa: (q [T, H, D] with per-head weightless RMS, rotated; qr_n
-    [T, q_lora_rank], which also feeds the indexer)."""
-    qr_n = mm.rms_norm(qr, layer.dense["attn_q_a_norm.weight"], eps)
-    q = mm.q8(layer.q8["attn_q_b.weight"], qr_n, shape=(qr.shape[0], n_head, head_dim))
+    [T, q_lora_rank], qr RMS-normed, which also feeds the indexer). Without `keep_normed`
+    qr_n is None: the fast path's matvec then norms qr inside the q_b product."""
+    norm, q_b, shape = layer.dense["attn_q_a_norm.weight"], layer.q8["attn_q_b.weight"], (qr.shape[0], n_head, head_dim)
+    if keep_normed:
+        qr_n = mm.rms_norm(qr, norm, eps)
+        q = mm.q8(q_b, qr_n, shape=shape)
+    else:
+        qr_n, q = None, mm.q8_normed(q_b, qr, norm, eps, shape=shape)
     return mm.finish_rows(q, eps=eps, rotation=rotation), qr_n
 
 

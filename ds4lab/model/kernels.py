@@ -23,10 +23,11 @@ reference's steps in the same order, so a Metal port can translate them line by 
   the attention mask (a radix select of the k-th score, ties ranked by row).
 - `q8_matvec`: a Q8_0 matrix (the model's 8-bit codes) times a few vectors, each warp a few
   rows with 16-byte loads; rows may come in groups that each read their own vector (the
-  grouped output projection). Every Q8_0 product of a decode step goes through its loop
-  (`q8_rows.cuh`), some with the step after them in the same launch: `q8_pair` (two
-  matrices, one input: q_a and kv), `q8_swiglu` (the shared expert's gate, up and SwiGLU),
-  `q8_hc` (a sublayer's last product and the HC output step).
+  grouped output projection), or the vector RMS-normed inside (q_a's norm in the q_b
+  product). Every Q8_0 product of a decode step goes through its loop (`q8_rows.cuh`), some
+  with the step after them in the same launch: `q8_pair` (two matrices, one input: q_a and
+  kv), `q8_swiglu` (the shared expert's gate, up and SwiGLU), `q8_hc` (a sublayer's last
+  product and the HC output step).
 - `quant_gemm`: prefill's products on the tensor cores, exact to float32, from the block
   bytes: Q8_0 matrices (`q8_gemm`) and the routed experts grouped by expert on the device
   (`expert_tiles`, `expert_gemm`: each expert's tile of pairs reads its weights once); its
@@ -101,7 +102,8 @@ _KERNELS = {
                         ["kv_out", "score_out"]),
     "compressor_pool": ("compressor_pool.cu", (), ["old_kv", "old_score", "new_kv", "new_score"], ["out"]),
     "router": ("router.cu", (), ["logits", "bias", "scale"], ["probs", "experts", "weights"]),
-    "q8_matvec": ("q8_matvec.cu", ("ds4lab_block.cuh", "q8_rows.cuh"), ["codes", "scales", "x"], ["y"]),
+    "q8_matvec": ("q8_matvec.cu", ("ds4lab_block.cuh", "q8_rows.cuh"), ["codes", "scales", "x", "norm_w", "eps"],
+                  ["y"]),
     "q8_pair": ("q8_pair.cu", ("ds4lab_block.cuh", "q8_rows.cuh"),
                 ["codes_a", "scales_a", "codes_b", "scales_b", "x"], ["ya", "yb"]),
     "q8_swiglu": ("q8_swiglu.cu", ("ds4lab_block.cuh", "q8_rows.cuh"),
@@ -301,7 +303,8 @@ def compressor_pool(old: tuple[mx.array, mx.array], new: tuple[mx.array, mx.arra
 # Up to this many tokens (decode, MTP verification) Q8_0 products are matvec kernels on the
 # fast path; a prefill chunk is a tensor-core GEMM (`q8_gemm`).
 MATVEC_MAX_TOKENS = 8
-_Q8_WARPS = 4                            # warps per thread block of the Q8_0 matvec
+_Q8_WARPS = 4                            # warps per thread block of the Q8_0 matvec (as row_finish's:
+                                         # a norm inside a product sums as row_finish does)
 _Q8_WARPS_WANTED = 4096                  # fewest warps a Q8_0 matvec takes 4 or 2 rows a warp with
 
 
@@ -314,22 +317,29 @@ def _grouped_tokens(name: str, matrix: Q8Matrix, x: mx.array, groups: int) -> in
     return x.size // (groups * cols)
 
 
-def q8_matvec(matrix: Q8Matrix, x: mx.array, groups: int = 1, shape: tuple[int, ...] | None = None) -> mx.array:
+def q8_matvec(matrix: Q8Matrix, x: mx.array, groups: int = 1, shape: tuple[int, ...] | None = None,
+              norm: tuple[mx.array, float] | None = None) -> mx.array:
     """W·x for a few tokens, from x's memory as it is (no reshape: each would be one more
     operation of the step). groups = 1: x [..., cols] -> [..., rows]. groups = G: the rows in
     G equal groups, group g multiplied by its own vector, x [T, ...] holding T·G·cols values
     (token-major, then group) -> [T, rows] (the grouped output projection). `shape`, when
-    given, is the output's shape instead (the same values in order: q heads [T, H, D])."""
+    given, is the output's shape instead (the same values in order: q heads [T, H, D]).
+    `norm` = (weight [cols], eps), one group: W·`row_finish`(x, eps=eps, weight=weight), the
+    norm inside the product (the same bits as the two launches: the q_b product of q_a)."""
     cols = matrix.cols
     t = _grouped_tokens("q8_matvec", matrix, x, groups)
+    if norm is not None and (groups != 1 or norm[0].shape != (cols,)):
+        raise ValueError(f"q8_matvec: a norm of weight {tuple(norm[0].shape)} for {groups} groups of {cols} columns")
     natural = (*x.shape[:-1], matrix.rows) if groups == 1 else (x.shape[0], matrix.rows)
     if shape is not None and int(np.prod(shape)) != t * matrix.rows:    # the kernel writes t·rows values
         raise ValueError(f"q8_matvec: output shape {tuple(shape)} does not hold {t}x{matrix.rows} values")
     group_rows = matrix.rows // groups
     r = _rows_per_warp(matrix.rows, group_rows)
+    norm_w, eps = norm if norm is not None else (_scalar(0.0), 0.0)
     (y,) = _fused("q8_matvec")(
-        inputs=[matrix.codes, matrix.scales, x.astype(mx.float32)],
-        template=[("ROWS", matrix.rows), ("COLS", cols), ("GROUP_ROWS", group_rows), ("R", r)],
+        inputs=[matrix.codes, matrix.scales, x.astype(mx.float32), norm_w, _scalar(eps)],
+        template=[("ROWS", matrix.rows), ("COLS", cols), ("GROUP_ROWS", group_rows), ("R", r),
+                  ("NORM", norm is not None)],
         **_q8_launch(matrix.rows, r, t), output_shapes=[shape or natural], output_dtypes=[mx.float32])
     return y
 

@@ -312,7 +312,8 @@ class Model:
         rotation = Rotation(cos, sin)
         xa, control = self._sublayer_input(h, streams, "attn", layer, mm)
         qr, kv = attention.input_products(layer, xa, mm)
-        q, qr_n = attention.project_q(layer, qr, rotation, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm)
+        q, qr_n = attention.project_q(layer, qr, rotation, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm,
+                                      keep_normed=indexed)
         q = h("hook_q", q)
         kv = h("hook_kv", attention.kv_row(layer, kv, rotation, cfg.rms_eps, mm))
         queries = indexer.indexer_queries(layer, xa, qr_n, rotation, cfg.indexer_heads, cfg.indexer_head_dim,

@@ -410,6 +410,14 @@ class Schedule:
         y = self._q8(matrix, x)
         return y if shape is None else y.reshape(shape)
 
+    def q8_normed(self, matrix: Q8Matrix, x: mx.array, weight: mx.array, eps: float,
+                  shape: tuple[int, ...] | None = None) -> mx.array:
+        """`q8`(matrix, `rms_norm`(x, weight, eps), shape) without the normed x: on the fast
+        path's matvec one kernel, the norm inside the product (the same values)."""
+        if self.matvec(x):
+            return kernels.q8_matvec(matrix, x, shape=shape, norm=(weight, eps))
+        return self.q8(matrix, self.rms_norm(x, weight, eps), shape=shape)
+
     def matvec(self, x: mx.array) -> bool:
         """Whether products of x [..., cols] are the fast path's matvec kernels: few tokens
         (decode, MTP verification) on the fast path."""

@@ -26,6 +26,16 @@ __device__ float ds4lab_block_sum(float v, float* scratch) {
     return total;
 }
 
+// RMSNorm's 1 / sqrt(mean(x^2) + eps) of the row xr (D values) over the thread block: each
+// thread sums every blockDim.x-th square, then the block sums. row_finish (NORM) and q8_matvec
+// (NORM: the norm inside the product) share it, so with equal blocks they give the same bits.
+__device__ float ds4lab_rms_inverse(const float* xr, int D, float eps, float* scratch) {
+    float ss = 0.0f;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) ss += xr[i] * xr[i];
+    ss = ds4lab_block_sum(ss, scratch);
+    return 1.0f / sqrtf(ss / (float)D + eps);
+}
+
 // The f16 in the low 16 bits of `bits` (block scales read as words), as a float.
 __device__ __forceinline__ float ds4lab_f16_bits(uint32_t bits) {
     return __half2float(__ushort_as_half((unsigned short)(bits & 0xffffu)));

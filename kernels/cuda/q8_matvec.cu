@@ -3,11 +3,17 @@
 // group g reads its own input vector (the grouped attention output projection; one group of
 // all ROWS for a plain matvec). Each warp owns R consecutive rows (R divides GROUP_ROWS, so
 // they share one input vector); q8_rows.cuh has the loop.
-// Inputs: codes [ROWS, COLS / 4] uint32, scales [ROWS, COLS / 32], x [T, ROWS / GROUP_ROWS, COLS].
+// NORM (one group): x is RMS-normed and weighted first, as row_finish(x; eps[0], norm_w) would
+// leave it (the same block-wide sum: q8_matvec's blocks and row_finish's are both 128
+// threads), so q_a's norm runs inside the q_b product instead of a launch of its own.
+// Inputs: codes [ROWS, COLS / 4] uint32, scales [ROWS, COLS / 32], x [T, ROWS / GROUP_ROWS, COLS],
+// norm_w [COLS] and eps [1] (NORM).
 // Grid: x = 32 threads per warp, R rows per warp; y = the token.
 const int lane = threadIdx.x & 31;
 const int r0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
 const int t = blockIdx.y;
+__shared__ float scratch[32];
+const float inv = NORM ? ds4lab_rms_inverse(x + (size_t)t * COLS, COLS, eps[0], scratch) : 1.0f;
 if (r0 >= ROWS) return;
 const float4* xv = reinterpret_cast<const float4*>(x + ((size_t)t * (ROWS / GROUP_ROWS) + r0 / GROUP_ROWS) * COLS);
 const uint4* w[R];
@@ -15,7 +21,7 @@ const float* s[R];
 #pragma unroll
 for (int i = 0; i < R; ++i) ds4lab_q8_row<COLS>(codes, scales, r0 + i, w[i], s[i]);
 float acc[R];
-ds4lab_q8_dots<R, COLS>(w, s, xv, lane, acc);
+ds4lab_q8_dots<R, COLS, NORM>(w, s, xv, lane, acc, norm_w, inv);
 #pragma unroll
 for (int i = 0; i < R; ++i) {
     const float total = ds4lab_warp_sum_all(acc[i]);

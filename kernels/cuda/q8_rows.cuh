@@ -10,9 +10,12 @@
 // A byte becomes the float (byte - 128) without an int-to-float conversion: placed in the
 // mantissa of 2^23 (bits 0x4B0000bb = 8388608 + byte, exact) and 8388608 + 128 subtracted.
 // Each lane sums in column order into acc[i]; the caller sums the warp.
-template <int NR, int COLS>
+// With NORM each input is first RMS-normed and weighted as row_finish does it: x * inv, then
+// times norm_w (two rounded products; inv from ds4lab_rms_inverse).
+template <int NR, int COLS, bool NORM = false>
 __device__ __forceinline__ void ds4lab_q8_dots(const uint4* const* w, const float* const* s, const float4* xv,
-                                               int lane, float* acc) {
+                                               int lane, float* acc, const float* norm_w = nullptr,
+                                               float inv = 1.0f) {
 #pragma unroll
     for (int i = 0; i < NR; ++i) acc[i] = 0.0f;
 #pragma unroll (NR < 8 ? 8 / NR : 1)
@@ -22,6 +25,10 @@ __device__ __forceinline__ void ds4lab_q8_dots(const uint4* const* w, const floa
         for (int k = 0; k < 4; ++k) {
             const float4 v = xv[4 * j + k];
             xs[4 * k] = v.x; xs[4 * k + 1] = v.y; xs[4 * k + 2] = v.z; xs[4 * k + 3] = v.w;
+        }
+        if (NORM) {
+#pragma unroll
+            for (int k = 0; k < 16; ++k) xs[k] = __fmul_rn(__fmul_rn(xs[k], inv), norm_w[16 * j + k]);
         }
 #pragma unroll
         for (int i = 0; i < NR; ++i) {

@@ -17,12 +17,7 @@ const float* xr = x + (size_t)r * D;
 float* yr = y + (size_t)r * D;
 __shared__ float scratch[32];
 float inv = 1.0f;
-if (NORM) {
-    float ss = 0.0f;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) ss += xr[i] * xr[i];
-    ss = ds4lab_block_sum(ss, scratch);
-    inv = 1.0f / sqrtf(ss / (float)D + eps[0]);
-}
+if (NORM) inv = ds4lab_rms_inverse(xr, D, eps[0], scratch);
 for (int i = threadIdx.x; i < D; i += blockDim.x) {
     float v = xr[i];
     if (NORM) v = __fmul_rn(v, inv);
