@@ -107,6 +107,14 @@ def check_fused_kernels() -> None:
         ref = ref_mm.finish_rows(x, rotation=rotation, **args)
         exact = "" if "norm" in on else f", equal bits {bool(mx.array_equal(fused, ref))}"
         print(f"row_finish {name} {shape} ({steps}): max rel err {_rel(fused, ref):.2e}{exact}")
+    window, kv = mx.random.normal((128, 512)), mx.random.normal((1, 512)) * 3.0
+    weight, rotation = mx.random.uniform(0.5, 1.5, (512,)), Rotation.at(100, 1, 64, 160000.0, None)
+    args = {"eps": 1e-6, "weight": weight, "fp8": True, "f16": True}
+    keys = kernels.row_finish(kv, rope=(rotation.cos, rotation.sin), prefix=window, **args)
+    err = _rel(keys[128:], ref_mm.finish_rows(kv, rotation=rotation, **args))
+    copied = bool(mx.array_equal(keys[:128], window).item())
+    _bar("row_finish after a 128-row window", err <= _KERNEL_BAR and copied)
+    print(f"row_finish of a KV row after a 128-row window: max rel err {err:.2e}, window copied exactly {copied}")
     for n, t, e in ((4, 1, 4096), (4, 300, 256), (2, 17, 192), (2, 3, 200)):   # last: hc_mix's last block half empty
         streams = mx.random.normal((t, n, e))
         fn = mx.random.normal(((2 + n) * n, n * e)) * 0.01

@@ -38,10 +38,11 @@ def _rms_weighted(y, eps, weight):
 
 
 def _row_finish(inputs, t, grid, threadgroup):
-    x, weight, cos, sin, eps, hscale, carry, n_rows = inputs
-    d, rows = t["D"], int(n_rows.item())
+    x, weight, cos, sin, eps, hscale, carry, n_rows, prefix = inputs
+    d, (rows, n_prefix) = t["D"], (int(n) for n in np.array(n_rows))
     assert carry.shape == (254,)                                   # one entry per normal exponent
-    assert x.shape[-1] == d and x.size == rows * d and _blocks(grid, threadgroup)[0] == rows
+    assert x.shape[-1] == d and x.size == rows * d and _blocks(grid, threadgroup)[0] == n_prefix + rows
+    assert t["PREFIX"] or n_prefix == 0
     y = _rms_weighted(x.reshape(rows, d), eps if t["NORM"] else None, weight if t["WEIGHT"] else None)
     if t["ROPE"]:
         assert cos.shape[-1] * 2 == t["NROT"]
@@ -55,6 +56,9 @@ def _row_finish(inputs, t, grid, threadgroup):
         y = nm.fp8_kv_round(y, d - t["NROT"])
     if t["F16"]:
         y = nm.round_f16(y)
+    if t["PREFIX"]:                      # the prefix's rows copied first (the KV window, then its new rows)
+        assert prefix.shape == (n_prefix, d)
+        return [mx.concatenate([prefix, y])]
     return [y.reshape(x.shape)]
 
 
@@ -528,6 +532,21 @@ def test_q_a_norm_runs_inside_the_q_b_product_unless_the_indexer_needs_it(small_
     assert stand_in_kernels["row_finish"] == apart["row_finish"] - 1
     assert stand_in_kernels["q8_matvec"] == apart["q8_matvec"]
     assert np.array_equal(np.array(q_inside), np.array(q_apart))
+
+
+def test_kv_rows_are_finished_after_the_window_in_one_launch(small_weights, stand_in_kernels):
+    """The fast path's keys: the kept window's rows, then the chunk's KV rows finished, from
+    one row_finish launch and no concatenation; the same values as the reference's append."""
+    cfg, layer = small_weights.config, small_weights.layers[1]
+    rotation = Rotation.at(40, 2, cfg.n_rot, cfg.rope_base(1), yarn_for(cfg, layer.ratio))
+    window = mx.random.normal((5, cfg.head_dim), key=mx.random.key(4))
+    kv = mx.random.normal((2, cfg.head_dim), key=mx.random.key(5)) * 3.0
+    keys = attention.window_and_kv_rows(layer, window, kv, rotation, cfg.rms_eps)
+    assert stand_in_kernels == {"row_finish": 1}
+    reference = Model(small_weights).numerics
+    reference.allow_fast = False
+    rows = attention.kv_row(layer, kv, rotation, cfg.rms_eps, reference.schedule(np.arange(40, 42)))
+    assert np.array_equal(np.array(keys), np.array(mx.concatenate([window, rows])))
 
 
 def test_boundary_hooks_keep_the_fast_path_and_their_replacements_count(small_weights, stand_in_kernels):

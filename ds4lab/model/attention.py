@@ -47,6 +47,13 @@ def kv_row(layer: LayerWeights, kv: mx.array, rotation: Rotation, eps: float, mm
                           f16=True)
 
 
+def window_and_kv_rows(layer: LayerWeights, window: mx.array, kv: mx.array, rotation: Rotation, eps: float) -> mx.array:
+    """The fast path's [window; `kv_row`(kv)] in one kernel: the kept raw window's rows, then
+    the chunk's KV rows finished (the keys a chunk attends, without a concatenation)."""
+    return kernels.row_finish(kv, eps=eps, weight=layer.dense["attn_kv_a_norm.weight"],
+                              rope=(rotation.cos, rotation.sin), fp8=True, f16=True, prefix=window)
+
+
 def visible_keys(mask: mx.array) -> tuple[mx.array, mx.array]:
     """Each token's visible keys in ds4's order, packed to the front: (indices [T, L], valid [T, L]).
 

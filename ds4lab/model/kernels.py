@@ -91,7 +91,7 @@ _KERNELS = {
     "hc_mix": ("hc_mix.cu", ("ds4lab_block.cuh",), ["streams", "mix"], ["part"]),
     "hc_post": ("hc_post.cu", ("ds4lab_block.cuh",), ["out", "add", "streams", "post", "comb", "n_tok"], ["y"]),
     "row_finish": ("row_finish.cu", ("ds4lab_block.cuh",),
-                   ["x", "weight", "rope_cos", "rope_sin", "eps", "hscale", "carry", "n_rows"], ["y"]),
+                   ["x", "weight", "rope_cos", "rope_sin", "eps", "hscale", "carry", "n_rows", "prefix"], ["y"]),
     "attention_heads": ("decode_attention.cu", ("ds4lab_block.cuh",),
                         ["q", "keys", "comp", "mask", "sinks", "rope_cos", "rope_sin", "n_keys"], ["out"]),
     "prefill_attention": ("prefill_attention.cu", ("ds4lab_block.cuh", "gemm_common.cuh"),
@@ -197,26 +197,31 @@ def hc_post(out: mx.array, streams: mx.array, post: mx.array, comb: mx.array, ad
 
 def row_finish(x: mx.array, *, eps: float | None = None, weight: mx.array | None = None,
                rope: tuple[mx.array, mx.array] | None = None, inverse: bool = False, qat: bool = False,
-               fp8: bool = False, f16: bool = False) -> mx.array:
+               fp8: bool = False, f16: bool = False, prefix: mx.array | None = None) -> mx.array:
     """The chosen per-row steps over x's last axis, in this order: RMSNorm (when `eps` is
     given), times `weight`, RoPE of the last 2·cos.shape[-1] dims with `rope` = (cos, sin)
     [positions, n_rot/2] (x's rows split evenly over the positions, in order: the heads of a
     token share its position; `inverse` turns back), Hadamard + FP4 (`qat`), FP8 of the
-    non-RoPE dims (`fp8`), f16 round trip (`f16`)."""
+    non-RoPE dims (`fp8`), f16 round trip (`f16`). With `prefix` [P, D] (x [rows, D]) the
+    result is [P + rows, D]: prefix's rows, then x's finished (the KV rows after the window)."""
     d = x.shape[-1]
     rows = x.size // d
+    if prefix is not None and (x.ndim != 2 or prefix.ndim != 2 or prefix.shape[1] != d):
+        raise ValueError(f"row_finish: prefix {tuple(prefix.shape)} before rows {tuple(x.shape)} (both [rows, {d}])")
+    n_prefix = 0 if prefix is None else prefix.shape[0]
     one = _scalar(0.0)
     cos, sin = rope if rope is not None else (one, one)
     n_rot = 2 * cos.shape[-1] if rope is not None else 0
     (y,) = _fused("row_finish")(
         inputs=[x.astype(mx.float32), one if weight is None else weight, cos, sin, _scalar(eps or 0.0),
-                _scalar(float(np.float32(1.0 / np.sqrt(d)))), _carry_table(), _scalar(rows, mx.int32)],
+                _scalar(float(np.float32(1.0 / np.sqrt(d)))), _carry_table(), _constant((rows, n_prefix), mx.int32),
+                one if prefix is None else prefix.astype(mx.float32)],
         template=[("D", d), ("NORM", eps is not None), ("WEIGHT", weight is not None),
                   ("ROPE", 0 if rope is None else 2 if inverse else 1), ("NROT", n_rot),
                   ("POS_DIV", rows // cos.shape[0] if rope is not None else 1), ("QAT", qat), ("FP8", fp8),
-                  ("F16", f16)],
-        grid=(rows * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
-        output_shapes=[x.shape], output_dtypes=[mx.float32])
+                  ("F16", f16), ("PREFIX", prefix is not None)],
+        grid=((n_prefix + rows) * _THREADS, 1, 1), threadgroup=(_THREADS, 1, 1),
+        output_shapes=[x.shape if prefix is None else (n_prefix + rows, d)], output_dtypes=[mx.float32])
     return y
 
 

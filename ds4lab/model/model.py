@@ -288,11 +288,18 @@ class Model:
         # The indexer scores once more rows are visible than it keeps: its queries are then
         # computed with the attention's (position p0 + t - 1 completes (p0 + t) // ratio windows).
         indexed = has_indexer(layer.ratio) and (p0 + streams.shape[0]) // layer.ratio > cfg.indexer_top_k
+        # On the fast path the KV rows leave the sublayer unfinished: one kernel finishes them
+        # after the kept window's rows, the keys to attend (`hook_kv` sends a block to the reference).
         xa, pre, post, comb, q, kv, *queries = self._sublayer(
-            "attn_in+indexer" if indexed else "attn_in", layer, mm, partial(self._attention_inputs, indexed=indexed),
-            streams, rotation.cos, rotation.sin)
+            "attn_in+indexer" if indexed else "attn_in", layer, mm,
+            partial(self._attention_inputs, indexed=indexed, finish_kv=not mm.fast), streams, rotation.cos,
+            rotation.sin)
         t, n_kept = kv.shape[0], cache.raw.shape[0]
-        keys = cache.update_window(kv, cfg.n_swa)
+        if mm.fast:
+            keys = cache.keep_window(attention.window_and_kv_rows(layer, cache.raw, kv, rotation, cfg.rms_eps),
+                                     cfg.n_swa)
+        else:
+            keys = cache.update_window(kv, cfg.n_swa)
         if layer.ratio:                       # the compressed rows follow the window's in key order
             comp, mask = self._compressed_keys(layer, cache, h, xa, queries, p0, n_kept, mm)
         else:
@@ -304,9 +311,10 @@ class Model:
         return self._sublayer("attn_out", layer, mm, self._attention_output, heads, streams, pre, post, comb)
 
     def _attention_inputs(self, layer: LayerWeights, mm: Schedule, streams: mx.array, cos: mx.array,
-                          sin: mx.array, indexed: bool) -> tuple[mx.array, ...]:
+                          sin: mx.array, indexed: bool, finish_kv: bool) -> tuple[mx.array, ...]:
         """The attention sublayer before the cache: (xa, pre, post, comb, q, kv), hooked, then
-        with `indexed` the indexer's queries and head weights (`indexer.indexer_queries`)."""
+        with `indexed` the indexer's queries and head weights (`indexer.indexer_queries`);
+        without `finish_kv`, kv is the product attn_kv · xa, not yet the stored row."""
         cfg = self.config
         h = self._hooks.scope(f"{_prefix(layer)}.attn")
         rotation = Rotation(cos, sin)
@@ -315,7 +323,8 @@ class Model:
         q, qr_n = attention.project_q(layer, qr, rotation, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm,
                                       keep_normed=indexed)
         q = h("hook_q", q)
-        kv = h("hook_kv", attention.kv_row(layer, kv, rotation, cfg.rms_eps, mm))
+        if finish_kv:
+            kv = h("hook_kv", attention.kv_row(layer, kv, rotation, cfg.rms_eps, mm))
         queries = indexer.indexer_queries(layer, xa, qr_n, rotation, cfg.indexer_heads, cfg.indexer_head_dim,
                                           mm) if indexed else ()
         return xa, control.pre, control.post, control.comb, q, kv, *queries

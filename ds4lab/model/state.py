@@ -45,7 +45,11 @@ class LayerCache:
     def update_window(self, rows: mx.array, n_swa: int) -> mx.array:
         """Append a chunk's KV rows; keep the last n_swa; return every raw row a token of the
         chunk may see (the kept window, then the chunk's rows)."""
-        keys = joined([self.raw, rows])
+        return self.keep_window(joined([self.raw, rows]), n_swa)
+
+    def keep_window(self, keys: mx.array, n_swa: int) -> mx.array:
+        """`update_window` from its result, `keys` = the kept window then a chunk's rows (the
+        fast path appends in the launch that finishes the rows): keep the last n_swa; return keys."""
         # On the CPU `keys` is a host array already: the kept rows copied out, evaluated.
         self.raw = mx.array(np.asarray(keys)[-n_swa:]) if batch_invariant_device() else keys[-n_swa:]
         return keys

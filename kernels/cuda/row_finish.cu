@@ -11,10 +11,17 @@
 // RoPE, Hadamard and the roundings repeat the reference's float operations (explicitly
 // rounded multiplies, no fused multiply-add), so from the same input they give the same bits;
 // the norm's sum runs in another order.
-const int r = blockIdx.x;
+// n_rows = [rows of x, rows of prefix]. With PREFIX the output is prefix's rows (copied) then
+// x's finished rows: a KV row appended to the raw window in the launch that finishes it.
+const int n_prefix = PREFIX ? n_rows[1] : 0;
+if ((int)blockIdx.x < n_prefix) {
+    for (int i = threadIdx.x; i < D; i += blockDim.x) y[(size_t)blockIdx.x * D + i] = prefix[(size_t)blockIdx.x * D + i];
+    return;
+}
+const int r = blockIdx.x - n_prefix;
 if (r >= n_rows[0]) return;
 const float* xr = x + (size_t)r * D;
-float* yr = y + (size_t)r * D;
+float* yr = y + (size_t)(n_prefix + r) * D;
 __shared__ float scratch[32];
 float inv = 1.0f;
 if (NORM) inv = ds4lab_rms_inverse(xr, D, eps[0], scratch);
