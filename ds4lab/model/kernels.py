@@ -340,7 +340,7 @@ def q8_matvec(matrix: Q8Matrix, x: mx.array, groups: int = 1, shape: tuple[int, 
         raise ValueError(f"q8_matvec: output shape {tuple(shape)} does not hold {t}x{matrix.rows} values")
     group_rows = matrix.rows // groups
     r = _rows_per_warp(matrix.rows, group_rows)
-    norm_w, eps = norm if norm is not None else (_scalar(0.0), 0.0)
+    norm_w, eps = (norm[0].astype(mx.float32), norm[1]) if norm is not None else (_scalar(0.0), 0.0)
     (y,) = _fused("q8_matvec")(
         inputs=[matrix.codes, matrix.scales, x.astype(mx.float32), norm_w, _scalar(eps)],
         template=[("ROWS", matrix.rows), ("COLS", cols), ("GROUP_ROWS", group_rows), ("R", r),
