@@ -149,6 +149,14 @@ def check_fused_kernels() -> None:
         _bar(f"attention_heads {t} tokens, {n_keys} keys", err <= _KERNEL_BAR)
         print(f"attention_heads ({t} tokens, {h} heads, dim {d}, {n_keys} keys; whole and split) vs attend + "
               f"inverse RoPE: max rel err {err:.2e}")
+        if t <= kernels.MATVEC_MAX_TOKENS:       # decode: the q_b product's heads finished inside
+            raw_q = q * 5.0
+            ref = attention.attend_heads(ref_mm.finish_rows(raw_q, eps=1e-6, rotation=rotation), keys, mask, sinks,
+                                         rotation, ref_mm)
+            err = _rel(kernels.attention_heads(raw_q, keys[:cut], mask, sinks, rope, keys[cut:], q_eps=1e-6), ref)
+            _bar(f"attention_heads {t} tokens, {n_keys} keys, q finished inside", err <= _KERNEL_BAR)
+            print(f"attention_heads with the q heads' norm and RoPE inside vs finish_rows + attend: "
+                  f"max rel err {err:.2e}")
     for t, h, dh, n_keys in ((1, 64, 128, 1024), (3, 4, 64, 50)):
         q, w, keys = mx.random.normal((t, h, dh)), mx.random.normal((t, h)), mx.random.normal((n_keys, dh))
         ref = (mx.maximum(q @ keys.T, 0.0) * w[:, :, None]).sum(axis=1)

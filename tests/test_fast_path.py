@@ -98,11 +98,14 @@ def _hc_post(inputs, t, grid, threadgroup):
 
 
 def _attention_heads(inputs, t, grid, threadgroup):
-    q, keys, comp, mask, sinks, cos, sin, n_keys = inputs
+    q, keys, comp, mask, sinks, cos, sin, n_keys, eps = inputs
     heads, tokens = _blocks(grid, threadgroup)
     n_raw, n_all = n_keys.tolist()
     assert q.shape == (tokens, heads, t["D"]) and keys.shape[0] == n_raw and n_all == mask.shape[1]
     assert threadgroup[0] == 32 * t["WARPS"] and cos.shape == (tokens, t["NROT"] // 2)
+    if t["QFINISH"]:                     # q is the q_b product: each head normed and rotated first
+        at = mx.arange(tokens * heads) // heads
+        q = apply_rope_tail(_rms_weighted(q.reshape(-1, t["D"]), eps, None), cos[at], sin[at]).reshape(q.shape)
     if n_all > n_raw:                             # the compressed rows follow the window's
         assert comp.shape == (n_all - n_raw, t["D"])
         keys = mx.concatenate([keys, comp])
@@ -547,6 +550,20 @@ def test_kv_rows_are_finished_after_the_window_in_one_launch(small_weights, stan
     reference.allow_fast = False
     rows = attention.kv_row(layer, kv, rotation, cfg.rms_eps, reference.schedule(np.arange(40, 42)))
     assert np.array_equal(np.array(keys), np.array(mx.concatenate([window, rows])))
+
+
+def test_a_decode_step_finishes_q_and_kv_rows_without_launches_of_their_own(small_weights, stand_in_kernels):
+    """A decode step (no window completed, no indexer) launches row_finish once a layer, for
+    the KV row after its window, plus the head's two (its HC weights' and its output norm):
+    q_a's norm is inside the q_b product and the q heads are finished by the attention kernel."""
+    model = Model(small_weights)
+    session = model.session()
+    session.prefill([(37 * i + 11) % 1000 + 100 for i in range(10)])
+    stand_in_kernels.clear()
+    mx.eval(session.decode(321))           # position 10: no ratio-4 or ratio-128 window completes
+    n_layer = small_weights.config.n_layer
+    assert stand_in_kernels["row_finish"] == n_layer + 2
+    assert stand_in_kernels["attention_heads"] == stand_in_kernels["q8_pair"] == n_layer
 
 
 def test_boundary_hooks_keep_the_fast_path_and_their_replacements_count(small_weights, stand_in_kernels):

@@ -27,17 +27,19 @@ def input_products(layer: LayerWeights, xa: mx.array, mm: Schedule) -> tuple[mx.
 
 
 def project_q(layer: LayerWeights, qr: mx.array, rotation: Rotation, n_head: int, head_dim: int, eps: float,
-              mm: Schedule, keep_normed: bool = True) -> tuple[mx.array, mx.array | None]:
+              mm: Schedule, keep_normed: bool = True, finish: bool = True) -> tuple[mx.array, mx.array | None]:
     """From qr = attn_q_a · xa: (q [T, H, D] with per-head weightless RMS, rotated; qr_n
     [T, q_lora_rank], qr RMS-normed, which also feeds the indexer). Without `keep_normed`
-    qr_n is None: the fast path's matvec then norms qr inside the q_b product."""
+    qr_n is None: the fast path's matvec then norms qr inside the q_b product. Without
+    `finish` q is the q_b product, its heads not yet normed nor rotated (decode attention on
+    the fast path does both: `attend_heads(q_eps=)`)."""
     norm, q_b, shape = layer.dense["attn_q_a_norm.weight"], layer.q8["attn_q_b.weight"], (qr.shape[0], n_head, head_dim)
     if keep_normed:
         qr_n = mm.rms_norm(qr, norm, eps)
         q = mm.q8(q_b, qr_n, shape=shape)
     else:
         qr_n, q = None, mm.q8_normed(q_b, qr, norm, eps, shape=shape)
-    return mm.finish_rows(q, eps=eps, rotation=rotation), qr_n
+    return (mm.finish_rows(q, eps=eps, rotation=rotation) if finish else q), qr_n
 
 
 def kv_row(layer: LayerWeights, kv: mx.array, rotation: Rotation, eps: float, mm: Schedule) -> mx.array:
@@ -71,13 +73,17 @@ def visible_keys(mask: mx.array) -> tuple[mx.array, mx.array]:
 
 
 def attend_heads(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array, rotation: Rotation,
-                 mm: Schedule, comp: mx.array | None = None) -> mx.array:
+                 mm: Schedule, comp: mx.array | None = None, q_eps: float | None = None) -> mx.array:
     """Head outputs [T, H, D]: `attend` over keys (then `comp`, the compressed rows, when
     given), then turned back by the query position's angle (ds4's inverse RoPE). One kernel on
     the fast path (`kernels.attention_heads`) and on the native CPU path
-    (`cpu_kernels.attention`), which read only the visible keys."""
+    (`cpu_kernels.attention`), which read only the visible keys. With `q_eps`, q is the q_b
+    product (`project_q(finish=False)`): its heads are finished first, inside the fast path's
+    decode kernel."""
     if mm.fast:
-        return kernels.attention_heads(q, keys, mask, sinks, (rotation.cos, rotation.sin), comp)
+        return kernels.attention_heads(q, keys, mask, sinks, (rotation.cos, rotation.sin), comp, q_eps)
+    if q_eps is not None:
+        q = mm.finish_rows(q, eps=q_eps, rotation=rotation)
     if mm.native_rows(q):                             # `cpu_kernels.attention`: one call, no gathers
         return mm.finish_rows(cpu_kernels.attention(q, keys, comp, mask, sinks), rotation=rotation, inverse=True)
     if comp is not None:

@@ -93,7 +93,7 @@ _KERNELS = {
     "row_finish": ("row_finish.cu", ("ds4lab_block.cuh",),
                    ["x", "weight", "rope_cos", "rope_sin", "eps", "hscale", "carry", "n_rows", "prefix"], ["y"]),
     "attention_heads": ("decode_attention.cu", ("ds4lab_block.cuh",),
-                        ["q", "keys", "comp", "mask", "sinks", "rope_cos", "rope_sin", "n_keys"], ["out"]),
+                        ["q", "keys", "comp", "mask", "sinks", "rope_cos", "rope_sin", "n_keys", "eps"], ["out"]),
     "prefill_attention": ("prefill_attention.cu", ("ds4lab_block.cuh", "gemm_common.cuh"),
                           ["q", "keys", "mask", "sinks", "rope_cos", "rope_sin", "n_keys"], ["out"]),
     "indexer_scores": ("indexer_scores.cu", ("ds4lab_block.cuh",), ["q", "w", "keys", "n_keys"], ["scores"]),
@@ -226,12 +226,17 @@ def row_finish(x: mx.array, *, eps: float | None = None, weight: mx.array | None
 
 
 def attention_heads(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array,
-                    rope: tuple[mx.array, mx.array], comp: mx.array | None = None) -> mx.array:
+                    rope: tuple[mx.array, mx.array], comp: mx.array | None = None,
+                    q_eps: float | None = None) -> mx.array:
     """Sink softmax attention, K = V, then the inverse RoPE of the query positions: q [T, H, D],
     keys [N, D] (then `comp` [C, D], the compressed rows, when given), mask [T, N (+ C)],
-    sinks [H], rope (cos, sin) [T, n_rot/2] -> [T, H, D]."""
+    sinks [H], rope (cos, sin) [T, n_rot/2] -> [T, H, D]. With `q_eps` (up to
+    MATVEC_MAX_TOKENS tokens) q is the q_b product: each head is first RMS-normed with that
+    eps and rotated at its token's position (`row_finish(q, eps=q_eps, rope=rope)`)."""
     t, h, d = q.shape
     cos, sin = rope
+    if q_eps is not None and t > MATVEC_MAX_TOKENS:
+        raise ValueError(f"attention_heads: q finished inside for at most {MATVEC_MAX_TOKENS} tokens, not {t}")
     if t > MATVEC_MAX_TOKENS and d % 64 == 0:
         # A chunk: one thread block per token and 16 heads, on the tensor cores.
         keys = keys if comp is None else mx.concatenate([keys, comp])
@@ -245,8 +250,8 @@ def attention_heads(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array
     n_comp = 0 if comp is None else comp.shape[0]
     (out,) = _fused("attention_heads")(
         inputs=[q, keys, _scalar(0.0) if comp is None else comp, mask, sinks, cos, sin,
-                _constant((keys.shape[0], keys.shape[0] + n_comp), mx.int32)],
-        template=[("D", d), ("NROT", 2 * cos.shape[-1]), ("WARPS", _ATTENTION_WARPS)],
+                _constant((keys.shape[0], keys.shape[0] + n_comp), mx.int32), _scalar(q_eps or 0.0)],
+        template=[("D", d), ("NROT", 2 * cos.shape[-1]), ("WARPS", _ATTENTION_WARPS), ("QFINISH", q_eps is not None)],
         grid=(h * threads, t, 1), threadgroup=(threads, 1, 1),
         output_shapes=[q.shape], output_dtypes=[mx.float32])
     return out

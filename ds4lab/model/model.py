@@ -289,11 +289,13 @@ class Model:
         # computed with the attention's (position p0 + t - 1 completes (p0 + t) // ratio windows).
         indexed = has_indexer(layer.ratio) and (p0 + streams.shape[0]) // layer.ratio > cfg.indexer_top_k
         # On the fast path the KV rows leave the sublayer unfinished: one kernel finishes them
-        # after the kept window's rows, the keys to attend (`hook_kv` sends a block to the reference).
+        # after the kept window's rows, the keys to attend; in a decode step so do the q heads,
+        # finished by the attention kernel (`hook_kv`, `hook_q` send a block to the reference).
+        q_in_attention = mm.fast and streams.shape[0] <= kernels.MATVEC_MAX_TOKENS
         xa, pre, post, comb, q, kv, *queries = self._sublayer(
             "attn_in+indexer" if indexed else "attn_in", layer, mm,
-            partial(self._attention_inputs, indexed=indexed, finish_kv=not mm.fast), streams, rotation.cos,
-            rotation.sin)
+            partial(self._attention_inputs, indexed=indexed, finish_kv=not mm.fast, finish_q=not q_in_attention),
+            streams, rotation.cos, rotation.sin)
         t, n_kept = kv.shape[0], cache.raw.shape[0]
         if mm.fast:
             keys = cache.keep_window(attention.window_and_kv_rows(layer, cache.raw, kv, rotation, cfg.rms_eps),
@@ -307,22 +309,25 @@ class Model:
         if h.wants("hook_pattern") or h.wants("hook_key_span"):
             self._read_pattern(h, q, keys if comp is None else mx.concatenate([keys, comp]), mask,
                                d["attn_sinks.weight"], mx.arange(p0 - n_kept, p0 + t), layer.ratio)
-        heads = h("hook_z", attention.attend_heads(q, keys, mask, d["attn_sinks.weight"], rotation, mm, comp))
+        heads = h("hook_z", attention.attend_heads(q, keys, mask, d["attn_sinks.weight"], rotation, mm, comp,
+                                                   cfg.rms_eps if q_in_attention else None))
         return self._sublayer("attn_out", layer, mm, self._attention_output, heads, streams, pre, post, comb)
 
     def _attention_inputs(self, layer: LayerWeights, mm: Schedule, streams: mx.array, cos: mx.array,
-                          sin: mx.array, indexed: bool, finish_kv: bool) -> tuple[mx.array, ...]:
+                          sin: mx.array, indexed: bool, finish_kv: bool, finish_q: bool) -> tuple[mx.array, ...]:
         """The attention sublayer before the cache: (xa, pre, post, comb, q, kv), hooked, then
         with `indexed` the indexer's queries and head weights (`indexer.indexer_queries`);
-        without `finish_kv`, kv is the product attn_kv · xa, not yet the stored row."""
+        without `finish_kv`, kv is the product attn_kv · xa, not yet the stored row; without
+        `finish_q`, q is the q_b product, its heads not yet normed nor rotated."""
         cfg = self.config
         h = self._hooks.scope(f"{_prefix(layer)}.attn")
         rotation = Rotation(cos, sin)
         xa, control = self._sublayer_input(h, streams, "attn", layer, mm)
         qr, kv = attention.input_products(layer, xa, mm)
         q, qr_n = attention.project_q(layer, qr, rotation, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm,
-                                      keep_normed=indexed)
-        q = h("hook_q", q)
+                                      keep_normed=indexed, finish=finish_q)
+        if finish_q:
+            q = h("hook_q", q)
         if finish_kv:
             kv = h("hook_kv", attention.kv_row(layer, kv, rotation, cfg.rms_eps, mm))
         queries = indexer.indexer_queries(layer, xa, qr_n, rotation, cfg.indexer_heads, cfg.indexer_head_dim,

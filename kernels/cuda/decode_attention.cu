@@ -5,6 +5,10 @@
 //   the compressed rows after them (two arrays: no copy of the cache into one); mask [T,
 //   n_keys[1]] over both; sinks [H]; rope_cos/rope_sin [T, NROT/2] of the query positions.
 //   Output [T, H, D].
+// QFINISH: q is the q_b product, not yet the head: the block first RMS-norms it (weightless,
+// eps[0]) and applies the RoPE of the token's position, with row_finish's float steps (its
+// NORM and ROPE = 1; the norm's sum over this block's threads), so the heads' finish costs
+// no launch of its own.
 // Each of the WARPS warps runs an online softmax over every WARPS-th key (a lane holds D/32
 // dims); the warps' partial sums are then combined with the sink. Masked keys are skipped,
 // so only the selected compressed rows are read.
@@ -18,8 +22,24 @@ const int n_raw = n_keys[0], nk = n_keys[1];
 const float scale = 1.0f / sqrtf((float)D);
 const float* qh = q + ((size_t)t * n_head + h) * D;
 const bool* visible = mask + (size_t)t * nk;
+__shared__ float q_finished[QFINISH ? D : 1];
+if (QFINISH) {
+    __shared__ float scratch[32];
+    const float inv = ds4lab_rms_inverse(qh, D, eps[0], scratch);
+    for (int i = threadIdx.x; i < D; i += blockDim.x) q_finished[i] = __fmul_rn(qh[i], inv);
+    __syncthreads();
+    for (int j = threadIdx.x; j < NROT / 2; j += blockDim.x) {
+        const float c = rope_cos[t * (NROT / 2) + j], sn = rope_sin[t * (NROT / 2) + j];
+        float* p = q_finished + (D - NROT) + 2 * j;
+        const float x0 = p[0], x1 = p[1];
+        p[0] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn));
+        p[1] = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, c));
+    }
+    __syncthreads();
+}
+const float* qr = QFINISH ? q_finished : qh;
 float qv[PER], acc[PER];
-for (int k = 0; k < PER; ++k) { qv[k] = qh[lane + 32 * k]; acc[k] = 0.0f; }
+for (int k = 0; k < PER; ++k) { qv[k] = qr[lane + 32 * k]; acc[k] = 0.0f; }
 float m = -INFINITY, l = 0.0f;
 for (int n0 = warp; n0 < nk; n0 += WARPS * BATCH) {
     bool vis[BATCH];
