@@ -12,12 +12,14 @@ reference's steps in the same order, so a Metal port can translate them line by 
 - `hc_post`: the new streams from the sublayer output (`hc.hc_expand`), optionally the sum
   of two outputs (the FFN's routed and shared experts).
 - `row_finish`: per-row RMSNorm, weight, RoPE (or its inverse), Hadamard + FP4, FP8 and f16
-  roundings, each optional: q heads, KV rows, compressed rows, indexer queries and keys.
+  roundings, each optional: q heads, KV rows (written after the raw window's rows: the keys
+  a chunk attends), compressed rows, indexer queries and keys.
 - `attention_heads`: softmax attention with sinks over the visible keys (masked ones are not
   read; the raw window and the compressed rows from their own arrays), online softmax
   across warps (each taking its keys four at a time), and the inverse RoPE of the output;
-  a chunk of tokens (prefill) runs `prefill_attention` instead: a token's heads 16 at a time
-  on the tensor cores, each visible key read once for them.
+  in a decode step it first finishes the q heads (norm, RoPE) from the q_b product. A chunk
+  of tokens (prefill) runs `prefill_attention` instead: a token's heads 16 at a time on the
+  tensor cores, each visible key read once for them.
 - `indexer_scores`: the lightning indexer's Σ_h w_h·relu(q_h·k) per key row.
 - `indexer_mask`: the indexer's top-k of those rows, written with the window's columns as
   the attention mask (a radix select of the k-th score, ties ranked by row).
