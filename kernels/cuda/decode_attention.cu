@@ -28,13 +28,7 @@ if (QFINISH) {
     const float inv = ds4lab_rms_inverse(qh, D, eps[0], scratch);
     for (int i = threadIdx.x; i < D; i += blockDim.x) q_finished[i] = __fmul_rn(qh[i], inv);
     __syncthreads();
-    for (int j = threadIdx.x; j < NROT / 2; j += blockDim.x) {
-        const float c = rope_cos[t * (NROT / 2) + j], sn = rope_sin[t * (NROT / 2) + j];
-        float* p = q_finished + (D - NROT) + 2 * j;
-        const float x0 = p[0], x1 = p[1];
-        p[0] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn));
-        p[1] = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, c));
-    }
+    ds4lab_rope_tail(q_finished, D, NROT, t, rope_cos, rope_sin, false);
     __syncthreads();
 }
 const float* qr = QFINISH ? q_finished : qh;

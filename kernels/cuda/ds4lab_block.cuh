@@ -79,6 +79,21 @@ __device__ void ds4lab_block_minifloat(float* p, float fmax, float amax_floor, c
     }
 }
 
+// RoPE (or with `inverse` its inverse) of a row's last NROT_ of D_ dims, GPT-J pairs, at row
+// `pos` of (rope_cos, rope_sin) [positions, NROT_ / 2], in place, a pair a thread of the block;
+// each product rounded as the reference composition rounds it. The caller synchronises.
+__device__ void ds4lab_rope_tail(float* row, int D_, int NROT_, int pos, const float* rope_cos,
+                                 const float* rope_sin, bool inverse) {
+    for (int j = threadIdx.x; j < NROT_ / 2; j += blockDim.x) {
+        const float c = rope_cos[pos * (NROT_ / 2) + j];
+        const float sn = inverse ? -rope_sin[pos * (NROT_ / 2) + j] : rope_sin[pos * (NROT_ / 2) + j];
+        float* p = row + (D_ - NROT_) + 2 * j;
+        const float x0 = p[0], x1 = p[1];
+        p[0] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn));
+        p[1] = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, c));
+    }
+}
+
 // The inverse RoPE of one output pair (o0, o1) at dims d, d + 1 of a row whose last NROT of
 // D dims are rotated (d even), at row t's angle: ds4's rotation by -angle, each product
 // rounded as the reference composition rounds it.

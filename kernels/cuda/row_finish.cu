@@ -33,15 +33,7 @@ for (int i = threadIdx.x; i < D; i += blockDim.x) {
 }
 __syncthreads();
 if (ROPE) {
-    const int pos = r / POS_DIV;
-    for (int j = threadIdx.x; j < NROT / 2; j += blockDim.x) {
-        const float c = rope_cos[pos * (NROT / 2) + j];
-        const float sn = ROPE == 2 ? -rope_sin[pos * (NROT / 2) + j] : rope_sin[pos * (NROT / 2) + j];
-        float* p = yr + (D - NROT) + 2 * j;
-        const float x0 = p[0], x1 = p[1];
-        p[0] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, sn));
-        p[1] = __fadd_rn(__fmul_rn(x0, sn), __fmul_rn(x1, c));
-    }
+    ds4lab_rope_tail(yr, D, NROT, r / POS_DIV, rope_cos, rope_sin, ROPE == 2);
     __syncthreads();
 }
 const int lane_warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
