@@ -544,11 +544,11 @@ def test_kv_rows_are_finished_after_the_window_in_one_launch(small_weights, stan
     rotation = Rotation.at(40, 2, cfg.n_rot, cfg.rope_base(1), yarn_for(cfg, layer.ratio))
     window = mx.random.normal((5, cfg.head_dim), key=mx.random.key(4))
     kv = mx.random.normal((2, cfg.head_dim), key=mx.random.key(5)) * 3.0
-    keys = attention.window_and_kv_rows(layer, window, kv, rotation, cfg.rms_eps)
+    numerics = Model(small_weights).numerics
+    keys = attention.kv_row(layer, kv, rotation, cfg.rms_eps, numerics.schedule(np.arange(40, 42)), window=window)
     assert stand_in_kernels == {"row_finish": 1}
-    reference = Model(small_weights).numerics
-    reference.allow_fast = False
-    rows = attention.kv_row(layer, kv, rotation, cfg.rms_eps, reference.schedule(np.arange(40, 42)))
+    numerics.allow_fast = False
+    rows = attention.kv_row(layer, kv, rotation, cfg.rms_eps, numerics.schedule(np.arange(40, 42)))
     assert np.array_equal(np.array(keys), np.array(mx.concatenate([window, rows])))
 
 

@@ -42,18 +42,14 @@ def project_q(layer: LayerWeights, qr: mx.array, rotation: Rotation, n_head: int
     return (mm.finish_rows(q, eps=eps, rotation=rotation) if finish else q), qr_n
 
 
-def kv_row(layer: LayerWeights, kv: mx.array, rotation: Rotation, eps: float, mm: Schedule) -> mx.array:
+def kv_row(layer: LayerWeights, kv: mx.array, rotation: Rotation, eps: float, mm: Schedule,
+           window: mx.array | None = None) -> mx.array:
     """The layer's KV row as stored, [T, D], from kv = attn_kv · xa: RMS(kv; kv_norm), RoPE at
-    the token's position, ds4's FP8 round trip on the non-RoPE dims, f16 storage."""
+    the token's position, ds4's FP8 round trip on the non-RoPE dims, f16 storage. With `window`
+    (the kept raw rows) the rows come after it: the keys a chunk attends (one kernel on the
+    fast path, no concatenation)."""
     return mm.finish_rows(kv, eps=eps, weight=layer.dense["attn_kv_a_norm.weight"], rotation=rotation, fp8=True,
-                          f16=True)
-
-
-def window_and_kv_rows(layer: LayerWeights, window: mx.array, kv: mx.array, rotation: Rotation, eps: float) -> mx.array:
-    """The fast path's [window; `kv_row`(kv)] in one kernel: the kept raw window's rows, then
-    the chunk's KV rows finished (the keys a chunk attends, without a concatenation)."""
-    return kernels.row_finish(kv, eps=eps, weight=layer.dense["attn_kv_a_norm.weight"],
-                              rope=(rotation.cos, rotation.sin), fp8=True, f16=True, prefix=window)
+                          f16=True, prefix=window)
 
 
 def visible_keys(mask: mx.array) -> tuple[mx.array, mx.array]:

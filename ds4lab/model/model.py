@@ -298,7 +298,7 @@ class Model:
             streams, rotation.cos, rotation.sin)
         t, n_kept = kv.shape[0], cache.raw.shape[0]
         if mm.fast:
-            keys = cache.keep_window(attention.window_and_kv_rows(layer, cache.raw, kv, rotation, cfg.rms_eps),
+            keys = cache.keep_window(attention.kv_row(layer, kv, rotation, cfg.rms_eps, mm, window=cache.raw),
                                      cfg.n_swa)
         else:
             keys = cache.update_window(kv, cfg.n_swa)

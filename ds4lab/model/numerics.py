@@ -340,26 +340,32 @@ class Schedule:
 
     def finish_rows(self, x: mx.array, *, eps: float | None = None, weight: mx.array | None = None,
                     rotation: Rotation | None = None, inverse: bool = False, qat: bool = False,
-                    fp8: bool = False, f16: bool = False) -> mx.array:
+                    fp8: bool = False, f16: bool = False, prefix: mx.array | None = None) -> mx.array:
         """The per-row steps ds4 chains on q heads, KV rows, compressed rows and indexer rows,
         each optional, in this order: RMSNorm (`eps`, times `weight`), RoPE at `rotation`'s
         positions (`inverse` turns back), Hadamard + FP4 (`qat`), FP8 of the non-RoPE dims
         (`fp8`), f16 storage rounding (`f16`). One kernel on the fast path, which repeats the
         reference's float steps (only the norm's sum runs in another order); so does the native
-        CPU kernel."""
-        if self.fast or self.native_rows(x):
-            rope = None if rotation is None else (rotation.cos, rotation.sin)
-            return (kernels if self.fast else cpu_kernels).row_finish(x, eps=eps, weight=weight, rope=rope,
-                                                                      inverse=inverse, qat=qat, fp8=fp8, f16=f16)
-        if eps is not None:
-            x = rms_norm(x, weight, eps)
-        if rotation is not None:
-            x = rotation.apply(x, inverse)
-        if qat:
-            x = indexer_qat(x)
-        if fp8:
-            x = fp8_kv_round(x, x.shape[-1] - (0 if rotation is None else 2 * rotation.cos.shape[-1]))
-        return round_f16(x) if f16 else x
+        CPU kernel. With `prefix` [P, D] (x [rows, D]) the result is prefix's rows, then x's
+        finished (the raw window, then a chunk's KV rows: in the same kernel on the fast path)."""
+        rope = None if rotation is None else (rotation.cos, rotation.sin)
+        if self.fast:
+            return kernels.row_finish(x, eps=eps, weight=weight, rope=rope, inverse=inverse, qat=qat, fp8=fp8,
+                                      f16=f16, prefix=prefix)
+        if self.native_rows(x):
+            x = cpu_kernels.row_finish(x, eps=eps, weight=weight, rope=rope, inverse=inverse, qat=qat, fp8=fp8, f16=f16)
+        else:
+            if eps is not None:
+                x = rms_norm(x, weight, eps)
+            if rotation is not None:
+                x = rotation.apply(x, inverse)
+            if qat:
+                x = indexer_qat(x)
+            if fp8:
+                x = fp8_kv_round(x, x.shape[-1] - (0 if rotation is None else 2 * rotation.cos.shape[-1]))
+            if f16:
+                x = round_f16(x)
+        return x if prefix is None else joined([prefix, x])
 
     def linear(self, x: mx.array, w: mx.array) -> mx.array:
         """x [T, ..., in] @ w[out, in].T; on the invariant path every token through its tile slot,
