@@ -470,6 +470,43 @@ def test_kernel_sources_lose_comments_and_indentation_not_code_or_line_numbers()
     assert sent_total < 0.7 * raw_total
 
 
+def test_a_kernel_header_keeps_what_its_source_uses_and_blanks_the_rest(tmp_path, monkeypatch):
+    """MLX hashes and rebuilds a kernel's whole text at every launch: its header goes out
+    with only the definitions the source reaches (through each other too), each line where
+    it was; preprocessor lines and unrecognised pieces stay."""
+    (tmp_path / "helpers.cuh").write_text(
+        "#include <cuda_fp16.h>\n"
+        "// a comment\n"
+        "__device__ float leaf(float v) { return v + 1.0f; }\n"
+        "template <int N>\n"
+        "__device__ float used_by_source(float v) {\n"
+        "    const char* s = \"{ not a brace\";\n"
+        "    return leaf(v) * N;\n"
+        "}\n"
+        "__device__ float never_called(float v) {\n"
+        "    return leaf(v);\n"
+        "}\n"
+        "__constant__ float table[2] = {1.0f, 2.0f};\n"
+        "__constant__ float other_table[2] = {3.0f, 4.0f};\n"
+        "struct Pair { float a, b; };\n"
+        "typedef float real;\n")
+    (tmp_path / "k.cu").write_text("out[0] = used_by_source<2>(table[0]);\n")
+    monkeypatch.setattr(kernels, "KERNEL_DIR", tmp_path)
+    texts = kernels.kernel_texts("k.cu", "helpers.cuh")
+    lines = texts["header"].split("\n")
+    assert len(lines) == len(kernels.kernel_source("helpers.cuh").split("\n"))
+    assert texts["source"] == kernels.kernel_source("k.cu")
+    kept = "\n".join(lines)
+    for name in ("#include <cuda_fp16.h>", "leaf(float v)", "used_by_source(float v)", "table[2]", "typedef float"):
+        assert name in kept, name
+    for name in ("never_called", "other_table", "struct Pair"):
+        assert name not in kept, name
+    assert lines[4] == "__device__ float used_by_source(float v) {"      # still on its own line
+    monkeypatch.undo()
+    q8 = kernels.kernel_texts("q8_matvec.cu", "ds4lab_block.cuh", "q8_rows.cuh")["header"]
+    assert "ds4lab_rms_inverse" in q8 and "ds4lab_block_sum" in q8 and "ds4lab_hc_value" not in q8
+
+
 def test_kernel_constants_stay_bounded_over_a_long_session():
     """The key counts a decode step passes grow with the context: the constants cache keeps
     the latest, not one array per length ever seen."""
