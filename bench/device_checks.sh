@@ -5,7 +5,10 @@
 #   bash bench/device_checks.sh checks   # check_device (kernels, experts, fused, paths; TF32 off) (~7 min)
 #   bash bench/device_checks.sh speed    # kernel_times (ncu, 4 layers), 43-layer decode at 128 and 4096,
 #                                        # the stream's phases at 4096, research (~9 min)
-#   bash bench/device_checks.sh all
+#   bash bench/device_checks.sh split    # a 43-layer step's device time apart from its host encoding (one
+#                                        # CUDA graph a step), then the stream's host threads sampled (~12 min:
+#                                        # each new process first compiles ~50 kernels with NVRTC, 1-2 min)
+#   bash bench/device_checks.sh all      # checks, then speed
 #
 # Each run's output also goes to $OUT/<name>.txt when $OUT is set (the device machine's
 # folder that comes back), so a run cut short by its time limit still reports what it did.
@@ -37,9 +40,21 @@ speed() {
     step research 150 python3 bench/check_device_research.py
 }
 
+host_and_device() {
+    # With one CUDA graph a step (committed only when its encoding ends) the wait after the
+    # encoding is the step's whole device time; beside it the default commits (the device
+    # starting while the host encodes). Which of the two bounds the stream decides between
+    # fewer launches and faster kernels.
+    step one_graph 300 env MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=100000000 \
+        python3 bench/step_costs.py --layers 43 --context 4096 --chain 0
+    step default_graphs 300 python3 bench/step_costs.py --layers 43 --context 4096 --chain 0
+    step profile 420 bash bench/sample_stacks.sh 3000 200 --layers 43 --context 4096
+}
+
 case "${1:-all}" in
     checks) checks ;;
     speed) speed ;;
+    split) host_and_device ;;
     all) checks; speed ;;
-    *) echo "usage: $0 [checks|speed|all]" >&2; exit 2 ;;
+    *) echo "usage: $0 [checks|speed|split|all]" >&2; exit 2 ;;
 esac
