@@ -6,7 +6,8 @@
 #   bash bench/device_checks.sh speed    # kernel_times (ncu, 4 layers), 43-layer decode at 128 and 4096,
 #                                        # the stream's phases at 4096, research (~9 min)
 #   bash bench/device_checks.sh split    # a 43-layer step's device time apart from its host encoding (one
-#                                        # CUDA graph a step), then the stream's host threads sampled (~12 min:
+#                                        # CUDA graph a step), the stream's host threads sampled, then ncu's
+#                                        # sections for the slowest kernels (~20 min, over several calls:
 #                                        # each new process first compiles ~50 kernels with NVRTC, 1-2 min)
 #   bash bench/device_checks.sh all      # checks, then speed
 #
@@ -49,6 +50,9 @@ host_and_device() {
         python3 bench/step_costs.py --layers 43 --context 4096 --chain 0
     step default_graphs 300 python3 bench/step_costs.py --layers 43 --context 4096 --chain 0
     step profile 420 bash bench/sample_stacks.sh 3000 200 --layers 43 --context 4096
+    for kernel in attention_heads expert_swiglu hc_pre; do
+        step "details_$kernel" 240 python3 bench/kernel_times.py --layers 4 --context 4096 --steps 2 --details "$kernel"
+    done
 }
 
 case "${1:-all}" in

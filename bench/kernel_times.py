@@ -14,6 +14,12 @@ Clocks and caches are left as they run (`--clock-control none --cache-control no
 kernel finds in L2 what the one before it wrote, as in a step.
 
     python bench/kernel_times.py [--layers 4] [--context 128] [--steps 4] [--ncu /usr/local/cuda/bin/ncu]
+    python bench/kernel_times.py --details attention_heads [--launches 2]
+
+`--details NAME` prints instead ncu's own report of the first `--launches` launches of the
+kernels whose name contains NAME in those steps: speed of light (the share of the device's
+memory and compute peaks reached), memory workload, launch statistics, occupancy and warp
+stall reasons, what a kernel's rewrite needs to know first.
 
 Needs a CUDA device and `ncu` (the CUDA toolkit's); on the H200 machine it is
 /usr/local/cuda/bin/ncu. Nothing runs on the CPU.
@@ -47,6 +53,9 @@ from ds4lab.model.random_weights import random_weights
 # Set in the child that ncu runs: the script profiles instead of reporting.
 _CHILD = "DS4LAB_KERNEL_TIMES_CHILD"
 _METRIC = "gpu__time_duration.sum"
+# ncu's report sections for `--details`: where a kernel stands against the peaks, and why its
+# warps wait.
+_SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "LaunchStats", "Occupancy", "WarpStateStats")
 
 
 def decode_steps(layers: int, context: int, steps: int, profile: bool) -> float:
@@ -102,6 +111,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128, help="tokens prefilled before the steps")
     parser.add_argument("--steps", type=int, default=4, help="decode steps timed, and then profiled")
     parser.add_argument("--ncu", default=shutil.which("ncu") or "/usr/local/cuda/bin/ncu")
+    parser.add_argument("--details", metavar="NAME", help="ncu's sections for the kernels whose name contains NAME")
+    parser.add_argument("--launches", type=int, default=2, help="launches reported with --details")
     args = parser.parse_args()
     if os.environ.get(_CHILD):
         decode_steps(args.layers, args.context, args.steps, profile=True)
@@ -110,17 +121,24 @@ def main() -> None:
         sys.exit("kernel_times.py needs a CUDA device (the fast path's kernels)")
     if not os.path.exists(args.ncu):
         sys.exit(f"no ncu at {args.ncu} (--ncu PATH)")
-    wall = decode_steps(args.layers, args.context, args.steps, profile=False)
-    mx.clear_cache()                                 # the child builds its own model
+    if args.details:
+        what = ["--kernel-name", f"regex:{re.escape(args.details)}", "--launch-count", str(args.launches),
+                *(arg for section in _SECTIONS for arg in ("--section", section))]
+    else:
+        what = ["--metrics", _METRIC, "--csv", "--print-units", "base"]
+        wall = decode_steps(args.layers, args.context, args.steps, profile=False)
+        mx.clear_cache()                             # the child builds its own model
     with tempfile.TemporaryDirectory() as tmp:
-        log = os.path.join(tmp, "ncu.csv")
-        run = subprocess.run([args.ncu, "--profile-from-start", "off", "--metrics", _METRIC, "--csv",
-                              "--print-units", "base", "--cache-control", "none", "--clock-control", "none",
-                              "--log-file", log, sys.executable, *sys.argv],
+        log = os.path.join(tmp, "ncu.txt")
+        run = subprocess.run([args.ncu, "--profile-from-start", "off", *what, "--cache-control", "none",
+                              "--clock-control", "none", "--log-file", log, sys.executable, *sys.argv],
                              env={**os.environ, _CHILD: "1"}, capture_output=True, text=True)
         text = open(log).read() if os.path.exists(log) else ""
     if run.returncode != 0:
         sys.exit(f"ncu failed ({run.returncode}):\n{run.stderr[-3000:]}\n{text[-2000:]}")
+    if args.details:
+        print(text)
+        return
     print(f"device {mx.default_device()}, flash-dims {args.layers}L q2, {args.context} tokens of context, "
           f"{args.steps} decode steps under ncu")
     report(per_kernel(text), args.steps, args.layers, wall)
