@@ -10,8 +10,13 @@ this same script, with `--profile-from-start off`: only those steps are measured
 per kernel name: launches per step, mean µs per launch, µs per step and per layer, and its
 share of the kernels' device time; then the kernels' sum per step beside the step's wall
 time (under ncu each kernel runs alone, serialised, so the sum is the device's floor).
-Clocks and caches are left as they run (`--clock-control none --cache-control none`): a
-kernel finds in L2 what the one before it wrote, as in a step.
+Caches are left as they run (`--cache-control none`): a kernel finds in L2 what the one
+before it wrote, as in a step. Clocks are locked at the base clock (ncu's default). They
+were left unlocked (`--clock-control none`) until 2026-12-03, and the ranking then gave
+decode attention ~60 µs a layer at 128 tokens, several times what its ~160 keys need: with
+launches serialised and host gaps between them, the SM clock may fall toward idle (the H200
+idles at 345 MHz). Base clock is below boost, so durations read ~15-30% long, alike for
+every kernel.
 
     python bench/kernel_times.py [--layers 4] [--context 128] [--steps 4] [--ncu /usr/local/cuda/bin/ncu]
     python bench/kernel_times.py --details attention_heads [--launches 2]
@@ -131,7 +136,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         log = os.path.join(tmp, "ncu.txt")
         run = subprocess.run([args.ncu, "--profile-from-start", "off", *what, "--cache-control", "none",
-                              "--clock-control", "none", "--log-file", log, sys.executable, *sys.argv],
+                              "--clock-control", "base", "--log-file", log, sys.executable, *sys.argv],
                              env={**os.environ, _CHILD: "1"}, capture_output=True, text=True)
         text = open(log).read() if os.path.exists(log) else ""
     if run.returncode != 0:
