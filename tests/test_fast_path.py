@@ -245,11 +245,21 @@ def _q8_swiglu(inputs, t, grid, threadgroup):
 
 
 def _q8_hc(inputs, t, grid, threadgroup):
-    codes, scales, x, add, streams, post, comb = inputs
+    codes, scales, x, add, streams, post, comb, mix = inputs
     _q8_warps(t, grid, t["E"], x.shape[0])
     w = _q8_rows(codes, scales, t["COLS"])
-    assert w.shape[0] == t["E"] and streams.shape == (x.shape[0], t["N"], t["E"])
-    return _hc_post([_q8_products(w, x), add, streams, post, comb, mx.array(x.shape[0])], t, (streams.size,), None)
+    n, e = t["N"], t["E"]
+    assert w.shape[0] == e and streams.shape == (x.shape[0], n, e)
+    (y,) = _hc_post([_q8_products(w, x), add, streams, post, comb, mx.array(x.shape[0])], t, (streams.size,), None)
+    if not t["MIX"]:
+        return [y, mx.zeros((1,))]
+    # Block b's partial: its rows d (R a warp, threadgroup / 32 warps) over every stream.
+    m, (parts, _) = (2 + n) * n, _blocks(grid, threadgroup)
+    rows = threadgroup[0] // 32 * t["R"]
+    assert mix.shape == (m, n * e) and parts * rows >= e > (parts - 1) * rows
+    by_row = mx.einsum("jcd,tcd->tjd", mix.reshape(m, n, e), y)                  # [T, M, E]
+    by_row = mx.pad(by_row, [(0, 0), (0, 0), (0, parts * rows - e)])
+    return [y, by_row.reshape(y.shape[0], m, parts, rows).sum(axis=-1).transpose(0, 2, 1)]
 
 
 def _gemm_split_x(inputs, t, grid, threadgroup):
@@ -592,7 +602,8 @@ def test_kv_rows_are_finished_after_the_window_in_one_launch(small_weights, stan
 def test_a_decode_step_finishes_q_and_kv_rows_without_launches_of_their_own(small_weights, stand_in_kernels):
     """A decode step (no window completed, no indexer) launches row_finish once a layer, for
     the KV row after its window, plus the head's two (its HC weights' and its output norm):
-    q_a's norm is inside the q_b product and the q heads are finished by the attention kernel."""
+    q_a's norm is inside the q_b product and the q heads are finished by the attention kernel.
+    And hc_mix once: every other sublayer's mixer product comes from the q8_hc before it."""
     model = Model(small_weights)
     session = model.session()
     session.prefill([(37 * i + 11) % 1000 + 100 for i in range(10)])
@@ -601,6 +612,26 @@ def test_a_decode_step_finishes_q_and_kv_rows_without_launches_of_their_own(smal
     n_layer = small_weights.config.n_layer
     assert stand_in_kernels["row_finish"] == n_layer + 2
     assert stand_in_kernels["attention_heads"] == stand_in_kernels["q8_pair"] == n_layer
+    assert stand_in_kernels["hc_pre"] == 2 * n_layer and stand_in_kernels["hc_mix"] == 1
+
+
+def test_mixer_sums_made_before_a_replaced_residual_are_not_used(small_weights, stand_in_kernels):
+    """A hook that replaces the streams at a residual point drops the mixer's partial sums the
+    sublayer before made of the old streams: the next sublayer runs its own hc_mix, and the
+    fast path's logits stay the reference path's."""
+    for name in ("blocks.2.hook_resid_mid", "blocks.1.hook_resid_post"):
+        model = Model(small_weights)            # its sublayers traced afresh: every launch counted
+        session = model.session()
+        session.prefill([5, 6, 7])
+        with model.hooks([(name, lambda act, hook: act * 1.5)]):
+            stand_in_kernels.clear()
+            state = session.state
+            fast = np.array(session.decode(9))
+            assert stand_in_kernels["hc_mix"] == 2, name
+            session.state = state
+            model.numerics.allow_fast = False
+            reference = np.array(session.decode(9))
+        assert np.abs(fast - reference).max() < 1e-4 * reference.std(), name
 
 
 def test_boundary_hooks_keep_the_fast_path_and_their_replacements_count(small_weights, stand_in_kernels):

@@ -8,7 +8,8 @@ reference's steps in the same order, so a Metal port can translate them line by 
 - `hc_pre`: the hyper-connection split (pre, post, Sinkhorn comb; one warp per token, each
   lane a cell, bit for bit ds4's one-thread `hc_split_sinkhorn`), the collapse of the
   streams and the sublayer's RMSNorm; for a few tokens (decode) the mixer product before it
-  is `hc_mix`, partial sums over the whole GPU that hc_pre adds in order.
+  is partial sums over the whole GPU that hc_pre adds in order: those `q8_hc` made with the
+  streams (the sublayer before), else `hc_mix`'s.
 - `hc_post`: the new streams from the sublayer output (`hc.hc_expand`), optionally the sum
   of two outputs (the FFN's routed and shared experts).
 - `row_finish`: per-row RMSNorm, weight, RoPE (or its inverse), Hadamard + FP4, FP8 and f16
@@ -29,7 +30,7 @@ reference's steps in the same order, so a Metal port can translate them line by 
   product). Every Q8_0 product of a decode step goes through its loop (`q8_rows.cuh`), some
   with the step after them in the same launch: `q8_pair` (two matrices, one input: q_a and
   kv), `q8_swiglu` (the shared expert's gate, up and SwiGLU), `q8_hc` (a sublayer's last
-  product and the HC output step).
+  product and the HC output step, and the next sublayer's mixer product as partial sums).
 - `quant_gemm`: prefill's products on the tensor cores, exact to float32, from the block
   bytes: Q8_0 matrices (`q8_gemm`) and the routed experts grouped by expert on the device
   (`expert_tiles`, `expert_gemm`: each expert's tile of pairs reads its weights once); its
@@ -111,7 +112,7 @@ _KERNELS = {
     "q8_swiglu": ("q8_swiglu.cu", ("ds4lab_block.cuh", "q8_rows.cuh"),
                   ["codes_g", "scales_g", "codes_u", "scales_u", "x", "clamp"], ["y"]),
     "q8_hc": ("q8_hc.cu", ("ds4lab_block.cuh", "q8_rows.cuh"),
-              ["codes", "scales", "x", "add", "streams", "post", "comb"], ["y"]),
+              ["codes", "scales", "x", "add", "streams", "post", "comb", "mix"], ["y", "part"]),
     "gemm_split_x": ("gemm_split_x.cu", ("ds4lab_block.cuh", "gemm_common.cuh"), ["x"], ["xh", "xl", "xsum", "xexp"]),
 }
 
@@ -219,24 +220,30 @@ def _scalar(value, dtype=mx.float32) -> mx.array:
 
 
 def hc_pre(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array, norm: mx.array, sinkhorn_iters: int,
-           rms_eps: float, hc_eps: float) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+           rms_eps: float, hc_eps: float,
+           parts: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """(x [T, E], pre [T, N], post [T, N], comb [T, N, N]) from the streams [T, N, E] and the
     mixer matrix fn [(2 + N)·N, N·E]. Up to MATVEC_MAX_TOKENS tokens the mixer product is
-    `hc_mix`'s partial sums (a block per 256 columns; hc_pre adds them in order); a chunk's
-    is one GEMM first."""
+    partial sums that hc_pre adds in order: `parts` [T, P, (2 + N)·N] when given (the ones
+    `q8_hc(..., mix=fn)` made with these streams), else `hc_mix`'s (a block per 256 columns);
+    a chunk's is one GEMM first."""
     t, n, e = streams.shape
-    if t <= MATVEC_MAX_TOKENS:
-        parts = -(-n * e // _HC_MIX_COLUMNS)
+    if parts is not None:
+        if t > MATVEC_MAX_TOKENS or parts.ndim != 3 or parts.shape[0] != t or parts.shape[2] != (2 + n) * n:
+            raise ValueError(f"hc_pre: partial mixer sums {tuple(parts.shape)} for {t} tokens of {n} streams")
+        mix, n_parts, threads = parts, parts.shape[1], _HC_DECODE_THREADS
+    elif t <= MATVEC_MAX_TOKENS:
+        n_parts = -(-n * e // _HC_MIX_COLUMNS)
         (mix,) = _fused("hc_mix")(
-            inputs=[streams, fn], template=[("N", n), ("E", e), ("PARTS", parts)],
-            grid=(parts * _HC_MIX_COLUMNS, t, 1), threadgroup=(_HC_MIX_COLUMNS, 1, 1),
-            output_shapes=[(t, parts, (2 + n) * n)], output_dtypes=[mx.float32])
+            inputs=[streams, fn], template=[("N", n), ("E", e), ("PARTS", n_parts)],
+            grid=(n_parts * _HC_MIX_COLUMNS, t, 1), threadgroup=(_HC_MIX_COLUMNS, 1, 1),
+            output_shapes=[(t, n_parts, (2 + n) * n)], output_dtypes=[mx.float32])
         threads = _HC_DECODE_THREADS
     else:
-        parts, mix, threads = 1, streams.reshape(t, -1) @ fn.T, _THREADS
+        n_parts, mix, threads = 1, streams.reshape(t, -1) @ fn.T, _THREADS
     return tuple(_fused("hc_pre")(
         inputs=[streams, mix, scale, base, norm, _constant((rms_eps, hc_eps)), _scalar(t, mx.int32)],
-        template=[("N", n), ("E", e), ("ITERS", sinkhorn_iters), ("PARTS", parts)],
+        template=[("N", n), ("E", e), ("ITERS", sinkhorn_iters), ("PARTS", n_parts)],
         grid=(t * threads, 1, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(t, e), (t, n), (t, n), (t, n, n)], output_dtypes=[mx.float32] * 4))
 
@@ -470,22 +477,32 @@ HC_MAX_STREAMS = 32
 
 
 def q8_hc(matrix: Q8Matrix, x: mx.array, streams: mx.array, post: mx.array, comb: mx.array,
-          add: mx.array | None = None) -> mx.array:
+          add: mx.array | None = None, mix: mx.array | None = None) -> tuple[mx.array, mx.array | None]:
     """`hc_post`(W·x, ...) in one launch: a sublayer's last product (x [T, cols], W with
     n_embd rows) and the new streams [T, N, E] from it; `add` [T, E] is added to W·x first
-    (the FFN's routed output beside the shared expert's)."""
+    (the FFN's routed output beside the shared expert's). With `mix`, the next sublayer's
+    HC mixer [(2 + N)·N, N·E], also that mixer's product of the new streams as partial sums
+    [T, parts, (2 + N)·N] for `hc_pre(..., parts=)` (no `hc_mix` launch). Returns (new
+    streams, the partial sums or None)."""
     t = _one_vector_tokens("q8_hc", (matrix,), x)
     n, e = streams.shape[1:]
+    m = (2 + n) * n
     if streams.shape != (t, n, matrix.rows) or post.shape != (t, n) or comb.shape != (t, n, n) or n > HC_MAX_STREAMS:
         raise ValueError(f"q8_hc: streams {tuple(streams.shape)}, post {tuple(post.shape)}, comb {tuple(comb.shape)} "
                          f"for {t} tokens of a {matrix.rows}-row product")
+    if mix is not None and mix.shape != (m, n * e):
+        raise ValueError(f"q8_hc: a mixer {tuple(mix.shape)} for {n} streams of {e}, not ({m}, {n * e})")
     r = _rows_per_warp(e)
-    (y,) = _fused("q8_hc")(
+    launch = _q8_launch(e, r, t)
+    parts = launch["grid"][0] // launch["threadgroup"][0]
+    y, part = _fused("q8_hc")(
         inputs=[matrix.codes, matrix.scales, x.astype(mx.float32), _scalar(0.0) if add is None else add,
-                streams, post, comb],
-        template=[("E", e), ("COLS", matrix.cols), ("R", r), ("N", n), ("ADD", add is not None)],
-        **_q8_launch(e, r, t), output_shapes=[streams.shape], output_dtypes=[mx.float32])
-    return y
+                streams, post, comb, _scalar(0.0) if mix is None else mix],
+        template=[("E", e), ("COLS", matrix.cols), ("R", r), ("N", n), ("ADD", add is not None),
+                  ("MIX", mix is not None)],
+        **launch, output_shapes=[streams.shape, (t, parts, m) if mix is not None else (1,)],
+        output_dtypes=[mx.float32, mx.float32])
+    return y, part if mix is not None else None
 
 
 def router(logits: mx.array, bias: mx.array | None, n_used: int, scale: float) -> tuple[mx.array, mx.array, mx.array]:

@@ -245,11 +245,14 @@ class Model:
         new = state.copy()
         experts = []
         rotations: dict[tuple, Rotation] = {}
-        for il, layer in enumerate(self.weights.layers):
+        layers, parts = self.weights.layers, None
+        for il, layer in enumerate(layers):
             kind = (cfg.rope_base(il), yarn_for(cfg, layer.ratio))
             if kind not in rotations:
                 rotations[kind] = Rotation.at(p0, len(tokens), cfg.n_rot, *kind)
-            streams, chosen = self.block(layer, new.layers[il], streams, p0, rotations[kind], token_ids, mm)
+            next_fn = layers[il + 1].dense["hc_attn_fn.weight"] if il + 1 < len(layers) else None
+            streams, chosen, parts = self.block(layer, new.layers[il], streams, p0, rotations[kind], token_ids, mm,
+                                                parts, next_fn)
             if len(tokens) > 1:
                 # Bounds a prefill chunk's graph (a decode step stays one graph). The fast path
                 # only starts the layer and goes on building the next while the device runs it.
@@ -265,24 +268,33 @@ class Model:
         return ChunkResult(logits, experts, new, hidden)
 
     def block(self, layer: LayerWeights, cache: LayerCache, streams: mx.array, p0: int, rotation: Rotation,
-              token_ids: mx.array, mm: Schedule) -> tuple[mx.array, mx.array]:
+              token_ids: mx.array, mm: Schedule, parts: mx.array | None = None,
+              next_fn: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array | None]:
         """One block (a layer, or the MTP head's) over a chunk: attention, then FFN, with the
         residual points around them; on the reference composition when its hooks need it.
-        Returns the new streams and the experts used; extends `cache`."""
+        Returns the new streams, the experts used and, on the fast path's decode steps with
+        `next_fn` (the next block's attention HC mixer), that mixer's partial sums of the new
+        streams (None elsewhere); extends `cache`. `parts`: those of `streams`, made by the
+        block before. Partial sums made before a hook that replaces the streams are dropped."""
         prefix = _prefix(layer)
         if mm.fast and prefix in self._reference_blocks():
             mm = mm.reference()
         h = self._hooks.scope(prefix)
-        streams = h("hook_resid_pre", streams)
-        streams = self._attention_block(layer, cache, streams, p0, rotation, mm)
-        streams = h("hook_resid_mid", streams)
-        streams, experts = self._sublayer("ffn", layer, mm, self._ffn_block, streams, token_ids)
-        return h("hook_resid_post", streams), experts
+        parts, streams = _kept(parts, streams, h("hook_resid_pre", streams))
+        streams, parts = self._attention_block(layer, cache, streams, p0, rotation, mm, parts)
+        parts, streams = _kept(parts, streams, h("hook_resid_mid", streams))
+        streams, experts, parts = self._sublayer("ffn", layer, mm, self._ffn_block, streams, token_ids,
+                                                 *([parts] if parts is not None else []), next_fn=next_fn)
+        parts, streams = _kept(parts, streams, h("hook_resid_post", streams))
+        return streams, experts, parts
 
     def _attention_block(self, layer: LayerWeights, cache: LayerCache, streams: mx.array, p0: int,
-                         rotation: Rotation, mm: Schedule) -> mx.array:
+                         rotation: Rotation, mm: Schedule,
+                         parts: mx.array | None = None) -> tuple[mx.array, mx.array | None]:
         """Attention of the chunk's tokens (positions p0..) over the raw window and the
-        compressed rows; extends `cache`. Masks are built on the host: positions are known."""
+        compressed rows; extends `cache`. Masks are built on the host: positions are known.
+        `parts`: the HC mixer's partial sums of `streams` (see `block`). Returns the new
+        streams and, on the fast path's decode steps, the FFN mixer's partial sums of them."""
         cfg, d = self.config, layer.dense
         h = self._hooks.scope(f"{_prefix(layer)}.attn")
         # The indexer scores once more rows are visible than it keeps: its queries are then
@@ -295,7 +307,7 @@ class Model:
         xa, pre, post, comb, q, kv, *queries = self._sublayer(
             "attn_in+indexer" if indexed else "attn_in", layer, mm,
             partial(self._attention_inputs, indexed=indexed, finish_kv=not mm.fast, finish_q=not q_in_attention),
-            streams, rotation.cos, rotation.sin)
+            streams, rotation.cos, rotation.sin, *([parts] if parts is not None else []))
         t, n_kept = kv.shape[0], cache.raw.shape[0]
         if mm.fast:
             keys = cache.keep_window(attention.kv_row(layer, kv, rotation, cfg.rms_eps, mm, window=cache.raw),
@@ -314,7 +326,8 @@ class Model:
         return self._sublayer("attn_out", layer, mm, self._attention_output, heads, streams, pre, post, comb)
 
     def _attention_inputs(self, layer: LayerWeights, mm: Schedule, streams: mx.array, cos: mx.array,
-                          sin: mx.array, indexed: bool, finish_kv: bool, finish_q: bool) -> tuple[mx.array, ...]:
+                          sin: mx.array, parts: mx.array | None = None, *, indexed: bool, finish_kv: bool,
+                          finish_q: bool) -> tuple[mx.array, ...]:
         """The attention sublayer before the cache: (xa, pre, post, comb, q, kv), hooked, then
         with `indexed` the indexer's queries and head weights (`indexer.indexer_queries`);
         without `finish_kv`, kv is the product attn_kv · xa, not yet the stored row; without
@@ -322,7 +335,7 @@ class Model:
         cfg = self.config
         h = self._hooks.scope(f"{_prefix(layer)}.attn")
         rotation = Rotation(cos, sin)
-        xa, control = self._sublayer_input(h, streams, "attn", layer, mm)
+        xa, control = self._sublayer_input(h, streams, "attn", layer, mm, parts)
         qr, kv = attention.input_products(layer, xa, mm)
         q, qr_n = attention.project_q(layer, qr, rotation, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm,
                                       keep_normed=indexed, finish=finish_q)
@@ -335,32 +348,35 @@ class Model:
         return xa, control.pre, control.post, control.comb, q, kv, *queries
 
     def _attention_output(self, layer: LayerWeights, mm: Schedule, heads: mx.array, streams: mx.array,
-                          pre: mx.array, post: mx.array, comb: mx.array) -> mx.array:
+                          pre: mx.array, post: mx.array, comb: mx.array) -> tuple[mx.array, mx.array | None]:
         """The heads through the grouped output projection (`hook_out`) into new streams (the
-        last product and the HC step one kernel on the fast path's matvec, unless hooked)."""
+        last product and the HC step one kernel on the fast path's matvec, unless hooked,
+        which also makes the FFN mixer's partial sums of them: see `block`)."""
         h = self._hooks.scope(f"{_prefix(layer)}.attn")
         low = attention.grouped_low(layer, heads, self.config.n_out_group, mm)
         out_b, control = layer.q8["attn_output_b.weight"], HCControl(pre, post, comb)
         if h.wants("hook_out"):
-            return hc_expand(h("hook_out", mm.q8(out_b, low)), streams, control, mm)
-        return hc_expand_q8(out_b, low, streams, control, mm)
+            return hc_expand(h("hook_out", mm.q8(out_b, low)), streams, control, mm), None
+        return hc_expand_q8(out_b, low, streams, control, mm, next_fn=layer.dense["hc_ffn_fn.weight"])
 
-    def _sublayer(self, part: str, layer: LayerWeights, mm: Schedule, fn: Callable, *arrays: mx.array):
-        """fn(layer, mm, *arrays): one of the parts of a block with no cache inside (the
-        attention's inputs and its output, the FFN). On the fast path a decode step's part runs
-        compiled (`mx.compile`, traced once per block, part and token count): building its
-        graph then costs one call instead of some twenty kernel wrappers', and MLX fuses its
-        elementwise steps. A hook in the sublayer keeps the part as written, as does the
-        reference path; both compute the same steps."""
+    def _sublayer(self, part: str, layer: LayerWeights, mm: Schedule, fn: Callable, *arrays: mx.array,
+                  **weights: mx.array | None):
+        """fn(layer, mm, *arrays, **weights): one of the parts of a block with no cache inside
+        (the attention's inputs and its output, the FFN); `weights` are other blocks' weights
+        it reads (the next block's HC mixer). On the fast path a decode step's part runs
+        compiled (`mx.compile`, traced once per block, part, token count and set of inputs):
+        building its graph then costs one call instead of some twenty kernel wrappers', and MLX
+        fuses its elementwise steps. A hook in the sublayer keeps the part as written, as does
+        the reference path; both compute the same steps."""
         hooked = self._sublayer_hooked(_prefix(layer), "ffn" if part == "ffn" else "attn")
         if hooked or not mm.fast or arrays[0].shape[0] > kernels.MATVEC_MAX_TOKENS:
-            return fn(layer, mm, *arrays)
-        key = (layer.index, part)
+            return fn(layer, mm, *arrays, **weights)
+        key = (layer.index, part, len(arrays), tuple(name for name, w in weights.items() if w is not None))
         if key not in self._compiled:
             # Weights enter the traced graph as constants: evaluated first, so that none of
             # them brings its own graph (a lazy view) into every call.
-            mx.eval(layer.fast_inputs())
-            self._compiled[key] = mx.compile(partial(fn, layer, Schedule(self.numerics, None, True)))
+            mx.eval(layer.fast_inputs(), [w for w in weights.values() if w is not None])
+            self._compiled[key] = mx.compile(partial(fn, layer, Schedule(self.numerics, None, True), **weights))
         return self._compiled[key](*arrays)
 
     def _compressed_keys(self, layer: LayerWeights, cache: LayerCache, h: Scope, xa: mx.array, queries: list,
@@ -415,14 +431,15 @@ class Model:
         h("hook_key_span", mx.where((index >= 0)[..., None], span, -1))
 
     def _sublayer_input(self, h: Scope, streams: mx.array, sub: str, layer: LayerWeights,
-                        mm: Schedule) -> tuple[mx.array, HCControl]:
+                        mm: Schedule, parts: mx.array | None = None) -> tuple[mx.array, HCControl]:
         """A sublayer's HC control (pre, post, comb; hooked) and its input: the streams collapsed
-        by `pre` and RMS-normed (`hook_in`). One kernel on the fast path."""
+        by `pre` and RMS-normed (`hook_in`). One kernel on the fast path, which takes the
+        mixer's partial sums `parts` when the sublayer before made them."""
         cfg, d = self.config, layer.dense
         scale, base, norm = d[f"hc_{sub}_scale.weight"], d[f"hc_{sub}_base.weight"], d[f"{sub}_norm.weight"]
         if mm.fast:
             x, control = hc_fused_input(streams, d[f"hc_{sub}_fn.weight"], scale, base, norm,
-                                        cfg.hc_sinkhorn_iter, cfg.rms_eps, cfg.hc_eps)
+                                        cfg.hc_sinkhorn_iter, cfg.rms_eps, cfg.hc_eps, parts)
         elif mm.native:
             c = HCControl(*cpu_kernels.hc_control(streams, d[f"hc_{sub}_fn.weight"], scale, base,
                                                   cfg.hc_sinkhorn_iter, cfg.rms_eps, cfg.hc_eps))
@@ -435,13 +452,16 @@ class Model:
             x = mm.rms_norm(hc_collapse(streams, control.pre), norm, cfg.rms_eps)
         return h("hook_in", x), control
 
-    def _ffn_block(self, layer: LayerWeights, mm: Schedule, streams: mx.array,
-                   token_ids: mx.array) -> tuple[mx.array, mx.array]:
+    def _ffn_block(self, layer: LayerWeights, mm: Schedule, streams: mx.array, token_ids: mx.array,
+                   parts: mx.array | None = None,
+                   next_fn: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array | None]:
         """Router (probs -> experts -> weights, each hooked, each replacement used by the next
-        step), routed and shared experts; returns the new streams and the experts used."""
+        step), routed and shared experts; returns the new streams, the experts used and, with
+        `next_fn` on the fast path's decode steps, that mixer's partial sums of the new
+        streams (see `block`). `parts`: this sublayer's mixer's partial sums of `streams`."""
         cfg = self.config
         h = self._hooks.scope(f"{_prefix(layer)}.ffn")
-        xf, control = self._sublayer_input(h, streams, "ffn", layer, mm)
+        xf, control = self._sublayer_input(h, streams, "ffn", layer, mm, parts)
         if mm.fast and layer.tid2eid is None:
             probs, chosen, weights = moe.route_fused(layer, xf, cfg.n_expert_used, cfg.expert_weight_scale)
             experts = h("hook_experts", chosen)
@@ -468,12 +488,13 @@ class Model:
         on_mid = (lambda mid: h("hook_routed_mid", mid)) if h.wants("hook_routed_mid") else None
         routed = h("hook_routed_out", moe.routed_experts(layer, xf, experts, weights, clamp, mm, on_mid))
         if not (h.wants("hook_shared_out") or h.wants("hook_out")):     # the down product and HC: one kernel
-            return hc_expand_q8(layer.q8["ffn_down_shexp.weight"], moe.shared_mid(layer, xf, clamp, mm), streams,
-                                control, mm, add=routed), experts
+            streams, parts = hc_expand_q8(layer.q8["ffn_down_shexp.weight"], moe.shared_mid(layer, xf, clamp, mm),
+                                          streams, control, mm, add=routed, next_fn=next_fn)
+            return streams, experts, parts
         shared = h("hook_shared_out", moe.shared_expert(layer, xf, clamp, mm))
         if h.wants("hook_out"):
             routed, shared = h("hook_out", routed + shared), None
-        return hc_expand(routed, streams, control, mm, add=shared), experts
+        return hc_expand(routed, streams, control, mm, add=shared), experts, None
 
     def _head(self, streams: mx.array, mm: Schedule, prefix: str = "") -> mx.array:
         """Collapse, norm and output matrix; with prefix "mtp." the MTP head's own collapse and
@@ -514,6 +535,12 @@ def _within(h: Scope, suffix: str, mask: mx.array | None, visible: mx.array) -> 
     if not h.wants(suffix):
         return mask
     return h(suffix, visible if mask is None else mask) & visible
+
+
+def _kept(parts: mx.array | None, before: mx.array, after: mx.array) -> tuple[mx.array | None, mx.array]:
+    """(partial mixer sums, streams) past a residual point: the sums of `before` stay only if
+    no hook replaced the streams there (`after is before`)."""
+    return (parts if after is before else None), after
 
 
 def _prefix(layer: LayerWeights) -> str:

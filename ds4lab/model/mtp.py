@@ -71,7 +71,8 @@ class MTPHead:
         streams = h("hook_in", e[:, None, :] + hh)
         new = state.copy()
         rotation = Rotation.at(p0, n, cfg.n_rot, cfg.rope_freq_base, None)
-        streams, _ = model.block(self.block, new.ring, streams, p0, rotation, mx.array(tokens, dtype=mx.int32), mm)
+        streams, _, _ = model.block(self.block, new.ring, streams, p0, rotation, mx.array(tokens, dtype=mx.int32),
+                                    mm)
         logits = model._head(streams, mm, prefix="mtp.")
         new.next_pos, new.out, new.logits = p0 + n, streams[-1], logits[-1]
         return logits, new

@@ -2,8 +2,9 @@
 // control (pre, post, comb) and the sublayer input x = RMSNorm(sum_a pre[a] * streams[a]) * weight.
 // Replaces model/hc.py `hc_control` + `hc_collapse` + the sublayer norm (some 20 MLX ops).
 //   mix: the mixer matvec of the raw flattened streams in PARTS partial sums, [T, PARTS,
-//        (2 + N) * N], added here in order (a chunk's GEMM: PARTS = 1; a decode step's
-//        hc_mix.cu: one per 256 columns); RMSNorm of the flat streams is a per-token scale,
+//        (2 + N) * N], added here in order (a chunk's GEMM: PARTS = 1; in a decode step
+//        hc_mix.cu's, one per 256 columns, or q8_hc.cu's with MIX, one per block of the
+//        product that made the streams); RMSNorm of the flat streams is a per-token scale,
 //        applied here (inv_rms * mix) rather than before the matvec as the reference does
 //        (same value up to float rounding).
 //   eps[0]: the RMS epsilon, eps[1]: the HC epsilon. Templates: N (streams), E (width), ITERS, PARTS.
