@@ -2,11 +2,11 @@
 // control (pre, post, comb) and the sublayer input x = RMSNorm(sum_a pre[a] * streams[a]) * weight.
 // Replaces model/hc.py `hc_control` + `hc_collapse` + the sublayer norm (some 20 MLX ops).
 //   mix: the mixer matvec of the raw flattened streams in PARTS partial sums, [T, PARTS,
-//        (2 + N) * N], added here in order (a chunk's GEMM: PARTS = 1; in a decode step
-//        hc_mix.cu's, one per 256 columns, or q8_hc.cu's with MIX, one per block of the
-//        product that made the streams); RMSNorm of the flat streams is a per-token scale,
-//        applied here (inv_rms * mix) rather than before the matvec as the reference does
-//        (same value up to float rounding).
+//        (2 + N) * N], added here by a warp an output (a chunk's GEMM: PARTS = 1; in a
+//        decode step hc_mix.cu's, one per 256 columns, or q8_hc.cu's with MIX, one per
+//        block of the product that made the streams); RMSNorm of the flat streams is a
+//        per-token scale, applied here (inv_rms * mix) rather than before the matvec as the
+//        reference does (same value up to float rounding).
 //   eps[0]: the RMS epsilon, eps[1]: the HC epsilon. Templates: N (streams), E (width), ITERS, PARTS.
 const int t = blockIdx.x;
 if (t >= n_tok[0]) return;
@@ -24,10 +24,16 @@ for (int i = threadIdx.x; i < N * E; i += blockDim.x) {
 }
 ss = ds4lab_block_sum(ss, scratch);
 const float inv = 1.0f / sqrtf(ss / (float)(N * E) + eps[0]);
-for (int i = threadIdx.x; i < M; i += blockDim.x) {   // a thread per mixer output
+// A warp per mixer output: its lanes take every 32nd partial sum (8 loads in flight), then
+// the warp's butterfly adds the lanes'. PARTS is ~1000 when q8_hc made them (one a block of
+// its product): one thread adding them in turn would wait on ~1000 dependent loads.
+const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+for (int i = warp; i < M; i += (int)(blockDim.x >> 5)) {
     float v = 0.0f;
-    for (int p = 0; p < PARTS; ++p) v += mix[((size_t)t * PARTS + p) * M + i];
-    m[i] = v * inv;
+#pragma unroll 8
+    for (int p = lane; p < PARTS; p += 32) v += mix[((size_t)t * PARTS + p) * M + i];
+    v = ds4lab_warp_sum_all(v);
+    if (lane == 0) m[i] = v * inv;
 }
 __syncthreads();
 if (threadIdx.x < 32) {
