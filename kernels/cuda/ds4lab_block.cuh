@@ -26,6 +26,25 @@ __device__ float ds4lab_block_sum(float v, float* scratch) {
     return total;
 }
 
+// A thread block's sums of M values each thread holds (acc[0..M)), in a fixed order: each
+// warp's butterfly, then the warps in turn; out[j] for j < M. scratch: 32 * M floats of
+// shared memory. Mixer partial sums (hc_mix.cu, q8_hc.cu's MIX) are made with it.
+template <int M>
+__device__ __forceinline__ void ds4lab_block_sums(const float* acc, float* scratch, float* out) {
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+#pragma unroll
+    for (int j = 0; j < M; ++j) {
+        const float w = ds4lab_warp_sum_all(acc[j]);
+        if (lane == 0) scratch[warp * M + j] = w;
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < M; j += blockDim.x) {
+        float s = 0.0f;
+        for (int w = 0; w < (int)(blockDim.x >> 5); ++w) s += scratch[w * M + j];
+        out[j] = s;
+    }
+}
+
 // RMSNorm's 1 / sqrt(mean(x^2) + eps) of the row xr (D values) over the thread block: each
 // thread sums every blockDim.x-th square, then the block sums. row_finish (NORM) and q8_matvec
 // (NORM: the norm inside the product) share it, so with equal blocks they give the same bits.

@@ -11,19 +11,8 @@ constexpr int M = (2 + N) * N;
 __shared__ float warp_sums[32 * M];
 const int t = blockIdx.y;
 const int i = blockIdx.x * blockDim.x + threadIdx.x;
-const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 float acc[M];
 const float v = i < N * E ? streams[(size_t)t * N * E + i] : 0.0f;
 #pragma unroll
 for (int j = 0; j < M; ++j) acc[j] = i < N * E ? v * mix[(size_t)j * N * E + i] : 0.0f;
-#pragma unroll
-for (int j = 0; j < M; ++j) {
-    const float w = ds4lab_warp_sum_all(acc[j]);
-    if (lane == 0) warp_sums[warp * M + j] = w;
-}
-__syncthreads();
-for (int j = threadIdx.x; j < M; j += blockDim.x) {
-    float s = 0.0f;
-    for (int w = 0; w < (int)(blockDim.x >> 5); ++w) s += warp_sums[w * M + j];
-    part[((size_t)t * PARTS + blockIdx.x) * M + j] = s;
-}
+ds4lab_block_sums<M>(acc, warp_sums, part + ((size_t)t * PARTS + blockIdx.x) * M);

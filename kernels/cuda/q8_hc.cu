@@ -43,15 +43,5 @@ if (r0 < E) {
 }
 if (MIX) {
     __shared__ float warp_mixed[32 * M];
-#pragma unroll
-    for (int j = 0; j < M; ++j) {
-        const float v = ds4lab_warp_sum_all(mixed[j]);
-        if (lane == 0) warp_mixed[warp * M + j] = v;
-    }
-    __syncthreads();
-    for (int j = threadIdx.x; j < M; j += blockDim.x) {
-        float v = 0.0f;
-        for (int k = 0; k < (int)(blockDim.x >> 5); ++k) v += warp_mixed[k * M + j];
-        part[((size_t)t * gridDim.x + blockIdx.x) * M + j] = v;
-    }
+    ds4lab_block_sums<M>(mixed, warp_mixed, part + ((size_t)t * gridDim.x + blockIdx.x) * M);
 }
