@@ -134,10 +134,9 @@ def kernel_source(*files: str) -> str:
     return "\n".join(line.strip() for line in _TOKEN.sub(blank, text).split("\n"))
 
 
-# A name a top-level header definition gives: the last identifier before its first "(", "[",
-# "=" or "{" (a function, a table, a constant, a struct), its `template <...>` set aside.
+# The name a top-level header definition gives is the last identifier before its first "(",
+# "[", "=" or "{" (a function, a table, a constant, a struct), its `template <...>` set aside.
 _TEMPLATE_PREFIX = re.compile(r"^\s*template\s*<[^>]*>")
-_DEFINED = re.compile(r"([A-Za-z_]\w*)\s*[(\[={]")
 _IDENTIFIER = re.compile(r"[A-Za-z_]\w*")
 _STRING = re.compile(r'"(?:\\.|[^"\\\n])*"')
 
@@ -168,12 +167,12 @@ def _header_pieces(lines: list[str]) -> list[tuple[int, int, str | None]]:
 
 
 def kernel_texts(source: str, *headers: str) -> dict[str, str]:
-    """A kernel's `source=` and `header=` for `mx.fast.cuda_kernel`, as `kernel_source`
-    sends them, the header cut to the
-    definitions the source uses, directly or through other kept definitions (the rest
-    blanked, line numbers kept). Every kernel includes `ds4lab_block.cuh` (3.9 KB of shared
-    helpers) and uses a few of them: since MLX hashes the whole text at every launch and
-    rebuilds it at every call, ~2-3 KB fewer a launch are ~1 µs less of each step's ~1000."""
+    """A kernel's `source=` and `header=` for `mx.fast.cuda_kernel`, as `kernel_source` sends
+    them, the header cut to the definitions the source uses, directly or through other kept
+    definitions (the rest blanked, line numbers kept). Every kernel includes
+    `ds4lab_block.cuh` (3.9 KB of shared helpers) and uses a few of them: since MLX hashes
+    the whole text at every launch and rebuilds it at every call, ~2-3 KB fewer a launch are
+    ~1 µs less of each of a step's ~1000."""
     body = kernel_source(source)
     lines = kernel_source(*headers).split("\n")
     pieces = _header_pieces(lines)
@@ -224,9 +223,9 @@ def hc_pre(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array, nor
            parts: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """(x [T, E], pre [T, N], post [T, N], comb [T, N, N]) from the streams [T, N, E] and the
     mixer matrix fn [(2 + N)·N, N·E]. Up to MATVEC_MAX_TOKENS tokens the mixer product is
-    partial sums that hc_pre adds in order: `parts` [T, P, (2 + N)·N] when given (the ones
-    `q8_hc(..., mix=fn)` made with these streams), else `hc_mix`'s (a block per 256 columns);
-    a chunk's is one GEMM first."""
+    partial sums that hc_pre adds (in a fixed order, a warp an output): `parts` [T, P,
+    (2 + N)·N] when given (the ones `q8_hc(..., mix=fn)` made with these streams), else
+    `hc_mix`'s (a block per 256 columns); a chunk's is one GEMM first."""
     t, n, e = streams.shape
     if parts is not None:
         if t > MATVEC_MAX_TOKENS or parts.ndim != 3 or parts.shape[0] != t or parts.shape[2] != (2 + n) * n:
