@@ -23,43 +23,16 @@ import ds4lab  # noqa: F401  (first: OpenBLAS before MLX on Linux)
 
 # isort: split
 import argparse
-import contextlib
 import cProfile
 import io
 import pstats
 import time
-from collections.abc import Iterator
 
 import mlx.core as mx
 
 from ds4lab.config import preset
-from ds4lab.model import Model, kernels, numerics, rope, state
+from ds4lab.model import Model, kernel_cache
 from ds4lab.model.random_weights import random_weights
-
-
-def _zeros_launch(**kwargs) -> list[mx.array]:
-    return [mx.zeros(shape, dtype) for shape, dtype in zip(kwargs["output_shapes"], kwargs["output_dtypes"],
-                                                           strict=True)]
-
-
-@contextlib.contextmanager
-def stubbed_fast_path() -> Iterator[None]:
-    """The fast path on, as on a CUDA GPU, every kernel launch returning zeros."""
-    saved = ((kernels, "cuda_ready"), (kernels, "_fused"), (kernels, "_kernel"), (kernels, "_gemm_kernel"),
-             (numerics, "batch_invariant_device"), (state, "batch_invariant_device"),
-             (rope, "batch_invariant_device"))
-    before = [getattr(module, name) for module, name in saved]
-    kernels.cuda_ready = lambda: True
-    kernels._fused = lambda name: _zeros_launch
-    kernels._kernel = lambda type_name, swiglu=False: _zeros_launch
-    kernels._gemm_kernel = lambda type_name: _zeros_launch
-    for module in (numerics, state, rope):
-        module.batch_invariant_device = lambda: False
-    try:
-        yield
-    finally:
-        for (module, name), value in zip(saved, before, strict=True):
-            setattr(module, name, value)
 
 
 def build_seconds(session, steps: int, profiler: cProfile.Profile | None = None) -> list[float]:
@@ -88,7 +61,7 @@ def main() -> None:
     parser.add_argument("--profile", type=int, default=0, help="print this many functions of a profile of the steps")
     args = parser.parse_args()
     weights = random_weights(preset("flash-dims", args.layers), "q2")
-    with stubbed_fast_path():
+    with kernel_cache.recorded_variants(record=False):
         for context in args.contexts:
             model = Model(weights)
             assert model.numerics.fast

@@ -168,12 +168,18 @@ def _header_pieces(lines: list[str]) -> list[tuple[int, int, str | None]]:
 
 def kernel_texts(source: str, *headers: str) -> dict[str, str]:
     """A kernel's `source=` and `header=` for `mx.fast.cuda_kernel`, as `kernel_source` sends
-    them, the header cut to the definitions the source uses, directly or through other kept
-    definitions (the rest blanked, line numbers kept). Every kernel includes
-    `ds4lab_block.cuh` (3.9 KB of shared helpers) and uses a few of them: since MLX hashes
-    the whole text at every launch and rebuilds it at every call, ~2-3 KB fewer a launch are
-    ~1 µs less of each of a step's ~1000."""
+    them, the header cut to the definitions the source uses (`header_for`). Every kernel
+    includes `ds4lab_block.cuh` (3.9 KB of shared helpers) and uses a few of them: since MLX
+    hashes the whole text at every launch and rebuilds it at every call, ~2-3 KB fewer a
+    launch are ~1 µs less of each of a step's ~1000."""
     body = kernel_source(source)
+    return {"source": body, "header": header_for(body, *headers)}
+
+
+def header_for(body: str, *headers: str) -> str:
+    """The header files (in `kernels/cuda/`) as `kernel_source` sends them, cut to the
+    definitions `body` uses, directly or through other kept definitions; the rest blanked,
+    line numbers kept. Preprocessor lines and unrecognised pieces are always kept."""
     lines = kernel_source(*headers).split("\n")
     pieces = _header_pieces(lines)
     used = set(_IDENTIFIER.findall(body))
@@ -187,7 +193,7 @@ def kernel_texts(source: str, *headers: str) -> dict[str, str]:
             used.update(_IDENTIFIER.findall(" ".join(lines[first:end])))
     for first, end, _ in set(pieces) - kept:
         lines[first:end] = [""] * (end - first)
-    return {"source": body, "header": "\n".join(lines)}
+    return "\n".join(lines)
 
 
 @cache
