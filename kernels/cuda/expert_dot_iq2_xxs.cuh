@@ -44,12 +44,14 @@ __device__ __forceinline__ void ds4lab_expert_dot(const uint8_t* const (&w)[R], 
                 const uint2 g8 = grid[index[u][r]];
                 const uint32_t g[2] = {g8.x, g8.y};
                 const uint8_t signs = ksigns[(aux[u][r] >> (7 * part)) & 127];
+                // The scale once per 8 values: the weights' loop is bound by instruction issue.
+                float gx = 0.0f;
                 #pragma unroll
                 for (int k = 0; k < 8; ++k) {
                     const float mag = (float)((g[k >> 2] >> (8 * (k & 3))) & 0xffu);
-                    const float v = (signs >> k) & 1 ? -mag : mag;
-                    sums[r] += db * v * xs[k];
+                    gx = fmaf((signs >> k) & 1 ? -mag : mag, xs[k], gx);
                 }
+                sums[r] = fmaf(db, gx, sums[r]);
             }
         }
     }

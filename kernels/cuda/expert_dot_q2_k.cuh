@@ -31,11 +31,12 @@ __device__ __forceinline__ void ds4lab_expert_dot(const uint8_t* const (&w)[R], 
         for (int u = 0; u < U; ++u) {
             float xs[8];
             ds4lab_lane_inputs(xv, b0 + u, lane, xs);
+            const float xsum = ds4lab_sum8(xs);
             #pragma unroll
             for (int r = 0; r < R; ++r) {
                 const float dl = ds4lab_f16_bits(dd[u][r]) * (float)(sc[u][r] & 15);
                 const float ml = ds4lab_f16_bits(dd[u][r] >> 16) * (float)(sc[u][r] >> 4);
-                part[r] = ds4lab_kquant_dot8<3>(part[r], dl, ml, lo[u][r], hi[u][r], shift, xs);
+                part[r] = ds4lab_kquant_dot8<3>(part[r], dl, ml, lo[u][r], hi[u][r], shift, xs, xsum);
             }
         }
     }

@@ -36,13 +36,14 @@ __device__ __forceinline__ void ds4lab_expert_dot(const uint8_t* const (&w)[R], 
         for (int u = 0; u < U; ++u) {
             float xs[8];
             ds4lab_lane_inputs(xv, b0 + u, lane, xs);
+            const float xsum = ds4lab_sum8(xs);
             #pragma unroll
             for (int r = 0; r < R; ++r) {
                 const uint32_t sc = group < 4 ? sp[u][r] & 63 : (sp[u][r] & 15) | ((sq[u][r] >> 6) << 4);
                 const uint32_t mn = group < 4 ? sq[u][r] & 63 : (sp[u][r] >> 4) | ((sr[u][r] >> 6) << 4);
                 const float dl = ds4lab_f16_bits(dd[u][r]) * (float)sc;
                 const float ml = ds4lab_f16_bits(dd[u][r] >> 16) * (float)mn;
-                part[r] = ds4lab_kquant_dot8<15>(part[r], dl, ml, lo[u][r], hi[u][r], shift, xs);
+                part[r] = ds4lab_kquant_dot8<15>(part[r], dl, ml, lo[u][r], hi[u][r], shift, xs, xsum);
             }
         }
     }

@@ -32,15 +32,28 @@ __device__ __forceinline__ void ds4lab_lane_inputs(const float* xv, int b, int l
     xs[0] = a.x; xs[1] = a.y; xs[2] = a.z; xs[3] = a.w; xs[4] = c.x; xs[5] = c.y; xs[6] = c.z; xs[7] = c.w;
 }
 
+// The sum of the lane's 8 activations (the K-quant formats' min term, shared by its R rows).
+__device__ __forceinline__ float ds4lab_sum8(const float xs[8]) {
+    float s = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 8; ++k) s += xs[k];
+    return s;
+}
+
+// A small unsigned integer v (< 2^23) as a float without a conversion instruction (those run
+// at 1/8 of the FMA rate, and the expert kernels convert every weight): 2^23 + v is the float
+// whose mantissa bits are v, and subtracting 2^23 is exact.
+__device__ __forceinline__ float ds4lab_small_uint(uint32_t v) { return __uint_as_float(v | 0x4B000000u) - 8388608.0f; }
+
 // acc + sum over the lane's 8 values xs of a block of (dl * q - ml) * x, the K-quant row form
-// (d * scale * q - dmin * min), with q = (byte >> shift) & MASK of the 8 code bytes in lo, hi.
+// (d * scale * q - dmin * min), with q = (byte >> shift) & MASK of the 8 code bytes in lo, hi:
+// computed as dl * sum(q * x) - ml * xsum (xsum = ds4lab_sum8(xs)), one FMA a value.
 template <uint32_t MASK>
 __device__ __forceinline__ float ds4lab_kquant_dot8(float acc, float dl, float ml, uint32_t lo, uint32_t hi, int shift,
-                                                   const float xs[8]) {
+                                                   const float xs[8], float xsum) {
+    const uint32_t words[2] = {lo >> shift, hi >> shift};
+    float qx = 0.0f;
 #pragma unroll
-    for (int k = 0; k < 8; ++k) {
-        const uint32_t byte = ((k < 4 ? lo : hi) >> (8 * (k & 3))) & 0xffu;
-        acc += (dl * (float)((byte >> shift) & MASK) - ml) * xs[k];
-    }
-    return acc;
+    for (int k = 0; k < 8; ++k) qx = fmaf(ds4lab_small_uint((words[k >> 2] >> (8 * (k & 3))) & MASK), xs[k], qx);
+    return fmaf(dl, qx, fmaf(-ml, xsum, acc));
 }
