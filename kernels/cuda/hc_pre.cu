@@ -8,16 +8,19 @@
 //        per-token scale, applied here (inv_rms * mix) rather than before the matvec as the
 //        reference does (same value up to float rounding).
 //   eps[0]: the RMS epsilon, eps[1]: the HC epsilon. Templates: N (streams), E (width), ITERS, PARTS.
+// The block's work is a chain of latencies (one token, one thread block), so independent
+// steps overlap: warp 0 runs the Sinkhorn (comb) while the other warps collapse the streams
+// and norm the result, which need only pre (computed from the mixer outputs by each thread,
+// the same expression as the split's: ds4lab_hc_pre_weight).
 const int t = blockIdx.x;
 if (t >= n_tok[0]) return;
 const float* s = streams + (size_t)t * N * E;
 constexpr int M = (2 + N) * N;
 __shared__ float scratch[32];
-__shared__ float weights[N];
 __shared__ float m[M];
 __shared__ float cells[N * N];
 float ss = 0.0f;
-#pragma unroll 4
+#pragma unroll 16
 for (int i = threadIdx.x; i < N * E; i += blockDim.x) {
     const float v = s[i];
     ss += v * v;
@@ -36,20 +39,28 @@ for (int i = warp; i < M; i += (int)(blockDim.x >> 5)) {
     if (lane == 0) m[i] = v * inv;
 }
 __syncthreads();
-if (threadIdx.x < 32) {
+if (warp == 0) {
     ds4lab_hc_split<N, ITERS>(m, scale, base, eps[1], pre + t * N, post + t * N, comb + (size_t)t * N * N, cells,
-                              threadIdx.x);
-    for (int i = threadIdx.x; i < N; i += 32) weights[i] = pre[t * N + i];
+                              lane);
+    return;
 }
-__syncthreads();
+float weights[N];
+#pragma unroll
+for (int a = 0; a < N; ++a) weights[a] = ds4lab_hc_pre_weight(m, scale, base, eps[1], a);
+// The collapse and its RMSNorm over warps 1.. (barrier 1: warp 0 is in the Sinkhorn).
+const int threads = (int)blockDim.x - 32, id = (int)threadIdx.x - 32;
 float* xt = x + (size_t)t * E;
 float ss2 = 0.0f;
-for (int d = threadIdx.x; d < E; d += blockDim.x) {
+for (int d = id; d < E; d += threads) {
     float v = 0.0f;
     for (int a = 0; a < N; ++a) v += s[a * E + d] * weights[a];
     xt[d] = v;
     ss2 += v * v;
 }
-ss2 = ds4lab_block_sum(ss2, scratch);
-const float inv2 = 1.0f / sqrtf(ss2 / (float)E + eps[0]);
-for (int d = threadIdx.x; d < E; d += blockDim.x) xt[d] = xt[d] * inv2 * norm[d];
+ss2 = ds4lab_warp_sum_all(ss2);
+if (lane == 0) scratch[warp] = ss2;
+asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory");
+float total = 0.0f;
+for (int w = 1; w < (int)(blockDim.x >> 5); ++w) total += scratch[w];
+const float inv2 = 1.0f / sqrtf(total / (float)E + eps[0]);
+for (int d = id; d < E; d += threads) xt[d] = xt[d] * inv2 * norm[d];

@@ -27,12 +27,19 @@ __device__ __forceinline__ float ds4lab_hc_col_sum(const float* c, int j) {
     return s;
 }
 
+// pre[i] of the split: sigmoid(m[i] * scale[0] + base[i]) + eps (hc_pre's collapse computes
+// it with this same function, so its weights are the split's bits).
+__device__ __forceinline__ float ds4lab_hc_pre_weight(const float* m, const float* scale, const float* base, float eps,
+                                                     int i) {
+    return 1.0f / (1.0f + expf(-(m[i] * scale[0] + base[i]))) + eps;
+}
+
 template <int N, int ITERS>
 __device__ void ds4lab_hc_split(const float* m, const float* scale, const float* base, float eps, float* pre,
                                 float* post, float* comb, float* c, int lane) {
     constexpr int CELLS = (N * N + 31) / 32;
     for (int i = lane; i < N; i += 32) {
-        pre[i] = 1.0f / (1.0f + expf(-(m[i] * scale[0] + base[i]))) + eps;
+        pre[i] = ds4lab_hc_pre_weight(m, scale, base, eps, i);
         post[i] = 2.0f / (1.0f + expf(-(m[N + i] * scale[1] + base[N + i])));
     }
     float v[CELLS] = {};
