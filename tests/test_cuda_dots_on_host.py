@@ -32,6 +32,7 @@ _HOST_CUDA = r"""
 #define __forceinline__ inline
 struct uint2 { uint32_t x, y; };
 struct float4 { float x, y, z, w; };
+struct uint4 { uint32_t x, y, z, w; };
 struct __half { unsigned short bits; };
 static inline __half __ushort_as_half(unsigned short b) { return __half{b}; }
 static inline float __half2float(__half h) {
@@ -39,6 +40,7 @@ static inline float __half2float(__half h) {
     const float v = e == 0 ? std::ldexp((float)m, -24) : std::ldexp((float)(m | 1024), e - 25);
     return h.bits & 0x8000 ? -v : v;
 }
+static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __int_as_float(int v) { float f; std::memcpy(&f, &v, 4); return f; }
 static inline float __uint_as_float(uint32_t v) { float f; std::memcpy(&f, &v, 4); return f; }
 static inline int __float_as_int(float f) { int v; std::memcpy(&v, &f, 4); return v; }
@@ -123,3 +125,52 @@ def test_the_host_check_catches_a_wrong_lane(host_dots):
     decoded = dequantize(raw.reshape(-1), type_name, (1, 2048)).astype(np.float64)
     scale = np.abs(decoded) @ np.abs(x)
     assert np.abs(got - decoded @ x).max() > 1e-5 * scale.max()
+
+
+_Q8_DRIVER = r"""
+// One Q8_0 row's dot as a block of SPLIT warps computes it: each (part, lane) in turn, the
+// lanes' sums added, then the parts'.
+template <int COLS, int SPLIT>
+static float block_dot(const uint32_t* codes, const float* scales, const float* x) {
+    const uint4* w[1] = {reinterpret_cast<const uint4*>(codes)};
+    const float* s[1] = {scales};
+    float total = 0.0f;
+    for (int part = 0; part < SPLIT; ++part) {
+        float warp = 0.0f;
+        for (int lane = 0; lane < 32; ++lane) {
+            float acc[1];
+            ds4lab_q8_dots<1, COLS, false, SPLIT>(w, s, reinterpret_cast<const float4*>(x), lane, acc, nullptr, 1.0f,
+                                                  part);
+            warp += acc[0];
+        }
+        total += warp;
+    }
+    return total;
+}
+extern "C" float q8_dot_2048_1(const uint32_t* c, const float* s, const float* x) { return block_dot<2048, 1>(c, s, x); }
+extern "C" float q8_dot_2048_4(const uint32_t* c, const float* s, const float* x) { return block_dot<2048, 4>(c, s, x); }
+extern "C" float q8_dot_8192_4(const uint32_t* c, const float* s, const float* x) { return block_dot<8192, 4>(c, s, x); }
+"""
+
+
+@pytest.mark.parametrize("cols, split", [(2048, 1), (2048, 4), (8192, 4)])
+def test_a_q8_rows_split_columns_add_up_to_its_dot_product(tmp_path, cols, split):
+    """kernels/cuda/q8_rows.cuh: with SPLIT warps sharing a row, each over every SPLIT-th
+    chunk of its columns, every column is counted once (codes are byte + 128, a scale per 32)."""
+    (tmp_path / "cuda_fp16.h").write_text("")
+    header = kernels.header_for(_Q8_DRIVER, "ds4lab_block.cuh", "q8_rows.cuh")
+    source = tmp_path / "q8.cpp"
+    source.write_text(f"{_HOST_CUDA}\n{header}\n{_Q8_DRIVER}\n")
+    subprocess.run([os.environ.get("CXX", "c++"), "-std=c++17", "-O1", "-shared", "-fPIC", f"-I{tmp_path}",
+                    str(source), "-o", str(tmp_path / "q8.so")], check=True, capture_output=True)
+    lib = ctypes.CDLL(str(tmp_path / "q8.so"))
+    rng = np.random.default_rng(cols + split)
+    codes = rng.integers(0, 256, cols, dtype=np.uint8)
+    scales = rng.uniform(0.5, 2.0, cols // 32).astype(np.float32)
+    x = rng.standard_normal(cols).astype(np.float32)
+    dot = getattr(lib, f"q8_dot_{cols}_{split}")
+    dot.restype = ctypes.c_float
+    got = dot(codes.ctypes.data_as(ctypes.c_void_p), scales.ctypes.data_as(ctypes.c_void_p),
+              x.ctypes.data_as(ctypes.c_void_p))
+    weights = (codes.astype(np.float64) - 128.0) * np.repeat(scales, 32)
+    assert abs(got - weights @ x) <= 1e-5 * (np.abs(weights) @ np.abs(x))

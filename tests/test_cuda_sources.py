@@ -24,7 +24,7 @@ import pytest
 from test_fast_path import STAND_INS, _expert_matvec, _expert_swiglu, _launcher, _quant_gemm
 
 from ds4lab.model import Model, kernels
-from ds4lab.model.weights import ExpertBlocks
+from ds4lab.model.weights import ExpertBlocks, Q8Matrix
 from ds4lab.quants.formats import row_bytes
 
 # MLX's CUDA custom-kernel wrapper (mlx/backend/cuda/custom_kernel.cpp): its default header
@@ -120,13 +120,17 @@ def recorded_launches(monkeypatch, batched):
     _clear_kernel_caches()
 
 
+# Integer templates that choose a code path, as the boolean ones do.
+_PATH_TEMPLATES = {"SPLIT"}
+
+
 def _code_paths(launches: list[dict]) -> dict:
     """One launch per kernel, input types and set of boolean templates (each its own code
-    path), the one of largest sizes among them (the largest static shared arrays): an NVRTC
+    path; so is each SPLIT), the one of largest sizes among them (the largest static shared arrays): an NVRTC
     compile takes ~2 s on CI's 2 cores, and other sizes only change constants."""
     chosen: dict = {}
     for launch in launches:
-        flags = tuple((k, v) for k, v in launch["template"] if isinstance(v, bool))
+        flags = tuple((k, v) for k, v in launch["template"] if isinstance(v, bool) or k in _PATH_TEMPLATES)
         key = (launch["name"], flags, tuple(map(str, launch["input_types"])))
         size = math.prod(v for _, v in launch["template"] if not isinstance(v, bool) and v > 0)
         if key not in chosen or size > chosen[key][0]:
@@ -147,6 +151,15 @@ def test_every_launched_kernel_compiles_with_nvrtc(recorded_launches, nvrtc, tin
         blocks = ExpertBlocks(mx.zeros((3, 5 * row_bytes(type_name, 512)), mx.uint8), type_name, 5, 512)
         kernels.expert_swiglu(blocks, blocks, ids, x, mx.ones((1, 2)), 0.0)
         kernels.expert_matvec(blocks, ids, x, pairs_per_input=2)
+    # The Q8_0 products on matrices of a few thousand rows and columns, whose warps split the
+    # columns (SPLIT): zero codes of 4096 x 2048, as the model's shared expert and HC output.
+    q8 = Q8Matrix(mx.zeros((4096, 512), mx.uint32), mx.zeros((4096, 64)), mx.zeros((4096, 64)), 4096, 2048)
+    x = mx.ones((1, 2048))
+    streams, post, comb = mx.ones((1, 4, 4096)), mx.ones((1, 4)), mx.ones((1, 4, 4))
+    kernels.q8_matvec(q8, x)
+    kernels.q8_pair(q8, q8, x)
+    kernels.q8_swiglu(q8, q8, x, 0.0)
+    kernels.q8_hc(q8, x, streams, post, comb, mix=mx.ones((24, 4 * 4096)))
     distinct = _code_paths(recorded_launches)
     names = {launch["name"] for launch in distinct.values()}
     # The step's kernels and a chunk's: the fused ones, an expert format's pair, the GEMM.
@@ -155,6 +168,8 @@ def test_every_launched_kernel_compiles_with_nvrtc(recorded_launches, nvrtc, tin
     experts = {f"ds4lab_expert_{kind}_{name}" for kind in ("swiglu", "matvec") for name in kernels._TYPES.values()}
     assert experts <= names, names
     assert any(n.startswith("ds4lab_quant_gemm_") for n in names)
+    split = {launch["name"] for launch in distinct.values() if ("SPLIT", kernels._Q8_WARPS) in launch["template"]}
+    assert split == {"ds4lab_q8_matvec", "ds4lab_q8_pair", "ds4lab_q8_swiglu", "ds4lab_q8_hc"}, split
     lib, options = nvrtc
     with ThreadPoolExecutor(4) as pool:
         logs = list(pool.map(lambda launch: compile_log(lib, options, wrapped_source(launch), launch["name"]),

@@ -22,6 +22,7 @@ from ds4lab.model import Model, attention, compressor, hc, kernels, moe
 from ds4lab.model import numerics as nm
 from ds4lab.model.random_weights import _expert_blocks, random_weights
 from ds4lab.model.rope import Rotation, apply_rope_tail, yarn_for
+from ds4lab.model.weights import Q8Matrix
 from ds4lab.quants import gather_experts
 
 
@@ -209,8 +210,10 @@ def _q8_products(w, x):
 
 
 def _q8_warps(t, grid, rows, n_tok):
-    """A Q8_0 matvec kernel's geometry: R rows per warp cover `rows`; grid y the tokens."""
-    assert rows % t["R"] == 0 and grid[0] // 32 * t["R"] >= rows and grid[1] == n_tok
+    """A Q8_0 matvec kernel's geometry: R rows per warp (per block of SPLIT warps) cover
+    `rows`; grid y the tokens."""
+    assert t["SPLIT"] in (1, kernels._Q8_WARPS)
+    assert rows % t["R"] == 0 and grid[0] // 32 // t["SPLIT"] * t["R"] >= rows and grid[1] == n_tok
 
 
 def _q8_matvec(inputs, t, grid, threadgroup):
@@ -218,7 +221,8 @@ def _q8_matvec(inputs, t, grid, threadgroup):
     rows, cols, group_rows, r = t["ROWS"], t["COLS"], t["GROUP_ROWS"], t["R"]
     n_tok, groups = grid[1], rows // group_rows
     assert codes.shape == (rows, cols // 4) and x.size == n_tok * groups * cols
-    assert grid[0] // 32 * r >= rows and group_rows % r == 0
+    _q8_warps(t, grid, rows, n_tok)
+    assert group_rows % r == 0 and not (t["NORM"] and t["SPLIT"] > 1)
     if t["NORM"]:                        # one group, x RMS-normed and weighted first, as row_finish does
         assert groups == 1 and norm_w.shape == (cols,) and threadgroup[0] == kernels._THREADS
         x = _rms_weighted(x.reshape(n_tok, cols), eps, norm_w)
@@ -255,7 +259,7 @@ def _q8_hc(inputs, t, grid, threadgroup):
         return [y, mx.zeros((1,))]
     # Block b's partial: its rows d (R a warp, threadgroup / 32 warps) over every stream.
     m, (parts, _) = (2 + n) * n, _blocks(grid, threadgroup)
-    rows = threadgroup[0] // 32 * t["R"]
+    rows = threadgroup[0] // 32 // t["SPLIT"] * t["R"]
     assert mix.shape == (m, n * e) and parts * rows >= e > (parts - 1) * rows
     by_row = mx.einsum("jcd,tcd->tjd", mix.reshape(m, n, e), y)                  # [T, M, E]
     by_row = mx.pad(by_row, [(0, 0), (0, 0), (0, parts * rows - e)])
@@ -524,6 +528,27 @@ def test_kernel_constants_stay_bounded_over_a_long_session():
         kernels._constant((n, n + 7), mx.int32)
     assert kernels._constant.cache_info().currsize <= kernels.CONSTANTS_KEPT
     assert np.array(kernels._constant((5, 12), mx.int32)).tolist() == [5, 12]
+
+
+def test_q8_products_of_a_few_thousand_rows_split_their_columns_over_a_block(stand_in_kernels):
+    """On a few thousand rows a warp takes 4 rows and a block's warps split their columns
+    (SPLIT): as many warps as one row a warp, a quarter of the input reads per row. The
+    launches keep every row covered (the stand-ins check the geometry) and the values are the
+    products'; with the norm inside (q_a's, row_finish's blocks) nothing is split."""
+    rng = np.random.default_rng(5)
+    raw = rng.integers(0, 256, (4096, 2048 // 32, 34), dtype=np.uint8)
+    raw[:, :, :2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
+    q8 = Q8Matrix.from_blocks(raw, 4096, 2048)
+    x = mx.array(rng.standard_normal((1, 2048)).astype(np.float32))
+    want = np.array(q8.quantized(x))
+    assert np.allclose(np.array(kernels.q8_matvec(q8, x)), want, rtol=1e-5, atol=1e-5)
+    streams, post = mx.ones((1, 4, 4096)), mx.full((1, 4), 0.5)
+    comb = mx.array(np.eye(4, dtype=np.float32)[None])
+    new, _ = kernels.q8_hc(q8, x, streams, post, comb)
+    assert np.allclose(np.array(new), 1.0 + 0.5 * want[:, None, :], rtol=1e-5, atol=1e-5)
+    assert kernels._rows_per_warp(4096, 2048) == (4, kernels._Q8_WARPS)
+    assert kernels._rows_per_warp(129280, 4096) == (4, 1)            # the output head: enough warps unsplit
+    assert kernels._rows_per_warp(4096, 2048, split=False) == (1, 1)
 
 
 def test_q8_matvec_refuses_an_output_shape_of_other_size(small_weights):

@@ -415,31 +415,43 @@ def q8_matvec(matrix: Q8Matrix, x: mx.array, groups: int = 1, shape: tuple[int, 
     if shape is not None and int(np.prod(shape)) != t * matrix.rows:    # the kernel writes t·rows values
         raise ValueError(f"q8_matvec: output shape {tuple(shape)} does not hold {t}x{matrix.rows} values")
     group_rows = matrix.rows // groups
-    r = _rows_per_warp(matrix.rows, group_rows)
+    # With the norm inside, the blocks are row_finish's (the same bits): no split.
+    r, split = _rows_per_warp(matrix.rows, cols, group_rows, split=norm is None)
     norm_w, eps = (norm[0].astype(mx.float32), norm[1]) if norm is not None else (_scalar(0.0), 0.0)
     (y,) = _fused("q8_matvec")(
         inputs=[matrix.codes, matrix.scales, x.astype(mx.float32), norm_w, _scalar(eps)],
         template=[("ROWS", matrix.rows), ("COLS", cols), ("GROUP_ROWS", group_rows), ("R", r),
-                  ("NORM", norm is not None)],
-        **_q8_launch(matrix.rows, r, t), output_shapes=[shape or natural], output_dtypes=[mx.float32])
+                  ("NORM", norm is not None), ("SPLIT", split)],
+        **_q8_launch(matrix.rows, r, split, t), output_shapes=[shape or natural], output_dtypes=[mx.float32])
     return y
 
 
-def _rows_per_warp(rows: int, unit: int | None = None) -> int:
-    """Rows each warp of a Q8_0 matvec over `rows` owns: 4 (one read of the input serves 4
-    rows), or 2, while that leaves at least _Q8_WARPS_WANTED warps, else 1; it divides `unit`
-    (default: rows; a warp's rows stay in one group or one matrix). A decode step's matvec
-    waits on memory latency: the more warps, the more loads in flight (an H200 holds 132 SMs
-    x 64 warps; the shared expert's 2048 rows at 4 a warp kept one block of 4 warps per SM)."""
-    for r in (4, 2):
-        if (unit or rows) % r == 0 and rows // r >= _Q8_WARPS_WANTED:
-            return r
-    return 1
+def _rows_per_warp(rows: int, cols: int, unit: int | None = None, split: bool = True) -> tuple[int, int]:
+    """(R, SPLIT) of a Q8_0 matvec over `rows` of `cols`: each warp owns R rows (4, 2 or 1,
+    dividing `unit`, default rows: a warp's rows stay in one group or one matrix) and, with
+    SPLIT = _Q8_WARPS, the block's warps share those R rows, each over every SPLIT-th 512-byte
+    chunk of columns. The most rows a warp (one read of the input serves them all: a warp of
+    one row reads 4 bytes of input per byte of weights, and on a few thousand rows the L1
+    bounds the product) that still leaves at least _Q8_WARPS_WANTED warps: without the split
+    if it can, else split (each warp a chunk at least: cols >= 512 * SPLIT). A decode
+    step's matvec waits on memory latency: the more warps, the more loads in flight (an H200
+    holds 132 SMs x 64 warps)."""
+    can_split = split and cols >= 512 * _Q8_WARPS
+    for r in (4, 2, 1):
+        if (unit or rows) % r:
+            continue
+        if rows // r >= _Q8_WARPS_WANTED:
+            return r, 1
+        if can_split and rows // r * _Q8_WARPS >= _Q8_WARPS_WANTED:
+            return r, _Q8_WARPS
+    return 1, _Q8_WARPS if can_split else 1
 
 
-def _q8_launch(rows: int, r: int, t: int) -> dict:
-    """A Q8_0 matvec's geometry: a warp per r of `rows`, _Q8_WARPS warps a block; y = token."""
-    return {"grid": (-(-rows // (r * _Q8_WARPS)) * 32 * _Q8_WARPS, t, 1), "threadgroup": (32 * _Q8_WARPS, 1, 1)}
+def _q8_launch(rows: int, r: int, split: int, t: int) -> dict:
+    """A Q8_0 matvec's geometry: a warp per r of `rows` (a block per r with `split` =
+    _Q8_WARPS), _Q8_WARPS warps a block; y = token."""
+    per_block = r * _Q8_WARPS // split
+    return {"grid": (-(-rows // per_block) * 32 * _Q8_WARPS, t, 1), "threadgroup": (32 * _Q8_WARPS, 1, 1)}
 
 
 def _one_vector_tokens(name: str, matrices: tuple[Q8Matrix, ...], x: mx.array) -> int:
@@ -455,11 +467,11 @@ def q8_pair(a: Q8Matrix, b: Q8Matrix, x: mx.array) -> tuple[mx.array, mx.array]:
     """(A·x, B·x) for x [T, cols] in one launch: two products of one input (the attention's
     q_a and kv projections), each [T, rows of its matrix]."""
     t = _one_vector_tokens("q8_pair", (a, b), x)
-    r = _rows_per_warp(a.rows + b.rows, math.gcd(a.rows, b.rows))
+    r, split = _rows_per_warp(a.rows + b.rows, a.cols, math.gcd(a.rows, b.rows))
     return tuple(_fused("q8_pair")(
         inputs=[a.codes, a.scales, b.codes, b.scales, x.astype(mx.float32)],
-        template=[("ROWS_A", a.rows), ("ROWS_B", b.rows), ("COLS", a.cols), ("R", r)],
-        **_q8_launch(a.rows + b.rows, r, t), output_shapes=[(t, a.rows), (t, b.rows)],
+        template=[("ROWS_A", a.rows), ("ROWS_B", b.rows), ("COLS", a.cols), ("R", r), ("SPLIT", split)],
+        **_q8_launch(a.rows + b.rows, r, split, t), output_shapes=[(t, a.rows), (t, b.rows)],
         output_dtypes=[mx.float32] * 2))
 
 
@@ -469,11 +481,11 @@ def q8_swiglu(gate: Q8Matrix, up: Q8Matrix, x: mx.array, clamp: float) -> mx.arr
     t = _one_vector_tokens("q8_swiglu", (gate, up), x)
     if gate.rows != up.rows:
         raise ValueError(f"q8_swiglu: gate has {gate.rows} rows, up {up.rows}")
-    r = _rows_per_warp(gate.rows)
+    r, split = _rows_per_warp(gate.rows, gate.cols)
     (y,) = _fused("q8_swiglu")(
         inputs=[gate.codes, gate.scales, up.codes, up.scales, x.astype(mx.float32), _scalar(clamp)],
-        template=[("ROWS", gate.rows), ("COLS", gate.cols), ("R", r)],
-        **_q8_launch(gate.rows, r, t), output_shapes=[(t, gate.rows)], output_dtypes=[mx.float32])
+        template=[("ROWS", gate.rows), ("COLS", gate.cols), ("R", r), ("SPLIT", split)],
+        **_q8_launch(gate.rows, r, split, t), output_shapes=[(t, gate.rows)], output_dtypes=[mx.float32])
     return y
 
 
@@ -497,13 +509,13 @@ def q8_hc(matrix: Q8Matrix, x: mx.array, streams: mx.array, post: mx.array, comb
                          f"for {t} tokens of a {matrix.rows}-row product")
     if mix is not None and mix.shape != (m, n * e):
         raise ValueError(f"q8_hc: a mixer {tuple(mix.shape)} for {n} streams of {e}, not ({m}, {n * e})")
-    r = _rows_per_warp(e)
-    launch = _q8_launch(e, r, t)
+    r, split = _rows_per_warp(e, matrix.cols)
+    launch = _q8_launch(e, r, split, t)
     parts = launch["grid"][0] // launch["threadgroup"][0]
     y, part = _fused("q8_hc")(
         inputs=[matrix.codes, matrix.scales, x.astype(mx.float32), _scalar(0.0) if add is None else add,
                 streams, post, comb, _scalar(0.0) if mix is None else mix],
-        template=[("E", e), ("COLS", matrix.cols), ("R", r), ("N", n), ("ADD", add is not None),
+        template=[("E", e), ("COLS", matrix.cols), ("R", r), ("SPLIT", split), ("N", n), ("ADD", add is not None),
                   ("MIX", mix is not None)],
         **launch, output_shapes=[streams.shape, (t, parts, m) if mix is not None else (1,)],
         output_dtypes=[mx.float32, mx.float32])

@@ -12,10 +12,12 @@
 // Inputs: codes [E, COLS / 4], scales [E, COLS / 32], x [T, COLS], add [T, E] (or one unused
 // value), streams [T, N, E], post [T, N], comb [T, N, N], mix (or one unused value).
 // Outputs: y [T, N, E], part [T, gridDim.x, M] (one unused value without MIX).
-// Grid: x = 32 threads per warp, R rows per warp; y = the token.
+// Grid: x = 32 threads per warp, R rows per warp (per block with SPLIT: its warps split the
+// columns, q8_rows.cuh; the first writes); y = the token.
 constexpr int M = (2 + N) * N;
 const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-const int r0 = (blockIdx.x * (blockDim.x >> 5) + warp) * R;
+const int r0 = (SPLIT > 1 ? blockIdx.x : blockIdx.x * (blockDim.x >> 5) + warp) * R;
+const int cols_part = SPLIT > 1 ? warp : 0;
 const int t = blockIdx.y;
 float mixed[MIX ? M : 1] = {};
 if (r0 < E) {
@@ -25,12 +27,13 @@ if (r0 < E) {
 #pragma unroll
     for (int i = 0; i < R; ++i) ds4lab_q8_row<COLS>(codes, scales, r0 + i, w[i], s[i]);
     float acc[R];
-    ds4lab_q8_dots<R, COLS>(w, s, xv, lane, acc);
+    ds4lab_q8_dots<R, COLS, false, SPLIT>(w, s, xv, lane, acc, nullptr, 1.0f, cols_part);
+    ds4lab_q8_totals<R, SPLIT>(acc, cols_part, lane);
 #pragma unroll
     for (int i = 0; i < R; ++i) {
-        const float total = ds4lab_warp_sum_all(acc[i]);
+        const float total = acc[i];
         const int d = r0 + i;
-        if (lane < N) {
+        if (lane < N && cols_part == 0) {
             const float o = ADD ? total + add[(size_t)t * E + d] : total;
             const float v = ds4lab_hc_value<N, E>(o, streams, post, comb, t, lane, d);
             y[((size_t)t * N + lane) * E + d] = v;

@@ -8,9 +8,11 @@
 // threads), so q_a's norm runs inside the q_b product instead of a launch of its own.
 // Inputs: codes [ROWS, COLS / 4] uint32, scales [ROWS, COLS / 32], x [T, ROWS / GROUP_ROWS, COLS],
 // norm_w [COLS] and eps [1] (NORM).
-// Grid: x = 32 threads per warp, R rows per warp; y = the token.
-const int lane = threadIdx.x & 31;
-const int r0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
+// Grid: x = 32 threads per warp, R rows per warp (per block with SPLIT: its warps split the
+// columns, q8_rows.cuh); y = the token.
+const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+const int r0 = (SPLIT > 1 ? blockIdx.x : blockIdx.x * (blockDim.x >> 5) + warp) * R;
+const int cols_part = SPLIT > 1 ? warp : 0;
 const int t = blockIdx.y;
 __shared__ float scratch[32];
 const float inv = NORM ? ds4lab_rms_inverse(x + (size_t)t * COLS, COLS, eps[0], scratch) : 1.0f;
@@ -21,9 +23,9 @@ const float* s[R];
 #pragma unroll
 for (int i = 0; i < R; ++i) ds4lab_q8_row<COLS>(codes, scales, r0 + i, w[i], s[i]);
 float acc[R];
-ds4lab_q8_dots<R, COLS, NORM>(w, s, xv, lane, acc, norm_w, inv);
+ds4lab_q8_dots<R, COLS, NORM, SPLIT>(w, s, xv, lane, acc, norm_w, inv, cols_part);
+ds4lab_q8_totals<R, SPLIT>(acc, cols_part, lane);
 #pragma unroll
 for (int i = 0; i < R; ++i) {
-    const float total = ds4lab_warp_sum_all(acc[i]);
-    if (lane == 0) y[(size_t)t * ROWS + r0 + i] = total;
+    if (lane == 0 && cols_part == 0) y[(size_t)t * ROWS + r0 + i] = acc[i];
 }

@@ -3,8 +3,9 @@
 // rows of A, then of B (R divides both row counts); q8_rows.cuh has the loop.
 // Inputs: codes_a [ROWS_A, COLS / 4], scales_a [ROWS_A, COLS / 32], the same of B, x [T, COLS].
 // Grid: x = 32 threads per warp, R rows per warp over ROWS_A + ROWS_B; y = the token.
-const int lane = threadIdx.x & 31;
-const int r0 = (blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5)) * R;
+const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+const int r0 = (SPLIT > 1 ? blockIdx.x : blockIdx.x * (blockDim.x >> 5) + warp) * R;
+const int cols_part = SPLIT > 1 ? warp : 0;
 const int t = blockIdx.y;
 if (r0 >= ROWS_A + ROWS_B) return;
 const bool in_a = r0 < ROWS_A;
@@ -18,9 +19,9 @@ for (int i = 0; i < R; ++i) {
     else ds4lab_q8_row<COLS>(codes_b, scales_b, rb + i, w[i], s[i]);
 }
 float acc[R];
-ds4lab_q8_dots<R, COLS>(w, s, xv, lane, acc);
+ds4lab_q8_dots<R, COLS, false, SPLIT>(w, s, xv, lane, acc, nullptr, 1.0f, cols_part);
+ds4lab_q8_totals<R, SPLIT>(acc, cols_part, lane);
 #pragma unroll
 for (int i = 0; i < R; ++i) {
-    const float total = ds4lab_warp_sum_all(acc[i]);
-    if (lane == 0) (in_a ? ya + (size_t)t * ROWS_A : yb + (size_t)t * ROWS_B)[rb + i] = total;
+    if (lane == 0 && cols_part == 0) (in_a ? ya + (size_t)t * ROWS_A : yb + (size_t)t * ROWS_B)[rb + i] = acc[i];
 }

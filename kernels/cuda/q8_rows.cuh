@@ -9,17 +9,22 @@
 // loop is unrolled so that each lane has 8 such loads in flight.
 // A byte becomes the float (byte - 128) without an int-to-float conversion: placed in the
 // mantissa of 2^23 (bits 0x4B0000bb = 8388608 + byte, exact) and 8388608 + 128 subtracted.
-// Each lane sums in column order into acc[i]; the caller sums the warp.
+// Each lane sums in column order into acc[i]; the caller sums the warp (ds4lab_q8_totals).
+// SPLIT warps may share rows, warp `part` taking every SPLIT-th 512-byte chunk of them: on
+// matrices of a few thousand rows a warp of one row reads 4 bytes of (cached) input for each
+// byte of weights, and the L1 becomes the bound (ncu: 88% of its throughput, DRAM 24%, on the
+// 4096 x 8192 q8_hc); 4 rows a warp over a quarter of the columns each keep as many warps and
+// read a quarter of the input per row.
 // With NORM each input is first RMS-normed and weighted as row_finish does it: x * inv, then
 // times norm_w (two rounded products; inv from ds4lab_rms_inverse).
-template <int NR, int COLS, bool NORM = false>
+template <int NR, int COLS, bool NORM = false, int SPLIT = 1>
 __device__ __forceinline__ void ds4lab_q8_dots(const uint4* const* w, const float* const* s, const float4* xv,
                                                int lane, float* acc, const float* norm_w = nullptr,
-                                               float inv = 1.0f) {
+                                               float inv = 1.0f, int part = 0) {
 #pragma unroll
     for (int i = 0; i < NR; ++i) acc[i] = 0.0f;
 #pragma unroll (NR < 8 ? 8 / NR : 1)
-    for (int j = lane; j < COLS / 16; j += 32) {
+    for (int j = lane + 32 * part; j < COLS / 16; j += 32 * SPLIT) {
         float xs[16];
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
@@ -41,6 +46,30 @@ __device__ __forceinline__ void ds4lab_q8_dots(const uint4* const* w, const floa
                 dot += (__uint_as_float(bits) - 8388736.0f) * xs[k];
             }
             acc[i] += s[i][j >> 1] * dot;
+        }
+    }
+}
+
+// The totals of a warp's NR rows from its lanes' sums (acc, replaced): the warp's butterfly,
+// then with SPLIT > 1 the sums of the SPLIT warps sharing the rows, added in part order (every
+// warp gets them). SPLIT > 1 synchronises the block: it is the block's warps, all on one set
+// of rows (so a block leaves or stays as a whole).
+template <int NR, int SPLIT>
+__device__ __forceinline__ void ds4lab_q8_totals(float* acc, int part, int lane) {
+#pragma unroll
+    for (int i = 0; i < NR; ++i) acc[i] = ds4lab_warp_sum_all(acc[i]);
+    if (SPLIT > 1) {
+        __shared__ float sums[SPLIT * NR];
+        if (lane == 0) {
+#pragma unroll
+            for (int i = 0; i < NR; ++i) sums[part * NR + i] = acc[i];
+        }
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < NR; ++i) {
+            float total = 0.0f;
+            for (int p = 0; p < SPLIT; ++p) total += sums[p * NR + i];
+            acc[i] = total;
         }
     }
 }
