@@ -272,14 +272,14 @@ def check_fused_products() -> None:
     fn = mx.random.normal(((2 + n) * n, n * 4096)) * 0.01
     mixed, parts = kernels.q8_hc(down, h, streams, control.post, control.comb, add, mix=fn)
     err_streams = _rel(mixed, kernels.q8_hc(down, h, streams, control.post, control.comb, add)[0])
-    err_parts = _rel(parts.sum(axis=1), mixed.reshape(3, -1) @ fn.T)
+    err_parts = _rel(parts.sum(axis=2), mixed.reshape(3, -1) @ fn.T)
     scale, base = mx.random.uniform(0.5, 2.0, (3,)), mx.random.normal(((2 + n) * n,))
     norm = mx.random.uniform(0.5, 1.5, (4096,))
     given = kernels.hc_pre(mixed, fn, scale, base, norm, 20, 1e-6, 1e-6, parts=parts)
     own = kernels.hc_pre(mixed, fn, scale, base, norm, 20, 1e-6, 1e-6)
     err_pre = max(_rel(a, b) for a, b in zip(given, own, strict=True))
     _bar("q8_hc with the next mixer", max(err_streams, err_parts, err_pre) <= _KERNEL_BAR)
-    print(f"q8_hc with the next mixer ({parts.shape[1]} partial sums): streams vs without {err_streams:.2e}, "
+    print(f"q8_hc with the next mixer ({parts.shape[2]} partial sums): streams vs without {err_streams:.2e}, "
           f"summed partials vs the mixer product {err_parts:.2e}; hc_pre given them vs with hc_mix {err_pre:.2e}")
     ids = mx.array([[3, 15, 0, 9, 7, 12], [1, 3, 5, 15, 2, 8]], dtype=mx.int32)
     weights = mx.random.uniform(0.1, 1.0, ids.shape)

@@ -70,8 +70,8 @@ def _hc_pre(inputs, t, grid, threadgroup):
     assert threadgroup[0] % 32 == 0 and 64 <= threadgroup[0] <= 1024     # warp 0 splits while the rest collapse
     rms_eps, hc_eps = (float(v) for v in eps.tolist())
     flat = streams.reshape(tokens, -1)
-    assert mix.shape[0] == tokens and mix.size == tokens * t["PARTS"] * (2 + n) * n   # [T, PARTS, M] ([T, M]: 1)
-    mix = mix.reshape(tokens, t["PARTS"], -1).sum(axis=1)         # partial sums, added in order
+    assert mix.shape[0] == tokens and mix.size == tokens * t["PARTS"] * (2 + n) * n   # [T, M, PARTS] ([T, M]: 1)
+    mix = mix.reshape(tokens, -1, t["PARTS"]).sum(axis=2)         # partial sums, added in order
     inv = 1.0 / mx.sqrt(mx.mean(mx.square(flat), axis=-1, keepdims=True) + rms_eps)
     pre, post, comb = hc._split(mix * inv, scale, base, n, t["ITERS"], hc_eps)
     return [nm.rms_norm((streams * pre[:, :, None]).sum(axis=1), norm, rms_eps), pre, post, comb]
@@ -86,7 +86,7 @@ def _hc_mix(inputs, t, grid, threadgroup):
     columns = threadgroup[0]                       # block b: columns [b·256, (b + 1)·256)
     flat = streams.reshape(tokens, -1)
     return [mx.stack([flat[:, b * columns:(b + 1) * columns] @ mix[:, b * columns:(b + 1) * columns].T
-                      for b in range(parts)], axis=1)]
+                      for b in range(parts)], axis=2)]
 
 
 def _hc_post(inputs, t, grid, threadgroup):
@@ -263,7 +263,7 @@ def _q8_hc(inputs, t, grid, threadgroup):
     assert mix.shape == (m, n * e) and parts * rows >= e > (parts - 1) * rows
     by_row = mx.einsum("jcd,tcd->tjd", mix.reshape(m, n, e), y)                  # [T, M, E]
     by_row = mx.pad(by_row, [(0, 0), (0, 0), (0, parts * rows - e)])
-    return [y, by_row.reshape(y.shape[0], m, parts, rows).sum(axis=-1).transpose(0, 2, 1)]
+    return [y, by_row.reshape(y.shape[0], m, parts, rows).sum(axis=-1)]
 
 
 def _gemm_split_x(inputs, t, grid, threadgroup):

@@ -229,20 +229,20 @@ def hc_pre(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array, nor
            parts: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """(x [T, E], pre [T, N], post [T, N], comb [T, N, N]) from the streams [T, N, E] and the
     mixer matrix fn [(2 + N)·N, N·E]. Up to MATVEC_MAX_TOKENS tokens the mixer product is
-    partial sums that hc_pre adds (in a fixed order, a warp an output): `parts` [T, P,
-    (2 + N)·N] when given (the ones `q8_hc(..., mix=fn)` made with these streams), else
+    partial sums that hc_pre adds (in a fixed order, a warp an output): `parts` [T,
+    (2 + N)·N, P] when given (the ones `q8_hc(..., mix=fn)` made with these streams), else
     `hc_mix`'s (a block per 256 columns); a chunk's is one GEMM first."""
     t, n, e = streams.shape
     if parts is not None:
-        if t > MATVEC_MAX_TOKENS or parts.ndim != 3 or parts.shape[0] != t or parts.shape[2] != (2 + n) * n:
+        if t > MATVEC_MAX_TOKENS or parts.ndim != 3 or parts.shape[0] != t or parts.shape[1] != (2 + n) * n:
             raise ValueError(f"hc_pre: partial mixer sums {tuple(parts.shape)} for {t} tokens of {n} streams")
-        mix, n_parts, threads = parts, parts.shape[1], _HC_DECODE_THREADS
+        mix, n_parts, threads = parts, parts.shape[2], _HC_DECODE_THREADS
     elif t <= MATVEC_MAX_TOKENS:
         n_parts = -(-n * e // _HC_MIX_COLUMNS)
         (mix,) = _fused("hc_mix")(
             inputs=[streams, fn], template=[("N", n), ("E", e), ("PARTS", n_parts)],
             grid=(n_parts * _HC_MIX_COLUMNS, t, 1), threadgroup=(_HC_MIX_COLUMNS, 1, 1),
-            output_shapes=[(t, n_parts, (2 + n) * n)], output_dtypes=[mx.float32])
+            output_shapes=[(t, (2 + n) * n, n_parts)], output_dtypes=[mx.float32])
         threads = _HC_DECODE_THREADS
     else:
         n_parts, mix, threads = 1, streams.reshape(t, -1) @ fn.T, _THREADS
@@ -499,7 +499,7 @@ def q8_hc(matrix: Q8Matrix, x: mx.array, streams: mx.array, post: mx.array, comb
     n_embd rows) and the new streams [T, N, E] from it; `add` [T, E] is added to W·x first
     (the FFN's routed output beside the shared expert's). With `mix`, the next sublayer's
     HC mixer [(2 + N)·N, N·E], also that mixer's product of the new streams as partial sums
-    [T, parts, (2 + N)·N] for `hc_pre(..., parts=)` (no `hc_mix` launch). Returns (new
+    [T, (2 + N)·N, parts] for `hc_pre(..., parts=)` (no `hc_mix` launch). Returns (new
     streams, the partial sums or None)."""
     t = _one_vector_tokens("q8_hc", (matrix,), x)
     n, e = streams.shape[1:]
@@ -517,7 +517,7 @@ def q8_hc(matrix: Q8Matrix, x: mx.array, streams: mx.array, post: mx.array, comb
                 streams, post, comb, _scalar(0.0) if mix is None else mix],
         template=[("E", e), ("COLS", matrix.cols), ("R", r), ("SPLIT", split), ("N", n), ("ADD", add is not None),
                   ("MIX", mix is not None)],
-        **launch, output_shapes=[streams.shape, (t, parts, m) if mix is not None else (1,)],
+        **launch, output_shapes=[streams.shape, (t, m, parts) if mix is not None else (1,)],
         output_dtypes=[mx.float32, mx.float32])
     return y, part if mix is not None else None
 

@@ -27,10 +27,12 @@ __device__ float ds4lab_block_sum(float v, float* scratch) {
 }
 
 // A thread block's sums of M values each thread holds (acc[0..M)), in a fixed order: each
-// warp's butterfly, then the warps in turn; out[j] for j < M. scratch: 32 * M floats of
-// shared memory. Mixer partial sums (hc_mix.cu, q8_hc.cu's MIX) are made with it.
+// warp's butterfly, then the warps in turn; out[j * stride] for j < M. scratch: 32 * M floats
+// of shared memory. Mixer partial sums (hc_mix.cu, q8_hc.cu's MIX) are made with it, a
+// block's M sums `stride` apart (output-major: hc_pre's warp per output reads its partials
+// contiguously).
 template <int M>
-__device__ __forceinline__ void ds4lab_block_sums(const float* acc, float* scratch, float* out) {
+__device__ __forceinline__ void ds4lab_block_sums(const float* acc, float* scratch, float* out, int stride = 1) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 #pragma unroll
     for (int j = 0; j < M; ++j) {
@@ -41,7 +43,7 @@ __device__ __forceinline__ void ds4lab_block_sums(const float* acc, float* scrat
     for (int j = threadIdx.x; j < M; j += blockDim.x) {
         float s = 0.0f;
         for (int w = 0; w < (int)(blockDim.x >> 5); ++w) s += scratch[w * M + j];
-        out[j] = s;
+        out[(size_t)j * stride] = s;
     }
 }
 

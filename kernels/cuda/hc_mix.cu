@@ -6,7 +6,7 @@
 // layer. Here each thread reads one column (its stream value and the 24 mixer values: all
 // its loads in flight at once) and the block sums the 24 products in warp order.
 // Grid: x = PARTS blocks of blockDim.x (256) threads, y = the token. Output: part
-// [T, PARTS, M]. Templates: N (streams), E (width), PARTS.
+// [T, M, PARTS] (output-major, as hc_pre reads it). Templates: N (streams), E (width), PARTS.
 constexpr int M = (2 + N) * N;
 __shared__ float warp_sums[32 * M];
 const int t = blockIdx.y;
@@ -15,4 +15,4 @@ float acc[M];
 const float v = i < N * E ? streams[(size_t)t * N * E + i] : 0.0f;
 #pragma unroll
 for (int j = 0; j < M; ++j) acc[j] = i < N * E ? v * mix[(size_t)j * N * E + i] : 0.0f;
-ds4lab_block_sums<M>(acc, warp_sums, part + ((size_t)t * PARTS + blockIdx.x) * M);
+ds4lab_block_sums<M>(acc, warp_sums, part + (size_t)t * M * PARTS + blockIdx.x, PARTS);

@@ -1,8 +1,8 @@
 // HC pre-sublayer (ds4's hc_split_weighted_sum_norm) for one token per thread block: the
 // control (pre, post, comb) and the sublayer input x = RMSNorm(sum_a pre[a] * streams[a]) * weight.
 // Replaces model/hc.py `hc_control` + `hc_collapse` + the sublayer norm (some 20 MLX ops).
-//   mix: the mixer matvec of the raw flattened streams in PARTS partial sums, [T, PARTS,
-//        (2 + N) * N], added here by a warp an output (a chunk's GEMM: PARTS = 1; in a
+//   mix: the mixer matvec of the raw flattened streams in PARTS partial sums, [T, M, PARTS
+//        (M = (2 + N) * N)], added here by a warp an output (a chunk's GEMM: PARTS = 1; in a
 //        decode step hc_mix.cu's, one per 256 columns, or q8_hc.cu's with MIX, one per
 //        block of the product that made the streams); RMSNorm of the flat streams is a
 //        per-token scale, applied here (inv_rms * mix) rather than before the matvec as the
@@ -34,7 +34,7 @@ const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 for (int i = warp; i < M; i += (int)(blockDim.x >> 5)) {
     float v = 0.0f;
 #pragma unroll 8
-    for (int p = lane; p < PARTS; p += 32) v += mix[((size_t)t * PARTS + p) * M + i];
+    for (int p = lane; p < PARTS; p += 32) v += mix[((size_t)t * M + i) * PARTS + p];
     v = ds4lab_warp_sum_all(v);
     if (lane == 0) m[i] = v * inv;
 }

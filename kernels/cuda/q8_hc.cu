@@ -4,14 +4,14 @@
 // post[c] * out + sum_a comb[a][c] * streams[a] (ds4lab_hc_value, as hc_post.cu).
 // Each warp owns R rows (R output dims); lanes c < N write stream c of them.
 // MIX: the next sublayer's HC mixer product of these new streams, as this block's partial
-// sums: part[t, block, j] = sum over the block's rows d and streams c of
+// sums: part[t, j, block] = sum over the block's rows d and streams c of
 // mix[j, c * E + d] * y[t, c, d] (mix [M, N * E], M = (2 + N) * N), each lane c < N summing
 // its rows, then the warps in order; hc_pre.cu adds the blocks' partials in order. So the
 // next hc_pre needs no hc_mix launch of its own: its 1.6 MB mixer is read here, spread over
 // this product's blocks, while the streams are still in registers.
 // Inputs: codes [E, COLS / 4], scales [E, COLS / 32], x [T, COLS], add [T, E] (or one unused
 // value), streams [T, N, E], post [T, N], comb [T, N, N], mix (or one unused value).
-// Outputs: y [T, N, E], part [T, gridDim.x, M] (one unused value without MIX).
+// Outputs: y [T, N, E], part [T, M, gridDim.x] (one unused value without MIX).
 // Grid: x = 32 threads per warp, R rows per warp (per block with SPLIT: its warps split the
 // columns, q8_rows.cuh; the first writes); y = the token.
 constexpr int M = (2 + N) * N;
@@ -46,5 +46,5 @@ if (r0 < E) {
 }
 if (MIX) {
     __shared__ float warp_mixed[32 * M];
-    ds4lab_block_sums<M>(mixed, warp_mixed, part + ((size_t)t * gridDim.x + blockIdx.x) * M);
+    ds4lab_block_sums<M>(mixed, warp_mixed, part + (size_t)t * M * gridDim.x + blockIdx.x, gridDim.x);
 }
