@@ -147,9 +147,9 @@ static float block_dot(const uint32_t* codes, const float* scales, const float* 
     }
     return total;
 }
-extern "C" float q8_dot_2048_1(const uint32_t* c, const float* s, const float* x) { return block_dot<2048, 1>(c, s, x); }
-extern "C" float q8_dot_2048_4(const uint32_t* c, const float* s, const float* x) { return block_dot<2048, 4>(c, s, x); }
-extern "C" float q8_dot_8192_4(const uint32_t* c, const float* s, const float* x) { return block_dot<8192, 4>(c, s, x); }
+#define Q8(COLS, SPLIT) extern "C" float q8_dot_##COLS##_##SPLIT(const uint32_t* c, const float* s, const float* x) \
+    { return block_dot<COLS, SPLIT>(c, s, x); }
+Q8(2048, 1) Q8(2048, 4) Q8(8192, 4)
 """
 
 

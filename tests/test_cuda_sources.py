@@ -3,82 +3,41 @@
 A kernel source that does not compile only shows on a GPU machine, where device time is
 scarce. Here a tiny model prefills a chunk and decodes on the CPU with `mx.fast.cuda_kernel`
 replaced by a recorder (each launch's outputs from test_fast_path's stand-ins, so the model
-runs its real fast-path branches): every launch's name, source, header, templates and
-input/output types are kept. Each distinct one is then wrapped the way MLX's CUDA back-end
-wraps a custom kernel (its default header, a `__global__` function of typed pointers, the
-templates as constexprs) and compiled with NVRTC (the `nvidia-cuda-nvrtc-cu12` wheel of the
-dev extra, with the CUDA runtime and CCCL wheels' headers) for an H100/H200 (compute_90a), with
-MLX's NVRTC options.
+runs its real fast-path branches): every launch is kept as a `kernel_cache.KernelVariant`.
+Each distinct one is then compiled from the source MLX's CUDA back-end would generate for it
+(`KernelVariant.mlx_source`: its default header, a `__global__` function of typed pointers,
+the templates as constexprs) with NVRTC (the `nvidia-cuda-nvrtc-cu12` wheel of the dev
+extra, with the CUDA runtime and CCCL wheels' headers) for an H100/H200 (compute_90a), with
+MLX's NVRTC options (`kernel_cache.Nvrtc`).
 """
 
 from __future__ import annotations
 
-import ctypes
+import dataclasses
 import math
 import platform
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import mlx.core as mx
 import pytest
 from test_fast_path import STAND_INS, _expert_matvec, _expert_swiglu, _launcher, _quant_gemm
 
-from ds4lab.model import Model, kernels
+from ds4lab.model import Model, kernel_cache, kernels
 from ds4lab.model.weights import ExpertBlocks, Q8Matrix
 from ds4lab.quants.formats import row_bytes
 
-# MLX's CUDA custom-kernel wrapper (mlx/backend/cuda/custom_kernel.cpp): its default header
-# includes its device utilities (the f16/bf16 types, cuda::std: INFINITY, the int types) and
-# cooperative groups.
-_MLX_HEADER = "".join(f"#include <{h}>\n" for h in ("cuda_fp16.h", "cuda_bf16.h", "cuda/std/complex", "cuda/std/limits",
-                                                      "cuda/std/array", "cooperative_groups.h"))
-_CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.int32: "int32_t",
-               mx.uint32: "uint32_t", mx.uint8: "uint8_t", mx.int8: "int8_t", mx.bool_: "bool"}
-_OPTIONS = [b"--device-as-default-execution-space", b"--gpu-architecture=compute_90a"]
-
-
-def _nvidia_dir(package: str) -> Path:
-    import nvidia
-    for root in nvidia.__path__:
-        if (Path(root) / package).is_dir():
-            return Path(root) / package
-    raise FileNotFoundError(f"nvidia/{package} (pip install -e '.[dev]' installs it on Linux x86_64)")
-
 
 @pytest.fixture(scope="module")
-def nvrtc():
-    """(libnvrtc, its NVRTC options with the CUDA headers' include path)."""
+def nvrtc() -> kernel_cache.Nvrtc:
     if (platform.system(), platform.machine()) != ("Linux", "x86_64"):
         pytest.skip("the NVRTC wheel is for Linux x86_64")
-    lib = ctypes.CDLL(str(_nvidia_dir("cuda_nvrtc") / "lib" / "libnvrtc.so.12"))
-    includes = [f"--include-path={_nvidia_dir(p) / 'include'}".encode() for p in ("cuda_cccl", "cuda_runtime")]
-    return lib, [*_OPTIONS, *includes]
+    return kernel_cache.default_nvrtc()
 
 
-def wrapped_source(launch: dict) -> str:
-    """A launch's kernel as MLX hands it to NVRTC."""
-    params = [f"    const {_CUDA_TYPES[d]}* {n}" for n, d in zip(launch["inputs"], launch["input_types"], strict=True)]
-    params += [f"    {_CUDA_TYPES[d]}* {n}" for n, d in zip(launch["outputs"], launch["output_types"], strict=True)]
-    constants = "".join(f"  constexpr {'bool' if isinstance(v, bool) else 'int'} {k} = {str(v).lower()};\n"
-                        for k, v in launch["template"])
-    return (f"{_MLX_HEADER}{launch['header']}\nnamespace mlx::core::cu {{\nnamespace cg = cooperative_groups;\n"
-            f"__global__ void {launch['name']}(\n" + ",\n".join(params) + ") {\n" + constants + launch["source"] +
-            "\n}\n} // namespace mlx::core::cu\n")
-
-
-def compile_log(lib, options: list[bytes], source: str, name: str) -> str | None:
-    """None when NVRTC compiles `source`, else its log."""
-    program = ctypes.c_void_p()
-    assert lib.nvrtcCreateProgram(ctypes.byref(program), source.encode(), f"{name}.cu".encode(), 0, None, None) == 0
-    try:
-        result = lib.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
-        size = ctypes.c_size_t()
-        lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
-        log = ctypes.create_string_buffer(size.value)
-        lib.nvrtcGetProgramLog(program, log)
-        return None if result == 0 else log.value.decode(errors="replace")
-    finally:
-        lib.nvrtcDestroyProgram(ctypes.byref(program))
+def compile_log(nvrtc: kernel_cache.Nvrtc, variant: kernel_cache.KernelVariant) -> str | None:
+    """None when NVRTC compiles the variant's source as MLX generates it, else its log."""
+    code, _, log = nvrtc.compile(variant.mlx_source(), f"{variant.name}.cu", "compute_90a")
+    return None if code is not None else log
 
 
 def _stand_in(short: str):
@@ -100,17 +59,17 @@ def _clear_kernel_caches() -> None:
 def recorded_launches(monkeypatch, batched):
     """The fast path on the CPU with `mx.fast.cuda_kernel` recording; returns the launches."""
     monkeypatch.setattr(kernels, "cuda_ready", lambda: True)
-    launches: list[dict] = []
+    launches: list[kernel_cache.KernelVariant] = []
 
     def cuda_kernel(*, name, input_names, output_names, source, header=""):
         key, emulate = _stand_in(name.removeprefix("ds4lab_"))
         run = _launcher(key, emulate, {})
 
         def launch(**kwargs):
-            launches.append({"name": name, "source": source, "header": header, "inputs": list(input_names),
-                             "outputs": list(output_names), "input_types": [x.dtype for x in kwargs["inputs"]],
-                             "output_types": list(kwargs["output_dtypes"]),
-                             "template": tuple(kwargs.get("template", ()))})
+            launches.append(kernel_cache.KernelVariant(
+                name, tuple(input_names), tuple(output_names), source, header,
+                tuple((x.dtype, x.ndim) for x in kwargs["inputs"]), tuple(kwargs["output_dtypes"]),
+                tuple(kwargs.get("template", ()))))
             return run(**kwargs)
         return launch
 
@@ -130,9 +89,9 @@ def _code_paths(launches: list[dict]) -> dict:
     compile takes ~2 s on CI's 2 cores, and other sizes only change constants."""
     chosen: dict = {}
     for launch in launches:
-        flags = tuple((k, v) for k, v in launch["template"] if isinstance(v, bool) or k in _PATH_TEMPLATES)
-        key = (launch["name"], flags, tuple(map(str, launch["input_types"])))
-        size = math.prod(v for _, v in launch["template"] if not isinstance(v, bool) and v > 0)
+        flags = tuple((k, v) for k, v in launch.template if isinstance(v, bool) or k in _PATH_TEMPLATES)
+        key = (launch.name, flags, tuple(str(dtype) for dtype, _ in launch.inputs))
+        size = math.prod(v for _, v in launch.template if not isinstance(v, bool) and v > 0)
         if key not in chosen or size > chosen[key][0]:
             chosen[key] = (size, launch)
     return {key: launch for key, (_, launch) in chosen.items()}
@@ -161,29 +120,26 @@ def test_every_launched_kernel_compiles_with_nvrtc(recorded_launches, nvrtc, tin
     kernels.q8_swiglu(q8, q8, x, 0.0)
     kernels.q8_hc(q8, x, streams, post, comb, mix=mx.ones((24, 4 * 4096)))
     distinct = _code_paths(recorded_launches)
-    names = {launch["name"] for launch in distinct.values()}
+    names = {launch.name for launch in distinct.values()}
     # The step's kernels and a chunk's: the fused ones, an expert format's pair, the GEMM.
     assert {"ds4lab_hc_pre", "ds4lab_hc_mix", "ds4lab_q8_hc", "ds4lab_attention_heads", "ds4lab_prefill_attention",
             "ds4lab_router"} <= names, names
     experts = {f"ds4lab_expert_{kind}_{name}" for kind in ("swiglu", "matvec") for name in kernels._TYPES.values()}
     assert experts <= names, names
     assert any(n.startswith("ds4lab_quant_gemm_") for n in names)
-    split = {launch["name"] for launch in distinct.values() if ("SPLIT", kernels._Q8_WARPS) in launch["template"]}
+    split = {launch.name for launch in distinct.values() if ("SPLIT", kernels._Q8_WARPS) in launch.template}
     assert split == {"ds4lab_q8_matvec", "ds4lab_q8_pair", "ds4lab_q8_swiglu", "ds4lab_q8_hc"}, split
-    lib, options = nvrtc
     with ThreadPoolExecutor(4) as pool:
-        logs = list(pool.map(lambda launch: compile_log(lib, options, wrapped_source(launch), launch["name"]),
-                             distinct.values()))
-    failed = [f"{launch['name']} {launch['template']}:\n{log[:2000]}"
+        logs = list(pool.map(lambda launch: compile_log(nvrtc, launch), distinct.values()))
+    failed = [f"{launch.name} {launch.template}:\n{log[:2000]}"
               for launch, log in zip(distinct.values(), logs, strict=True) if log is not None]
     assert not failed, "\n\n".join(failed)
 
 
 def test_the_compile_check_catches_a_broken_source(nvrtc):
     """The check can fail: a kernel body with an undeclared name does not compile."""
-    lib, options = nvrtc
-    launch = {"name": "ds4lab_broken", "header": "", "inputs": ["x"], "outputs": ["y"], "input_types": [mx.float32],
-              "output_types": [mx.float32], "template": (("N", 4),), "source": "y[0] = x[0] * N + missing;"}
-    log = compile_log(lib, options, wrapped_source(launch), "broken")
+    broken = kernel_cache.KernelVariant("ds4lab_broken", ("x",), ("y",), "y[0] = x[0] * N + missing;", "",
+                                        ((mx.float32, 1),), (mx.float32,), (("N", 4),))
+    log = compile_log(nvrtc, broken)
     assert log is not None and "missing" in log
-    assert compile_log(lib, options, wrapped_source({**launch, "source": "y[0] = x[0] * N;"}), "fine") is None
+    assert compile_log(nvrtc, dataclasses.replace(broken, source="y[0] = x[0] * N;")) is None
