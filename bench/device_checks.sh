@@ -9,13 +9,19 @@
 #                                        # CUDA graph a step), the stream's host threads sampled, then ncu's
 #                                        # sections for the slowest kernels (~20 min, over several calls:
 #                                        # each new process first compiles ~50 kernels with NVRTC, 1-2 min)
+#   bash bench/device_checks.sh warm     # every kernel variant of a 43-layer run compiled into .ptx_cache
+#                                        # (bench/warm_kernels.py; ~4 min on 2 cores, so best made on
+#                                        # the CPU machine and carried)
 #   bash bench/device_checks.sh all      # checks, then speed
 #
+# With a .ptx_cache folder (made by `warm`) MLX finds the kernels compiled there instead of
+# compiling each at its first launch (1.5-2 minutes of every new process otherwise).
 # Each run's output also goes to $OUT/<name>.txt when $OUT is set (the device machine's
 # folder that comes back), so a run cut short by its time limit still reports what it did.
 # Each step has its own time limit: one that hangs leaves the others their time.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+if [ -d .ptx_cache ]; then export MLX_PTX_CACHE_DIR="$PWD/.ptx_cache"; fi
 
 step() {
     local name=$1 limit=$2
@@ -59,6 +65,7 @@ case "${1:-all}" in
     checks) checks ;;
     speed) speed ;;
     split) host_and_device ;;
+    warm) step warm 900 python3 bench/warm_kernels.py --cache .ptx_cache ;;
     all) checks; speed ;;
-    *) echo "usage: $0 [checks|speed|split|all]" >&2; exit 2 ;;
+    *) echo "usage: $0 [checks|speed|split|warm|all]" >&2; exit 2 ;;
 esac
