@@ -134,11 +134,17 @@ def check_fused_kernels() -> None:
               f"hc_post vs hc_expand (out, and out + add) {expand:.2e}")
     # Decode's kernel, then (more than 8 tokens) prefill's, over keys stored f16 as the model's
     # are, with more columns than its 1024-column mask segments.
-    for t, h, d, n_keys in ((1, 64, 512, 640), (5, 8, 256, 300), (2, 6, 192, 40), (40, 64, 512, 2700),
-                            (20, 8, 256, 300), (12, 6, 192, 40)):
+    # Decode over 1024 keys or more takes two shares of them (attention_partial, then
+    # attention_combine), one case with every visible key in the first share.
+    for t, h, d, n_keys in ((1, 64, 512, 640), (5, 8, 256, 300), (2, 6, 192, 40), (1, 64, 512, 1152),
+                            (3, 8, 256, 1100), (1, 64, 512, -1100), (40, 64, 512, 2700), (20, 8, 256, 300),
+                            (12, 6, 192, 40)):
+        first_share_only, n_keys = n_keys < 0, abs(n_keys)
         q = mx.random.normal((t, h, d))
         keys = mx.random.normal((n_keys, d)).astype(mx.float16).astype(mx.float32)
         mask = mx.random.uniform(shape=(t, n_keys)) < (0.25 if n_keys > 1024 else 0.6)
+        if first_share_only:
+            mask = mask & (mx.arange(n_keys) < n_keys // 3)[None]
         sinks = mx.random.normal((h,))
         rotation = Rotation.at(700, t, 64, 10000.0, None)
         ref = attention.attend_heads(q, keys, mask, sinks, rotation, ref_mm)

@@ -98,8 +98,8 @@ def _hc_post(inputs, t, grid, threadgroup):
     return [post[:, :, None] * out[:, None, :] + (comb[:, :, :, None] * streams[:, :, None, :]).sum(axis=1)]
 
 
-def _attention_heads(inputs, t, grid, threadgroup):
-    q, keys, comp, mask, sinks, cos, sin, n_keys, eps = inputs
+def _decode_attention_inputs(q, keys, comp, mask, cos, sin, n_keys, eps, t, grid, threadgroup):
+    """decode_attention.cuh's inputs checked against the launch, as (q finished, all keys)."""
     heads, tokens = _blocks(grid, threadgroup)
     n_raw, n_all = n_keys.tolist()
     assert q.shape == (tokens, heads, t["D"]) and keys.shape[0] == n_raw and n_all == mask.shape[1]
@@ -110,7 +110,47 @@ def _attention_heads(inputs, t, grid, threadgroup):
     if n_all > n_raw:                             # the compressed rows follow the window's
         assert comp.shape == (n_all - n_raw, t["D"])
         keys = mx.concatenate([keys, comp])
+    return q, keys
+
+
+def _attention_heads(inputs, t, grid, threadgroup):
+    q, keys, comp, mask, sinks, cos, sin, n_keys, eps = inputs
+    q, keys = _decode_attention_inputs(q, keys, comp, mask, cos, sin, n_keys, eps, t, grid, threadgroup)
     return _attention(q, keys, mask, sinks, cos, sin, t)
+
+
+def _attention_partial(inputs, t, grid, threadgroup):
+    """Each of grid z's equal shares of the keys: its largest visible score m (-inf when none),
+    l = sum of exp(score - m) and the keys weighted by those."""
+    q, keys, comp, mask, cos, sin, n_keys, eps = inputs
+    q, keys = _decode_attention_inputs(q, keys, comp, mask, cos, sin, n_keys, eps, t, grid, threadgroup)
+    shares, n = grid[2], keys.shape[0]
+    chunk = -(-n // shares)
+    visible = np.array(mask)[:, None, :]
+    scores = np.where(visible, np.array(q @ keys.T) / math.sqrt(t["D"]), -np.inf)
+    rows = np.where(visible.any(axis=(0, 1))[:, None], np.array(keys), 0.0)   # masked rows are never read
+    ml = np.zeros((*scores.shape[:2], shares, 2), np.float32)
+    acc = np.zeros((*scores.shape[:2], shares, t["D"]), np.float32)
+    for z in range(shares):
+        share = scores[..., min(n, z * chunk):min(n, (z + 1) * chunk)]
+        m = share.max(axis=-1, initial=-np.inf)
+        weights = np.exp(share - np.where(np.isfinite(m), m, 0.0)[..., None])
+        ml[..., z, 0], ml[..., z, 1] = m, weights.sum(axis=-1)
+        acc[..., z, :] = weights @ rows[min(n, z * chunk):min(n, (z + 1) * chunk)]
+    return [mx.array(ml), mx.array(acc)]
+
+
+def _attention_combine(inputs, t, grid, threadgroup):
+    """The shares added with the sink, then the inverse RoPE: decode attention's output."""
+    ml, acc, sinks, cos, sin = inputs
+    heads, tokens = _blocks(grid, threadgroup)
+    assert ml.shape == (tokens, heads, t["SHARES"], 2) and acc.shape == (tokens, heads, t["SHARES"], t["D"])
+    m, total = ml[..., 0], ml[..., 1]
+    top = mx.maximum(sinks[None, :], m.max(axis=-1))
+    kept = mx.where(m == -mx.inf, 0.0, mx.exp(m - top[..., None]))
+    denom = mx.exp(sinks[None, :] - top) + (total * kept).sum(axis=-1)
+    out = (acc * kept[..., None]).sum(axis=2) / denom[..., None]
+    return [apply_rope_tail(out, cos, sin, inverse=True)]
 
 
 def _prefill_attention(inputs, t, grid, threadgroup):
@@ -283,7 +323,8 @@ def _gemm_split_x(inputs, t, grid, threadgroup):
 STAND_INS = {"q8_matvec": _q8_matvec, "q8_pair": _q8_pair, "q8_swiglu": _q8_swiglu, "q8_hc": _q8_hc,
              "router": _router, "row_finish": _row_finish, "hc_pre": _hc_pre, "hc_mix": _hc_mix,
              "hc_post": _hc_post, "gemm_split_x": _gemm_split_x,
-             "attention_heads": _attention_heads, "prefill_attention": _prefill_attention,
+             "attention_heads": _attention_heads, "attention_partial": _attention_partial,
+             "attention_combine": _attention_combine, "prefill_attention": _prefill_attention,
              "indexer_scores": _indexer_scores, "indexer_mask": _indexer_mask,
              "compressor_slot": _compressor_slot, "compressor_pool": _compressor_pool}
 
@@ -401,7 +442,9 @@ def test_fast_path_wiring_matches_the_reference(request, weights_fixture, stand_
     tokens = [(37 * i + 11) % 1000 + 100 for i in range(76)]
     assert model.numerics.fast
     fast_full, fast_decoded = _prefill_and_decode(model, tokens, 6)
-    every = set(STAND_INS) | {"expert_matvec", "expert_swiglu", "quant_gemm"}
+    # (decode attention over shares of its keys takes 1024 keys or more: its own test)
+    every = (set(STAND_INS) - {"attention_partial", "attention_combine"}) | {"expert_matvec", "expert_swiglu",
+                                                                            "quant_gemm"}
     assert set(stand_in_kernels) == every, f"kernels never called: {every - set(stand_in_kernels)}"
     model.numerics.allow_fast = False
     ref_full, ref_decoded = _prefill_and_decode(model, tokens, 6)
@@ -549,6 +592,34 @@ def test_q8_products_of_a_few_thousand_rows_split_their_columns_over_a_block(sta
     assert kernels._rows_per_warp(4096, 2048) == (4, kernels._Q8_WARPS)
     assert kernels._rows_per_warp(129280, 4096) == (4, 1)            # the output head: enough warps unsplit
     assert kernels._rows_per_warp(4096, 2048, split=False) == (1, 1)
+
+
+def test_decode_attention_over_many_keys_takes_shares_of_them_and_adds_them(stand_in_kernels):
+    """A (token, head)'s 1024 keys or more go over two blocks (attention_partial) and are added
+    with the sink (attention_combine) when the heads fill fewer blocks than the GPU has SMs:
+    the same output as one block's, a share with no visible key included; the q heads
+    finished inside too."""
+    rng = np.random.default_rng(8)
+    q = mx.array(rng.standard_normal((2, 8, 64)).astype(np.float32))
+    keys = mx.array(rng.standard_normal((1100, 64)).astype(np.float32))
+    sinks = mx.array(rng.standard_normal(8).astype(np.float32))
+    rotation = Rotation.at(900, 2, 32, 10000.0, None)
+    rope = (rotation.cos, rotation.sin)
+    for mask in (rng.uniform(size=(2, 1100)) < 0.3, np.arange(1100)[None].repeat(2, 0) < 300):
+        mask = mx.array(mask)
+        stand_in_kernels.clear()
+        shared = kernels.attention_heads(q, keys[:128], mask, sinks, rope, keys[128:])
+        assert stand_in_kernels == {"attention_partial": 1, "attention_combine": 1}
+        whole = _attention_heads([q, keys, mx.array(0.0), mask, sinks, *rope, mx.array([1100, 1100]), mx.array(0.0)],
+                                 {"D": 64, "NROT": 32, "WARPS": kernels._ATTENTION_WARPS, "QFINISH": False},
+                                 (8 * 32 * kernels._ATTENTION_WARPS, 2, 1), (32 * kernels._ATTENTION_WARPS, 1, 1))[0]
+        assert np.allclose(np.array(shared), np.array(whole), rtol=1e-5, atol=1e-5)
+    finished = kernels.attention_heads(q * 5.0, keys[:128], mask, sinks, rope, keys[128:], q_eps=1e-6)
+    stand_in_kernels.clear()
+    apart = kernels.attention_heads(kernels.row_finish(q * 5.0, eps=1e-6, rope=rope), keys, mask, sinks, rope)
+    assert np.allclose(np.array(finished), np.array(apart), rtol=1e-5, atol=1e-5)
+    few = kernels.attention_heads(q, keys[:600], mask[:, :600], sinks, rope)          # under 1024 keys: one block
+    assert few.shape == q.shape and stand_in_kernels.get("attention_heads") == 1
 
 
 def test_q8_matvec_refuses_an_output_shape_of_other_size(small_weights):

@@ -18,9 +18,12 @@ reference's steps in the same order, so a Metal port can translate them line by 
 - `attention_heads`: softmax attention with sinks over the visible keys (masked ones are not
   read; the raw window and the compressed rows from their own arrays), online softmax
   across warps (each taking its keys four at a time), and the inverse RoPE of the output;
-  in a decode step it first finishes the q heads (norm, RoPE) from the q_b product. A chunk
-  of tokens (prefill) runs `prefill_attention` instead: a token's heads 16 at a time on the
-  tensor cores, each visible key read once for them.
+  in a decode step it first finishes the q heads (norm, RoPE) from the q_b product. A long
+  key list (1024 keys or more, a ratio-4 layer past ~2k tokens) goes over two blocks a head
+  instead, `attention_partial`, whose shares `attention_combine` adds with the sink (64
+  heads fill under half an H200's SMs). A chunk of tokens (prefill) runs
+  `prefill_attention` instead: a token's heads 16 at a time on the tensor cores, each
+  visible key read once for them.
 - `indexer_scores`: the lightning indexer's Σ_h w_h·relu(q_h·k) per key row.
 - `indexer_mask`: the indexer's top-k of those rows, written with the window's columns as
   the attention mask (a radix select of the k-th score, ties ranked by row).
@@ -73,6 +76,13 @@ _TYPES = {"IQ2_XXS": "iq2_xxs", "Q2_K": "q2_k", "Q4_K": "q4_k"}
 _EXPERT_WARPS = 4                        # warps per thread block of the expert kernels
 _THREADS = 128                           # threads per block of the row and HC kernels
 _ATTENTION_WARPS = 16                    # warps per (token, head) block of decode attention
+# Decode attention splits a (token, head)'s keys over blocks ("shares", attention_partial +
+# attention_combine) when its heads fill fewer blocks than an H200 has SMs (132; a block of
+# 16 warps at 128 registers fills one): a share per _ATTENTION_SHARE_KEYS keys, at most
+# _ATTENTION_MAX_SHARES. At 4096 tokens a ratio-4 layer's 1152 keys take 2 shares.
+_ATTENTION_MANY_BLOCKS = 132
+_ATTENTION_SHARE_KEYS = 512
+_ATTENTION_MAX_SHARES = 2
 _HC_DECODE_THREADS = 1024                # hc_pre's block for a decode step's token (one block a token)
 _HC_MIX_COLUMNS = 256                    # hc_mix's block: a column of the mixer product a thread
 
@@ -95,8 +105,13 @@ _KERNELS = {
     "hc_post": ("hc_post.cu", ("ds4lab_block.cuh",), ["out", "add", "streams", "post", "comb", "n_tok"], ["y"]),
     "row_finish": ("row_finish.cu", ("ds4lab_block.cuh",),
                    ["x", "weight", "rope_cos", "rope_sin", "eps", "hscale", "carry", "n_rows", "prefix"], ["y"]),
-    "attention_heads": ("decode_attention.cu", ("ds4lab_block.cuh",),
+    "attention_heads": ("decode_attention.cu", ("ds4lab_block.cuh", "decode_attention.cuh"),
                         ["q", "keys", "comp", "mask", "sinks", "rope_cos", "rope_sin", "n_keys", "eps"], ["out"]),
+    "attention_partial": ("attention_partial.cu", ("ds4lab_block.cuh", "decode_attention.cuh"),
+                          ["q", "keys", "comp", "mask", "rope_cos", "rope_sin", "n_keys", "eps"],
+                          ["part_ml", "part_acc"]),
+    "attention_combine": ("attention_combine.cu", ("ds4lab_block.cuh",),
+                          ["part_ml", "part_acc", "sinks", "rope_cos", "rope_sin"], ["out"]),
     "prefill_attention": ("prefill_attention.cu", ("ds4lab_block.cuh", "gemm_common.cuh"),
                           ["q", "keys", "mask", "sinks", "rope_cos", "rope_sin", "n_keys"], ["out"]),
     "indexer_scores": ("indexer_scores.cu", ("ds4lab_block.cuh",), ["q", "w", "keys", "n_keys"], ["scores"]),
@@ -319,12 +334,25 @@ def attention_heads(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array
         return out
     threads = 32 * _ATTENTION_WARPS
     n_comp = 0 if comp is None else comp.shape[0]
-    (out,) = _fused("attention_heads")(
-        inputs=[q, keys, _scalar(0.0) if comp is None else comp, mask, sinks, cos, sin,
-                _constant((keys.shape[0], keys.shape[0] + n_comp), mx.int32), _scalar(q_eps or 0.0)],
-        template=[("D", d), ("NROT", 2 * cos.shape[-1]), ("WARPS", _ATTENTION_WARPS), ("QFINISH", q_eps is not None)],
-        grid=(h * threads, t, 1), threadgroup=(threads, 1, 1),
-        output_shapes=[q.shape], output_dtypes=[mx.float32])
+    n_keys = keys.shape[0] + n_comp
+    template = [("D", d), ("NROT", 2 * cos.shape[-1]), ("WARPS", _ATTENTION_WARPS), ("QFINISH", q_eps is not None)]
+    sources = [q, keys, _scalar(0.0) if comp is None else comp, mask]
+    lengths = [_constant((keys.shape[0], n_keys), mx.int32), _scalar(q_eps or 0.0)]
+    shares = min(_ATTENTION_MAX_SHARES, n_keys // _ATTENTION_SHARE_KEYS) if h * t < _ATTENTION_MANY_BLOCKS else 1
+    if shares <= 1:
+        (out,) = _fused("attention_heads")(
+            inputs=[*sources, sinks, cos, sin, *lengths], template=template,
+            grid=(h * threads, t, 1), threadgroup=(threads, 1, 1), output_shapes=[q.shape], output_dtypes=[mx.float32])
+        return out
+    # A long key list over more blocks than heads: shares of the keys, then their sum with the sink.
+    part_ml, part_acc = _fused("attention_partial")(
+        inputs=[*sources, cos, sin, *lengths], template=template,
+        grid=(h * threads, t, shares), threadgroup=(threads, 1, 1),
+        output_shapes=[(t, h, shares, 2), (t, h, shares, d)], output_dtypes=[mx.float32] * 2)
+    (out,) = _fused("attention_combine")(
+        inputs=[part_ml, part_acc, sinks, cos, sin], template=[("D", d), ("NROT", 2 * cos.shape[-1]),
+                                                              ("SHARES", shares)],
+        grid=(h * _THREADS, t, 1), threadgroup=(_THREADS, 1, 1), output_shapes=[q.shape], output_dtypes=[mx.float32])
     return out
 
 
