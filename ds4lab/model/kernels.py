@@ -28,7 +28,8 @@ reference's steps in the same order, so a Metal port can translate them line by 
 - `indexer_mask`: the indexer's top-k of those rows, written with the window's columns as
   the attention mask (a radix select of the k-th score, ties ranked by row).
 - `q8_matvec`: a Q8_0 matrix (the model's 8-bit codes) times a few vectors, each warp a few
-  rows with 16-byte loads; rows may come in groups that each read their own vector (the
+  rows with 16-byte loads (on a few thousand rows 4 rows a warp, the block's warps splitting
+  the columns: `_rows_per_warp`); rows may come in groups that each read their own vector (the
   grouped output projection), or the vector RMS-normed inside (q_a's norm in the q_b
   product). Every Q8_0 product of a decode step goes through its loop (`q8_rows.cuh`), some
   with the step after them in the same launch: `q8_pair` (two matrices, one input: q_a and
