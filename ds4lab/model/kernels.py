@@ -111,7 +111,7 @@ _KERNELS = {
     "attention_partial": ("attention_partial.cu", ("ds4lab_block.cuh", "decode_attention.cuh"),
                           ["q", "keys", "comp", "mask", "rope_cos", "rope_sin", "n_keys", "eps"],
                           ["part_ml", "part_acc"]),
-    "attention_combine": ("attention_combine.cu", ("ds4lab_block.cuh",),
+    "attention_combine": ("attention_combine.cu", ("ds4lab_block.cuh", "decode_attention.cuh"),
                           ["part_ml", "part_acc", "sinks", "rope_cos", "rope_sin"], ["out"]),
     "prefill_attention": ("prefill_attention.cu", ("ds4lab_block.cuh", "gemm_common.cuh"),
                           ["q", "keys", "mask", "sinks", "rope_cos", "rope_sin", "n_keys"], ["out"]),

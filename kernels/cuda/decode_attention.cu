@@ -8,9 +8,8 @@ __shared__ float acc[D];
 float m, l;
 ds4lab_attend_keys<D, NROT, WARPS, QFINISH>(q, keys, comp, mask, n_keys, eps, rope_cos, rope_sin, 0, n_keys[1], m,
                                             l, acc);
-const float top = fmaxf(sinks[h], m);
-const float kept = m == -INFINITY ? 0.0f : expf(m - top);
-const float weight = kept / (expf(sinks[h] - top) + l * kept);
+float weight;
+ds4lab_share_weights<1>(sinks[h], &m, &l, &weight);
 float* oh = out + ((size_t)t * n_head + h) * D;
 for (int j = threadIdx.x; j < D / 2; j += blockDim.x) {
     float o0 = acc[2 * j] * weight, o1 = acc[2 * j + 1] * weight;

@@ -108,3 +108,20 @@ __device__ void ds4lab_attend_keys(const float* q, const float* keys, const floa
     l_out = total;
     __syncthreads();
 }
+
+// The weight of each of S shares of a head's keys in its sink softmax, from each share's m
+// (largest scaled score, -INFINITY when none of its keys was visible) and l (sum of
+// exp(score - m)): w[z] = exp(m[z] - top) / (exp(sink - top) + sum over z of l[z] * exp(m[z] - top)),
+// top the largest of the sink and the m. decode_attention.cu's one share and
+// attention_combine.cu's several take their output as sum over z of w[z] * acc[z].
+template <int S>
+__device__ __forceinline__ void ds4lab_share_weights(float sink, const float* m, const float* l, float* w) {
+    float top = sink;
+    for (int z = 0; z < S; ++z) top = fmaxf(top, m[z]);
+    float denom = expf(sink - top);
+    for (int z = 0; z < S; ++z) {
+        w[z] = m[z] == -INFINITY ? 0.0f : expf(m[z] - top);
+        denom += l[z] * w[z];
+    }
+    for (int z = 0; z < S; ++z) w[z] /= denom;
+}
