@@ -76,16 +76,19 @@ def host_dots(request, tmp_path_factory):
     """(type name, the compiled library) of one block format's dot header."""
     type_name = request.param
     name = kernels._TYPES[type_name]
-    folder = tmp_path_factory.mktemp(f"dots_{name}")
-    (folder / "cuda_fp16.h").write_text("")          # the headers' include: the host file above replaces it
-    header = kernels.header_for(_DRIVER, "ds4lab_block.cuh", "expert_matvec_common.cuh", f"expert_dot_{name}.cuh")
     tables = ", grid, ksigns" if type_name == "IQ2_XXS" else ""
-    source = folder / "dots.cpp"
-    source.write_text(f"{_HOST_CUDA}\n{header}\n#define TABLES {tables}\n{_DRIVER}\n")
-    library = folder / "dots.so"
+    return type_name, _host_library(tmp_path_factory.mktemp(f"dots_{name}"), f"#define TABLES {tables}\n{_DRIVER}",
+                                    "ds4lab_block.cuh", "expert_matvec_common.cuh", f"expert_dot_{name}.cuh")
+
+
+def _host_library(folder, driver: str, *headers: str) -> ctypes.CDLL:
+    """`driver` after the CUDA headers (cut to what it uses) compiled for the host, loaded."""
+    (folder / "cuda_fp16.h").write_text("")          # the headers' include: _HOST_CUDA replaces it
+    source, library = folder / "host.cpp", folder / "host.so"
+    source.write_text(f"{_HOST_CUDA}\n{kernels.header_for(driver, *headers)}\n{driver}\n")
     subprocess.run([os.environ.get("CXX", "c++"), "-std=c++17", "-O1", "-shared", "-fPIC", f"-I{folder}",
                     str(source), "-o", str(library)], check=True, capture_output=True)
-    return type_name, ctypes.CDLL(str(library))
+    return ctypes.CDLL(str(library))
 
 
 def _run(lib, type_name: str, raw: np.ndarray, x: np.ndarray, cols: int, r: int) -> np.ndarray:
@@ -157,13 +160,7 @@ Q8(2048, 1) Q8(2048, 4) Q8(8192, 4)
 def test_a_q8_rows_split_columns_add_up_to_its_dot_product(tmp_path, cols, split):
     """kernels/cuda/q8_rows.cuh: with SPLIT warps sharing a row, each over every SPLIT-th
     chunk of its columns, every column is counted once (codes are byte + 128, a scale per 32)."""
-    (tmp_path / "cuda_fp16.h").write_text("")
-    header = kernels.header_for(_Q8_DRIVER, "ds4lab_block.cuh", "q8_rows.cuh")
-    source = tmp_path / "q8.cpp"
-    source.write_text(f"{_HOST_CUDA}\n{header}\n{_Q8_DRIVER}\n")
-    subprocess.run([os.environ.get("CXX", "c++"), "-std=c++17", "-O1", "-shared", "-fPIC", f"-I{tmp_path}",
-                    str(source), "-o", str(tmp_path / "q8.so")], check=True, capture_output=True)
-    lib = ctypes.CDLL(str(tmp_path / "q8.so"))
+    lib = _host_library(tmp_path, _Q8_DRIVER, "ds4lab_block.cuh", "q8_rows.cuh")
     rng = np.random.default_rng(cols + split)
     codes = rng.integers(0, 256, cols, dtype=np.uint8)
     scales = rng.uniform(0.5, 2.0, cols // 32).astype(np.float32)
