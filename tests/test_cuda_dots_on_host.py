@@ -209,16 +209,13 @@ def test_the_staged_input_layout_is_free_of_bank_conflicts(tmp_path):
 
 
 _TC_DRIVER = r"""
-// Lane t4's decode of one 32-value group of an IQ2_XXS block for the tensor cores, the block
-// copied into its slot as the kernel copies it: its 8 values q (four words of two f16) and
-// the group's dl.
-extern "C" float tc_unpack(const uint8_t* block, int group, int t4, const uint2* grid, const uint8_t* ksigns,
+// Lane t4's decode of one 32-value group of an IQ2_XXS row for the tensor cores: its 8
+// values q (four words of two f16) and the group's dl.
+extern "C" float tc_unpack(const uint8_t* row, int b, int group, int t4, const uint2* grid, const uint8_t* ksigns,
                            float* q) {
-    alignas(8) uint16_t slot[DS4LAB_TC_SLOT_WORDS] = {};
-    std::memcpy(slot + DS4LAB_TC_SLOT_FIRST, block, 2 * DS4LAB_TC_BLOCK_WORDS);
-    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(slot);
     uint32_t words[4];
-    const float dl = ds4lab_tc_unpack(bytes, group, ds4lab_tc_block_d(bytes), t4, grid, ksigns, words);
+    const float dl = ds4lab_tc_unpack(ds4lab_tc_load(row, b, group, t4), ds4lab_tc_block_d(row, b), t4, grid, ksigns,
+                                      words);
     for (int j = 0; j < 4; ++j) {
         q[2 * j] = __half2float(__ushort_as_half((unsigned short)(words[j] & 0xffffu)));
         q[2 * j + 1] = __half2float(__ushort_as_half((unsigned short)(words[j] >> 16)));
@@ -229,9 +226,9 @@ extern "C" float tc_unpack(const uint8_t* block, int group, int t4, const uint2*
 
 
 def test_a_tensor_core_lane_decodes_its_grid_entry_of_each_group(tmp_path):
-    """expert_tc_iq2_xxs.cuh: lane t4's 8 values of group G of block b (from the block's slot)
-    are the row's values 256b + 32G + 8t4 + k, as dl * q with q a small signed integer (exact
-    in f16), for every group and lane of random blocks (random grid indices, signs, scales)."""
+    """expert_tc_iq2_xxs.cuh: lane t4's 8 values of group G of block b are the row's values
+    256b + 32G + 8t4 + k, as dl * q with q a small signed integer (exact in f16), for every
+    group and lane of random blocks (random grid indices, signs and scales)."""
     lib = _host_library(tmp_path, _TC_DRIVER, "ds4lab_block.cuh", "expert_matvec_common.cuh", "expert_tc_iq2_xxs.cuh")
     lib.tc_unpack.restype = ctypes.c_float
     rng = np.random.default_rng(11)
@@ -245,8 +242,7 @@ def test_a_tensor_core_lane_decodes_its_grid_entry_of_each_group(tmp_path):
     for b in range(cols // 256):
         for group in range(8):
             for t4 in range(4):
-                block = np.ascontiguousarray(raw[66 * b:66 * (b + 1)])
-                dl = lib.tc_unpack(block.ctypes.data_as(ctypes.c_void_p), group, t4,
+                dl = lib.tc_unpack(raw.ctypes.data_as(ctypes.c_void_p), b, group, t4,
                                    grid.ctypes.data_as(ctypes.c_void_p), signs.ctypes.data_as(ctypes.c_void_p),
                                    q.ctypes.data_as(ctypes.c_void_p))
                 assert np.all(np.isin(np.abs(q), (8.0, 25.0, 43.0))), q

@@ -8,82 +8,67 @@
 // over a group are float32 sums of exact products, and the group's dl is applied outside.
 //
 // Tile: a warp takes 8 output rows, gate's as the mma's rows 0-7 and up's as rows 8-15, over
-// its share of the row's 256-value blocks (warp w: SPAN consecutive blocks from w * SPAN: more
-// warps, so more loads in flight, than a warp per row-tile would give); the block's warps then
-// add their sums in warp order. Inside a 32-value group the k order is permuted so that lane
+// its share of the row's 256-value blocks (warp w: blocks w, w + WARPS, ...: more warps, so
+// more loads in flight, than a warp per row-tile would give); the block's warps then add
+// their sums in warp order. Inside a 32-value group the k order is permuted so that lane
 // (g, t4) holds grid entry t4 of row g: mma h in {0, 1} takes the entry's values 4h + {0, 1}
 // in k slots {2t4, 2t4 + 1} and 4h + {2, 3} in slots {2t4 + 8, 2t4 + 9}, and the x fragment
 // takes the same columns. x's column 0 is its hi half (lanes g = 0), column 1 its lo half
 // (g = 1), the rest zero: D's columns 0 and 1 (lanes t4 = 0) are the row's two partial
 // products, added and scaled by the group's dl.
-// Memory: a lane needs a few scattered bytes of 8 rows, and 16-bit loads of those would touch
-// 8 cache lines each. So each warp first copies its 16 rows' blocks whole into shared memory
-// (consecutive lanes, consecutive words, in the format's slot layout), and stages its
-// blocks' x there, scaled by 2^k (its largest value just under 2^14,
-// gemm_split_x.cu's rule) and split into hi and lo halves; then it decodes from there.
+// Each warp stages the x of its own blocks in shared memory, scaled by 2^k (its largest
+// value just under 2^14, gemm_split_x.cu's rule) and split into hi and lo halves.
 //
 // Inputs: raw_gate, raw_up [n_expert, EXPERT_BYTES] uint8 (ROW_BYTES per row), ids (pairs,
 // int32), x [pairs / X_DIV, COLS], w (pairs), clamp [1] (0: none), the format's tables.
 // Grid: x = WARPS warps per 8 rows; y = the pair.
 constexpr int NB = COLS / 256, SPAN = (NB + WARPS - 1) / WARPS;
-// A row's slots in 8-byte units, odd: the same group of 8 rows falls in 8 distinct bank pairs.
-constexpr int ROW_UNITS = DS4LAB_TC_SLOT_WORDS / 4 * SPAN + 1 - (DS4LAB_TC_SLOT_WORDS / 4 * SPAN & 1);
-constexpr int ROW_WORDS = DS4LAB_TC_BLOCK_WORDS * SPAN;
 __shared__ __align__(16) __half xs[WARPS][2][SPAN * 256];
-__shared__ __align__(16) uint2 slots[WARPS][16][ROW_UNITS];
 __shared__ float sums[WARPS][8][2];
 DS4LAB_DOT_STAGE
 const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, g = lane >> 2, t4 = lane & 3;
 const int p = blockIdx.y, row = blockIdx.x * 8 + g;
-const int first = warp * SPAN, n_blocks = max(0, min(SPAN, NB - first));
-const size_t expert = (size_t)ids[p] * EXPERT_BYTES;
+const size_t at = (size_t)ids[p] * EXPERT_BYTES + (size_t)min(row, ROWS - 1) * ROW_BYTES;
+const uint8_t* gate_row = raw_gate + at;
+const uint8_t* up_row = raw_up + at;
+const float* xp = x + (size_t)(p / X_DIV) * COLS;
 
-// The warp's blocks of its 16 rows (gate's 8, then up's), word by word into their slots.
-#pragma unroll
-for (int rm = 0; rm < 16; ++rm) {
-    const int r = min(blockIdx.x * 8 + (rm & 7), ROWS - 1);
-    const uint16_t* src = reinterpret_cast<const uint16_t*>((rm < 8 ? raw_gate : raw_up) + expert +
-                                                            (size_t)r * ROW_BYTES + 66 * first);
-    uint16_t* dst = reinterpret_cast<uint16_t*>(slots[warp][rm]) + DS4LAB_TC_SLOT_FIRST;
-#pragma unroll
-    for (int kw = lane; kw < ROW_WORDS; kw += 32) {
-        const int b = kw / DS4LAB_TC_BLOCK_WORDS;
-        if (b < n_blocks) dst[DS4LAB_TC_SLOT_WORDS * b + kw % DS4LAB_TC_BLOCK_WORDS] = src[kw];
-    }
-}
-// x, scaled and split.
-const float* xp = x + (size_t)(p / X_DIV) * COLS + 256 * first;
 float amax = 0.0f;
-for (int c = lane; c < 256 * n_blocks; c += 32) amax = fmaxf(amax, fabsf(xp[c]));
+for (int i = 0; i < SPAN && warp + WARPS * i < NB; ++i)
+    for (int c = lane; c < 256; c += 32) amax = fmaxf(amax, fabsf(xp[256 * (warp + WARPS * i) + c]));
 int ex = 0;
 frexpf(ds4lab_warp_max_all(amax), &ex);
 const int k = min(14 - ex, 100);
 const float scale = ds4lab_pow2(k);
-for (int c = lane; c < 256 * n_blocks; c += 32) {
-    const float v = xp[c] * scale;
-    const __half hi = __float2half_rn(v);
-    xs[warp][0][c] = hi;
-    xs[warp][1][c] = __float2half_rn(v - __half2float(hi));
-}
+for (int i = 0; i < SPAN && warp + WARPS * i < NB; ++i)
+    for (int c = lane; c < 256; c += 32) {
+        const float v = xp[256 * (warp + WARPS * i) + c] * scale;
+        const __half hi = __float2half_rn(v);
+        xs[warp][0][256 * i + c] = hi;
+        xs[warp][1][256 * i + c] = __float2half_rn(v - __half2float(hi));
+    }
 __syncwarp();
 
 const __half* my_x = xs[warp][g & 1];
-const uint8_t* gate_slots = reinterpret_cast<const uint8_t*>(slots[warp][g]);
-const uint8_t* up_slots = reinterpret_cast<const uint8_t*>(slots[warp][8 + g]);
 float acc_g = 0.0f, acc_u = 0.0f;
-for (int b = 0; b < n_blocks; ++b) {
-    const uint8_t* gs = gate_slots + 2 * DS4LAB_TC_SLOT_WORDS * b;
-    const uint8_t* us = up_slots + 2 * DS4LAB_TC_SLOT_WORDS * b;
-    const uint32_t dg = ds4lab_tc_block_d(gs), du = ds4lab_tc_block_d(us);
+for (int i = 0; i < SPAN && warp + WARPS * i < NB; ++i) {
+    const int b = warp + WARPS * i;
+    const uint32_t dg = ds4lab_tc_block_d(gate_row, b), du = ds4lab_tc_block_d(up_row, b);
+    ds4lab_tc_group rg[8], ru[8];
+#pragma unroll
+    for (int group = 0; group < 8; ++group) {
+        rg[group] = ds4lab_tc_load(gate_row, b, group, t4);
+        ru[group] = ds4lab_tc_load(up_row, b, group, t4);
+    }
 #pragma unroll
     for (int group = 0; group < 8; ++group) {
         uint32_t qg[4], qu[4];
-        const float dlg = ds4lab_tc_unpack(gs, group, dg, t4, ds4lab_grid_s, ds4lab_ksigns_s, qg);
-        const float dlu = ds4lab_tc_unpack(us, group, du, t4, ds4lab_grid_s, ds4lab_ksigns_s, qu);
+        const float dlg = ds4lab_tc_unpack(rg[group], dg, t4, ds4lab_grid_s, ds4lab_ksigns_s, qg);
+        const float dlu = ds4lab_tc_unpack(ru[group], du, t4, ds4lab_grid_s, ds4lab_ksigns_s, qu);
         float d[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-            const uint2 xv = *reinterpret_cast<const uint2*>(my_x + 256 * b + 32 * group + 8 * t4 + 4 * h);
+            const uint2 xv = *reinterpret_cast<const uint2*>(my_x + 256 * i + 32 * group + 8 * t4 + 4 * h);
             const uint32_t bf[2] = {g < 2 ? xv.x : 0u, g < 2 ? xv.y : 0u};
             const uint32_t af[4] = {qg[2 * h], qu[2 * h], qg[2 * h + 1], qu[2 * h + 1]};
             ds4lab_mma_f16(d, af, bf);

@@ -8,17 +8,21 @@
 // 1024 + b, and 1024 is subtracted (exact). A sign flips bit 15 of its half: one
 // multiplication per word moves sign bits 2j and 2j + 1 to bits 15 and 31
 // (s * (2^(15 - 2j) + 2^(30 - 2j)); the two shifted copies of the 8-bit s do not overlap).
-// The kernel first copies each block (33 16-bit words: 2-byte aligned in memory) into a slot
-// of shared memory, the block at byte 6 of its 72, so that every group's 8 bytes are one
-// aligned 8-byte load. The tables are expert_dot_iq2_xxs.cuh's, staged in shared memory by
-// its DS4LAB_DOT_STAGE.
-constexpr int DS4LAB_TC_BLOCK_WORDS = 33;    // 16-bit words of a block
-constexpr int DS4LAB_TC_SLOT_WORDS = 36;     // 16-bit words of its slot
-constexpr int DS4LAB_TC_SLOT_FIRST = 3;      // the slot's word where the block starts
+// Blocks are 2-byte aligned: 16-bit loads. The tables are expert_dot_iq2_xxs.cuh's, staged
+// in shared memory by its DS4LAB_DOT_STAGE.
+struct ds4lab_tc_group {
+    uint32_t index;   // the 16-bit word holding this lane's grid index byte
+    uint32_t aux;     // the group's sign indices and scale
+};
 
-// The f16 bits of the block's d, from its slot.
-__device__ __forceinline__ uint32_t ds4lab_tc_block_d(const uint8_t* slot) {
-    return *reinterpret_cast<const uint16_t*>(slot + 2 * DS4LAB_TC_SLOT_FIRST);
+// The f16 bits of block b's d.
+__device__ __forceinline__ uint32_t ds4lab_tc_block_d(const uint8_t* row, int b) {
+    return *reinterpret_cast<const uint16_t*>(row + 66 * b);
+}
+
+__device__ __forceinline__ ds4lab_tc_group ds4lab_tc_load(const uint8_t* row, int b, int group, int t4) {
+    const uint16_t* s16 = reinterpret_cast<const uint16_t*>(row + 66 * b) + 1 + 4 * group;
+    return {s16[t4 >> 1], (uint32_t)s16[2] | ((uint32_t)s16[3] << 16)};
 }
 
 // Two f16 of the form 1024 + v (v < 1024) in one word, as the two f16 v.
@@ -27,11 +31,10 @@ __device__ __forceinline__ uint32_t ds4lab_unbias_halves(uint32_t biased) {
     return *reinterpret_cast<const uint32_t*>(&v);
 }
 
-__device__ __forceinline__ float ds4lab_tc_unpack(const uint8_t* slot, int group, uint32_t d_bits, int t4,
-                                                  const uint2* grid, const uint8_t* ksigns, uint32_t q[4]) {
-    const uint2 raw = *reinterpret_cast<const uint2*>(slot + 2 * DS4LAB_TC_SLOT_FIRST + 2 + 8 * group);
-    const uint2 entry = grid[(raw.x >> (8 * t4)) & 0xffu];
-    const uint32_t signs = ksigns[(raw.y >> (7 * t4)) & 127u];
+__device__ __forceinline__ float ds4lab_tc_unpack(ds4lab_tc_group v, uint32_t d_bits, int t4, const uint2* grid,
+                                                  const uint8_t* ksigns, uint32_t q[4]) {
+    const uint2 entry = grid[(v.index >> (8 * (t4 & 1))) & 0xffu];
+    const uint32_t signs = ksigns[(v.aux >> (7 * t4)) & 127u];
     const uint32_t words[2] = {entry.x, entry.y};
     const uint32_t spread[4] = {0x40008000u, 0x10002000u, 0x04000800u, 0x01000200u};
 #pragma unroll
@@ -39,5 +42,5 @@ __device__ __forceinline__ float ds4lab_tc_unpack(const uint8_t* slot, int group
         const uint32_t biased = __byte_perm(words[j >> 1], 0x64u, (j & 1) ? 0x4342u : 0x4140u);
         q[j] = ds4lab_unbias_halves(biased) ^ ((signs * spread[j]) & 0x80008000u);
     }
-    return ds4lab_f16_bits(d_bits) * (0.5f + ds4lab_small_uint(raw.y >> 28)) * 0.25f;
+    return ds4lab_f16_bits(d_bits) * (0.5f + ds4lab_small_uint(v.aux >> 28)) * 0.25f;
 }
