@@ -28,7 +28,6 @@ _HOST_CUDA = r"""
 #include <cstdint>
 #include <cstring>
 #include <cmath>
-#include <cstdlib>
 #define __device__
 #define __forceinline__ inline
 struct uint2 { uint32_t x, y; };
@@ -40,20 +39,6 @@ static inline float __half2float(__half h) {
     const int e = (h.bits >> 10) & 31, m = h.bits & 1023;
     const float v = e == 0 ? std::ldexp((float)m, -24) : std::ldexp((float)(m | 1024), e - 25);
     return h.bits & 0x8000 ? -v : v;
-}
-struct __half2 { __half x, y; };
-static inline __half __host_half(float v) {              // v must be a normal f16 or zero, exactly
-    if (v == 0.0f) return __half{(unsigned short)(std::signbit(v) ? 0x8000 : 0)};
-    int e = 0;
-    const float m = std::frexp(std::fabs(v), &e);        // |v| = m * 2^e, m in [0.5, 1)
-    const float mant = std::ldexp(m, 11) - 1024.0f;      // 10 mantissa bits
-    if (mant != std::floor(mant) || e - 1 < -14 || e - 1 > 15) std::abort();
-    return __half{(unsigned short)((v < 0 ? 0x8000 : 0) | ((e - 1 + 15) << 10) | (int)mant)};
-}
-static inline __half2 __float2half2_rn(float v) { return __half2{__host_half(v), __host_half(v)}; }
-static inline __half2 __hsub2(__half2 a, __half2 b) {
-    return __half2{__host_half(__half2float(a.x) - __half2float(b.x)),
-                   __host_half(__half2float(a.y) - __half2float(b.y))};
 }
 static inline float __fmul_rn(float a, float b) { return a * b; }
 static inline float __int_as_float(int v) { float f; std::memcpy(&f, &v, 4); return f; }
@@ -206,46 +191,3 @@ def test_the_staged_input_layout_is_free_of_bank_conflicts(tmp_path):
         for k in range(4):
             banks = {slot[(16 * j + 4 * k) // 4] % 32 // 4 for j in range(first, first + 8)}
             assert len(banks) == 8, (first, k, banks)
-
-
-_TC_DRIVER = r"""
-// Lane t4's decode of one 32-value group of an IQ2_XXS row for the tensor cores: its 8
-// values q (four words of two f16) and the group's dl.
-extern "C" float tc_unpack(const uint8_t* row, int b, int group, int t4, const uint2* grid, const uint8_t* ksigns,
-                           float* q) {
-    uint32_t words[4];
-    const float dl = ds4lab_tc_unpack(ds4lab_tc_load(row, b, group, t4), ds4lab_tc_block_d(row, b), t4, grid, ksigns,
-                                      words);
-    for (int j = 0; j < 4; ++j) {
-        q[2 * j] = __half2float(__ushort_as_half((unsigned short)(words[j] & 0xffffu)));
-        q[2 * j + 1] = __half2float(__ushort_as_half((unsigned short)(words[j] >> 16)));
-    }
-    return dl;
-}
-"""
-
-
-def test_a_tensor_core_lane_decodes_its_grid_entry_of_each_group(tmp_path):
-    """expert_tc_iq2_xxs.cuh: lane t4's 8 values of group G of block b are the row's values
-    256b + 32G + 8t4 + k, as dl * q with q a small signed integer (exact in f16), for every
-    group and lane of random blocks (random grid indices, signs and scales)."""
-    lib = _host_library(tmp_path, _TC_DRIVER, "ds4lab_block.cuh", "expert_matvec_common.cuh", "expert_tc_iq2_xxs.cuh")
-    lib.tc_unpack.restype = ctypes.c_float
-    rng = np.random.default_rng(11)
-    cols = 1024
-    raw = random_blocks("IQ2_XXS", cols // 256, rng, d=0.01).reshape(-1)
-    want = dequantize(raw, "IQ2_XXS", (1, cols))[0]
-    grid = np.ascontiguousarray(IQ2XXS_GRID_BYTES, dtype=np.uint8)
-    signs = np.ascontiguousarray(IQ2XXS_KSIGNS, dtype=np.uint8)
-    q = np.zeros(8, np.float32)
-    got = np.zeros(cols, np.float32)
-    for b in range(cols // 256):
-        for group in range(8):
-            for t4 in range(4):
-                dl = lib.tc_unpack(raw.ctypes.data_as(ctypes.c_void_p), b, group, t4,
-                                   grid.ctypes.data_as(ctypes.c_void_p), signs.ctypes.data_as(ctypes.c_void_p),
-                                   q.ctypes.data_as(ctypes.c_void_p))
-                assert np.all(np.isin(np.abs(q), (8.0, 25.0, 43.0))), q
-                first = 256 * b + 32 * group + 8 * t4
-                got[first:first + 8] = np.float32(dl) * q
-    np.testing.assert_allclose(got, want, rtol=1e-6, atol=0)

@@ -43,12 +43,10 @@ def compile_log(nvrtc: kernel_cache.Nvrtc, variant: kernel_cache.KernelVariant) 
 def _stand_in(short: str):
     """The stand-in of a kernel named ds4lab_<short>, and its name for `_launcher`."""
     types = {v: k for k, v in kernels._TYPES.items()} | {"q8_0": "Q8_0"}
-    for prefix, key, make in (("expert_swiglu_tc_", "expert_swiglu", _expert_swiglu),
-                              ("expert_swiglu_", "expert_swiglu", _expert_swiglu),
-                              ("expert_matvec_", "expert_matvec", _expert_matvec),
-                              ("quant_gemm_", "quant_gemm", _quant_gemm)):
+    for prefix, make in (("expert_swiglu_", _expert_swiglu), ("expert_matvec_", _expert_matvec),
+                         ("quant_gemm_", _quant_gemm)):
         if short.startswith(prefix):
-            return key, make(types[short.removeprefix(prefix)])
+            return prefix[:-1], make(types[short.removeprefix(prefix)])
     return short, STAND_INS[short]
 
 
@@ -131,9 +129,7 @@ def test_every_launched_kernel_compiles_with_nvrtc(recorded_launches, nvrtc, tin
     # The step's kernels and a chunk's: the fused ones, an expert format's pair, the GEMM.
     assert {"ds4lab_hc_pre", "ds4lab_hc_mix", "ds4lab_q8_hc", "ds4lab_attention_heads", "ds4lab_attention_partial",
             "ds4lab_attention_combine", "ds4lab_prefill_attention", "ds4lab_router"} <= names, names
-    experts = {f"ds4lab_expert_matvec_{name}" for name in kernels._TYPES.values()} | {
-        f"ds4lab_expert_swiglu_{'tc_' if type_name in kernels.TENSOR_CORE_TYPES else ''}{name}"
-        for type_name, name in kernels._TYPES.items()}
+    experts = {f"ds4lab_expert_{kind}_{name}" for kind in ("swiglu", "matvec") for name in kernels._TYPES.values()}
     assert experts <= names, names
     assert any(n.startswith("ds4lab_quant_gemm_") for n in names)
     split = {launch.name for launch in distinct.values() if ("SPLIT", kernels._Q8_WARPS) in launch.template}

@@ -75,10 +75,6 @@ if TYPE_CHECKING:
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels" / "cuda"
 _TYPES = {"IQ2_XXS": "iq2_xxs", "Q2_K": "q2_k", "Q4_K": "q4_k"}
 _EXPERT_WARPS = 4                        # warps per thread block of the expert kernels
-# Block formats whose decode-step gate and up run on the tensor cores (expert_swiglu_tc.cu,
-# a thread block per TENSOR_CORE_ROWS rows): those whose scalar decode bounds the kernel.
-TENSOR_CORE_TYPES = frozenset({"IQ2_XXS"})
-TENSOR_CORE_ROWS = 8
 _THREADS = 128                           # threads per block of the row and HC kernels
 _ATTENTION_WARPS = 16                    # warps per (token, head) block of decode attention
 # Decode attention splits a (token, head)'s keys over blocks ("shares", attention_partial +
@@ -665,23 +661,19 @@ def expert_gemm(tensor: ExpertBlocks, tiles: PairTiles, x: mx.array, x_div: int)
 
 @cache
 def _kernel(type_name: str, swiglu: bool = False):
-    """The routed-expert matvec in this block format; with `swiglu` its gate-and-up form (on
-    the tensor cores for the formats in TENSOR_CORE_TYPES)."""
+    """The routed-expert matvec in this block format; with `swiglu` its gate-and-up form."""
     name = _TYPES[type_name]
     headers = ("ds4lab_block.cuh", "expert_matvec_common.cuh", f"expert_dot_{name}.cuh")
     tables = ["grid", "ksigns"] if type_name == "IQ2_XXS" else []
     if swiglu:
-        inputs = ["raw_gate", "raw_up", "ids", "x", "w", "clamp", *tables]
-        if type_name in TENSOR_CORE_TYPES:
-            return mx.fast.cuda_kernel(name=f"ds4lab_expert_swiglu_tc_{name}", input_names=inputs,
-                                       output_names=["mid"], **kernel_texts(
-                                           "expert_swiglu_tc.cu", *headers, "gemm_common.cuh", f"expert_tc_{name}.cuh"))
-        return mx.fast.cuda_kernel(name=f"ds4lab_expert_swiglu_{name}", input_names=inputs,
+        return mx.fast.cuda_kernel(name=f"ds4lab_expert_swiglu_{name}",
+                                   input_names=["raw_gate", "raw_up", "ids", "x", "w", "clamp", *tables],
                                    output_names=["mid"], **kernel_texts("expert_swiglu.cu", *headers))
     return mx.fast.cuda_kernel(name=f"ds4lab_expert_matvec_{name}", input_names=["raw", "ids", "x", *tables],
                                output_names=["y"], **kernel_texts("expert_matvec.cu", *headers))
 
 
+@cache
 def _iq2_tables() -> tuple[mx.array, mx.array]:
     return mx.array(IQ2XXS_GRID_BYTES.reshape(-1)), mx.array(IQ2XXS_KSIGNS)
 
@@ -732,16 +724,11 @@ def expert_swiglu(gate: ExpertBlocks, up: ExpertBlocks, ids: mx.array, x: mx.arr
                          f"input {tuple(x.shape)} (expected [T, U], [T, U], [T, {cols}])")
     n_row_bytes = row_bytes(gate.type_name, cols)
     threads = 32 * _EXPERT_WARPS
-    template = [("ROWS", rows), ("COLS", cols), ("ROW_BYTES", n_row_bytes), ("EXPERT_BYTES", rows * n_row_bytes),
-                ("X_DIV", ids.shape[1])]
-    if gate.type_name in TENSOR_CORE_TYPES:          # a block per 8 rows, its warps over the columns
-        template.append(("WARPS", _EXPERT_WARPS))
-        blocks = -(-rows // TENSOR_CORE_ROWS)
-    else:                                            # a warp per row
-        blocks = -(-rows // _EXPERT_WARPS)
     (mid,) = _kernel(gate.type_name, True)(
         inputs=[gate.raw, up.raw, ids.astype(mx.int32), x.astype(mx.float32), weights.astype(mx.float32),
                 _scalar(clamp), *_tables(gate.type_name)],
-        template=template, grid=(blocks * threads, ids.size, 1), threadgroup=(threads, 1, 1),
+        template=[("ROWS", rows), ("COLS", cols), ("ROW_BYTES", n_row_bytes),
+                  ("EXPERT_BYTES", rows * n_row_bytes), ("X_DIV", ids.shape[1])],
+        grid=(-(-rows // _EXPERT_WARPS) * threads, ids.size, 1), threadgroup=(threads, 1, 1),
         output_shapes=[(*ids.shape, rows)], output_dtypes=[mx.float32])
     return mid
