@@ -132,39 +132,34 @@ def test_the_host_check_catches_a_wrong_lane(host_dots):
 
 _Q8_DRIVER = r"""
 // One Q8_0 row's dot as a block of SPLIT warps computes it: each (part, lane) in turn, the
-// lanes' sums added, then the parts'. STAGED: x as q8_matvec stages it in shared memory
-// (at ds4lab_q8_staged_slot of each column, padding between).
-template <int COLS, int SPLIT, bool STAGED>
+// lanes' sums added, then the parts'.
+template <int COLS, int SPLIT>
 static float block_dot(const uint32_t* codes, const float* scales, const float* x) {
     const uint4* w[1] = {reinterpret_cast<const uint4*>(codes)};
     const float* s[1] = {scales};
-    alignas(16) static float staged[ds4lab_q8_staged_size(COLS)];
-    for (int col = 0; col < COLS; col += 4)
-        for (int k = 0; k < 4; ++k) staged[ds4lab_q8_staged_slot(col) + k] = x[col + k];
     float total = 0.0f;
     for (int part = 0; part < SPLIT; ++part) {
         float warp = 0.0f;
         for (int lane = 0; lane < 32; ++lane) {
             float acc[1];
-            ds4lab_q8_dots<1, COLS, SPLIT, STAGED>(w, s, STAGED ? staged : x, lane, acc, part);
+            ds4lab_q8_dots<1, COLS, false, SPLIT>(w, s, reinterpret_cast<const float4*>(x), lane, acc, nullptr, 1.0f,
+                                                  part);
             warp += acc[0];
         }
         total += warp;
     }
     return total;
 }
-#define Q8(COLS, SPLIT) extern "C" float q8_dot_##COLS##_##SPLIT(const uint32_t* c, const float* s, const float* x, \
-    int staged) { return staged ? block_dot<COLS, SPLIT, true>(c, s, x) : block_dot<COLS, SPLIT, false>(c, s, x); }
+#define Q8(COLS, SPLIT) extern "C" float q8_dot_##COLS##_##SPLIT(const uint32_t* c, const float* s, const float* x) \
+    { return block_dot<COLS, SPLIT>(c, s, x); }
 Q8(2048, 1) Q8(2048, 4) Q8(8192, 4)
-extern "C" int q8_staged_slot(int col) { return ds4lab_q8_staged_slot(col); }
 """
 
 
 @pytest.mark.parametrize("cols, split", [(2048, 1), (2048, 4), (8192, 4)])
 def test_a_q8_rows_split_columns_add_up_to_its_dot_product(tmp_path, cols, split):
     """kernels/cuda/q8_rows.cuh: with SPLIT warps sharing a row, each over every SPLIT-th
-    chunk of its columns, every column is counted once (codes are byte + 128, a scale per 32);
-    x read from its staged copy in shared memory gives the same bits."""
+    chunk of its columns, every column is counted once (codes are byte + 128, a scale per 32)."""
     lib = _host_library(tmp_path, _Q8_DRIVER, "ds4lab_block.cuh", "q8_rows.cuh")
     rng = np.random.default_rng(cols + split)
     codes = rng.integers(0, 256, cols, dtype=np.uint8)
@@ -172,22 +167,7 @@ def test_a_q8_rows_split_columns_add_up_to_its_dot_product(tmp_path, cols, split
     x = rng.standard_normal(cols).astype(np.float32)
     dot = getattr(lib, f"q8_dot_{cols}_{split}")
     dot.restype = ctypes.c_float
-    got, staged = (dot(codes.ctypes.data_as(ctypes.c_void_p), scales.ctypes.data_as(ctypes.c_void_p),
-                       x.ctypes.data_as(ctypes.c_void_p), flag) for flag in (0, 1))
+    got = dot(codes.ctypes.data_as(ctypes.c_void_p), scales.ctypes.data_as(ctypes.c_void_p),
+              x.ctypes.data_as(ctypes.c_void_p))
     weights = (codes.astype(np.float64) - 128.0) * np.repeat(scales, 32)
     assert abs(got - weights @ x) <= 1e-5 * (np.abs(weights) @ np.abs(x))
-    assert staged == got
-
-
-def test_the_staged_input_layout_is_free_of_bank_conflicts(tmp_path):
-    """q8_rows.cuh: a 16-byte shared load serves 8 lanes at a time; lanes j..j+7 of the dot
-    loop read columns 16j + 4k (k the same for all), and their slots must fall in 8 distinct
-    groups of 4 of the 32 banks, 16-byte aligned, in a buffer of ds4lab_q8_staged_size."""
-    lib = _host_library(tmp_path, _Q8_DRIVER, "ds4lab_block.cuh", "q8_rows.cuh")
-    cols = 8192
-    slot = [lib.q8_staged_slot(col) for col in range(0, cols, 4)]
-    assert len(set(slot)) == len(slot) and all(s % 4 == 0 for s in slot) and max(slot) + 4 <= cols + cols // 8
-    for first in range(0, cols // 16, 8):
-        for k in range(4):
-            banks = {slot[(16 * j + 4 * k) // 4] % 32 // 4 for j in range(first, first + 8)}
-            assert len(banks) == 8, (first, k, banks)

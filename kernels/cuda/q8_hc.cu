@@ -21,13 +21,13 @@ const int cols_part = SPLIT > 1 ? warp : 0;
 const int t = blockIdx.y;
 float mixed[MIX ? M : 1] = {};
 if (r0 < E) {
-    const float* xr = x + (size_t)t * COLS;
+    const float4* xv = reinterpret_cast<const float4*>(x + (size_t)t * COLS);
     const uint4* w[R];
     const float* s[R];
 #pragma unroll
     for (int i = 0; i < R; ++i) ds4lab_q8_row<COLS>(codes, scales, r0 + i, w[i], s[i]);
     float acc[R];
-    ds4lab_q8_dots<R, COLS, SPLIT>(w, s, xr, lane, acc, cols_part);
+    ds4lab_q8_dots<R, COLS, false, SPLIT>(w, s, xv, lane, acc, nullptr, 1.0f, cols_part);
     ds4lab_q8_totals<R, SPLIT>(acc, cols_part, lane);
 #pragma unroll
     for (int i = 0; i < R; ++i) {

@@ -5,8 +5,7 @@
 // they share one input vector); q8_rows.cuh has the loop.
 // NORM (one group): x is RMS-normed and weighted first, as row_finish(x; eps[0], norm_w) would
 // leave it (the same block-wide sum: q8_matvec's blocks and row_finish's are both 128
-// threads), so q_a's norm runs inside the q_b product instead of a launch of its own. Each
-// block stages the normed x in shared memory once (q8_rows.cuh), for all its warps' rows.
+// threads), so q_a's norm runs inside the q_b product instead of a launch of its own.
 // Inputs: codes [ROWS, COLS / 4] uint32, scales [ROWS, COLS / 32], x [T, ROWS / GROUP_ROWS, COLS],
 // norm_w [COLS] and eps [1] (NORM).
 // Grid: x = 32 threads per warp, R rows per warp (per block with SPLIT: its warps split the
@@ -16,17 +15,15 @@ const int r0 = (SPLIT > 1 ? blockIdx.x : blockIdx.x * (blockDim.x >> 5) + warp) 
 const int cols_part = SPLIT > 1 ? warp : 0;
 const int t = blockIdx.y;
 __shared__ float scratch[32];
-__shared__ __align__(16) float staged[NORM ? ds4lab_q8_staged_size(COLS) : 4];
-if (NORM) ds4lab_q8_stage_normed<COLS>(x + (size_t)t * COLS, norm_w,
-                                       ds4lab_rms_inverse(x + (size_t)t * COLS, COLS, eps[0], scratch), staged);
+const float inv = NORM ? ds4lab_rms_inverse(x + (size_t)t * COLS, COLS, eps[0], scratch) : 1.0f;
 if (r0 >= ROWS) return;
-const float* xr = NORM ? staged : x + ((size_t)t * (ROWS / GROUP_ROWS) + r0 / GROUP_ROWS) * COLS;
+const float4* xv = reinterpret_cast<const float4*>(x + ((size_t)t * (ROWS / GROUP_ROWS) + r0 / GROUP_ROWS) * COLS);
 const uint4* w[R];
 const float* s[R];
 #pragma unroll
 for (int i = 0; i < R; ++i) ds4lab_q8_row<COLS>(codes, scales, r0 + i, w[i], s[i]);
 float acc[R];
-ds4lab_q8_dots<R, COLS, SPLIT, NORM>(w, s, xr, lane, acc, cols_part);
+ds4lab_q8_dots<R, COLS, NORM, SPLIT>(w, s, xv, lane, acc, norm_w, inv, cols_part);
 ds4lab_q8_totals<R, SPLIT>(acc, cols_part, lane);
 #pragma unroll
 for (int i = 0; i < R; ++i) {

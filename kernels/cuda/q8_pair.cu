@@ -10,7 +10,7 @@ const int t = blockIdx.y;
 if (r0 >= ROWS_A + ROWS_B) return;
 const bool in_a = r0 < ROWS_A;
 const int rb = in_a ? r0 : r0 - ROWS_A;
-const float* xr = x + (size_t)t * COLS;
+const float4* xv = reinterpret_cast<const float4*>(x + (size_t)t * COLS);
 const uint4* w[R];
 const float* s[R];
 #pragma unroll
@@ -19,7 +19,7 @@ for (int i = 0; i < R; ++i) {
     else ds4lab_q8_row<COLS>(codes_b, scales_b, rb + i, w[i], s[i]);
 }
 float acc[R];
-ds4lab_q8_dots<R, COLS, SPLIT>(w, s, xr, lane, acc, cols_part);
+ds4lab_q8_dots<R, COLS, false, SPLIT>(w, s, xv, lane, acc, nullptr, 1.0f, cols_part);
 ds4lab_q8_totals<R, SPLIT>(acc, cols_part, lane);
 #pragma unroll
 for (int i = 0; i < R; ++i) {

@@ -1,7 +1,7 @@
 // One warp's dot products of NR Q8_0 rows with one input vector: the inner loop of every
 // decode-step Q8_0 product (q8_matvec, q8_pair, q8_swiglu, q8_hc). Row i's codes are the
 // 16-byte words w[i] (byte = code + 128, model/weights.py `Q8Matrix`), its float32 block
-// scales s[i] (one per 32 values); x is the input vector (16-byte aligned).
+// scales s[i] (one per 32 values); xv is the input vector as float4.
 //
 // Reading the weights is the whole cost of a decode step's matvec, so the loop is shaped for
 // memory bandwidth: per step a lane loads 16 inputs once and, for each row, 16 codes in one
@@ -15,37 +15,12 @@
 // byte of weights, and the L1 becomes the bound (ncu: 88% of its throughput, DRAM 24%, on the
 // 4096 x 8192 q8_hc); 4 rows a warp over a quarter of the columns each keep as many warps and
 // read a quarter of the input per row.
-// A lane reads its 16 inputs as four float4 at a 64-byte stride from the next lane's: in the
-// L1 each such load touches 16 lines for 512 bytes, 4 times a coalesced load's, which a warp
-// of 4 rows amortises. An input that is not the kernel's own (the q_b product's RMS-normed,
-// weighted x) goes through shared memory instead (STAGED, ds4lab_q8_stage_normed), in a
-// padded layout where those float4 reads are conflict-free.
-
-// Shared memory for a staged input of COLS values: 4 floats of padding after every 32, so
-// that 8 lanes reading float4 at a 64-byte stride (one phase of a 16-byte shared load) hit 8
-// distinct groups of 4 banks.
-constexpr int ds4lab_q8_staged_size(int cols) { return cols + cols / 8; }
-__device__ __forceinline__ int ds4lab_q8_staged_slot(int col) { return col + 4 * (col >> 5); }
-
-// The whole block stages x RMS-normed and weighted as row_finish leaves it: x * inv, then
-// times norm_w (two rounded products; inv from ds4lab_rms_inverse), in coalesced float4 reads;
-// then the block synchronises (every thread calls it).
-template <int COLS>
-__device__ __forceinline__ void ds4lab_q8_stage_normed(const float* x, const float* norm_w, float inv,
-                                                       float* staged) {
-    for (int i = threadIdx.x; i < COLS / 4; i += blockDim.x) {
-        const float4 v = reinterpret_cast<const float4*>(x)[i];
-        const float4 g = reinterpret_cast<const float4*>(norm_w)[i];
-        const float4 n = {__fmul_rn(__fmul_rn(v.x, inv), g.x), __fmul_rn(__fmul_rn(v.y, inv), g.y),
-                          __fmul_rn(__fmul_rn(v.z, inv), g.z), __fmul_rn(__fmul_rn(v.w, inv), g.w)};
-        *reinterpret_cast<float4*>(staged + ds4lab_q8_staged_slot(4 * i)) = n;
-    }
-    __syncthreads();
-}
-
-template <int NR, int COLS, int SPLIT = 1, bool STAGED = false>
-__device__ __forceinline__ void ds4lab_q8_dots(const uint4* const* w, const float* const* s, const float* x,
-                                               int lane, float* acc, int part = 0) {
+// With NORM each input is first RMS-normed and weighted as row_finish does it: x * inv, then
+// times norm_w (two rounded products; inv from ds4lab_rms_inverse).
+template <int NR, int COLS, bool NORM = false, int SPLIT = 1>
+__device__ __forceinline__ void ds4lab_q8_dots(const uint4* const* w, const float* const* s, const float4* xv,
+                                               int lane, float* acc, const float* norm_w = nullptr,
+                                               float inv = 1.0f, int part = 0) {
 #pragma unroll
     for (int i = 0; i < NR; ++i) acc[i] = 0.0f;
 #pragma unroll (NR < 8 ? 8 / NR : 1)
@@ -53,9 +28,12 @@ __device__ __forceinline__ void ds4lab_q8_dots(const uint4* const* w, const floa
         float xs[16];
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-            const int col = 16 * j + 4 * k;
-            const float4 v = *reinterpret_cast<const float4*>(x + (STAGED ? ds4lab_q8_staged_slot(col) : col));
+            const float4 v = xv[4 * j + k];
             xs[4 * k] = v.x; xs[4 * k + 1] = v.y; xs[4 * k + 2] = v.z; xs[4 * k + 3] = v.w;
+        }
+        if (NORM) {
+#pragma unroll
+            for (int k = 0; k < 16; ++k) xs[k] = __fmul_rn(__fmul_rn(xs[k], inv), norm_w[16 * j + k]);
         }
 #pragma unroll
         for (int i = 0; i < NR; ++i) {

@@ -8,7 +8,7 @@ const int r0 = (SPLIT > 1 ? blockIdx.x : blockIdx.x * (blockDim.x >> 5) + warp) 
 const int cols_part = SPLIT > 1 ? warp : 0;
 const int t = blockIdx.y;
 if (r0 >= ROWS) return;
-const float* xr = x + (size_t)t * COLS;
+const float4* xv = reinterpret_cast<const float4*>(x + (size_t)t * COLS);
 const uint4* w[2 * R];
 const float* s[2 * R];
 #pragma unroll
@@ -17,7 +17,7 @@ for (int i = 0; i < R; ++i) {
     ds4lab_q8_row<COLS>(codes_u, scales_u, r0 + i, w[R + i], s[R + i]);
 }
 float acc[2 * R];
-ds4lab_q8_dots<2 * R, COLS, SPLIT>(w, s, xr, lane, acc, cols_part);
+ds4lab_q8_dots<2 * R, COLS, false, SPLIT>(w, s, xv, lane, acc, nullptr, 1.0f, cols_part);
 ds4lab_q8_totals<2 * R, SPLIT>(acc, cols_part, lane);
 #pragma unroll
 for (int i = 0; i < R; ++i) {
