@@ -291,22 +291,25 @@ def check_fused_products() -> None:
     weights = mx.random.uniform(0.1, 1.0, ids.shape)
     one_ids, one_w = ids[:1], weights[:1]
     for type_name in ("IQ2_XXS", "Q2_K", "Q4_K"):
-        g_t, u_t = (_expert_blocks(type_name, 16, 512, 1024) for _ in range(2))
-        xe = mx.random.normal((2, 1024)) * 4.0
-        mid = kernels.expert_swiglu(g_t, u_t, ids, xe, weights, 10.0)
-        xs = mx.repeat(xe, 6, axis=0)[:, :, None]
-        flat = ids.reshape(-1)
-        g, u = ((_decode(t, flat) @ xs)[..., 0] for t in (g_t, u_t))
-        err = _rel(mid, (moe.swiglu(g, u, 10.0) * weights.reshape(-1, 1)).reshape(2, 6, -1))
-        _bar(f"expert_swiglu {type_name}", err <= _KERNEL_BAR)
+        # 100 x 768: rows that fill no whole block of warps, 3 blocks of 256 values a row.
+        errs = []
+        for rows, cols in ((100, 768), (512, 1024)):
+            g_t, u_t = (_expert_blocks(type_name, 16, rows, cols) for _ in range(2))
+            xe = mx.random.normal((2, cols)) * 4.0
+            mid = kernels.expert_swiglu(g_t, u_t, ids, xe, weights, 10.0)
+            xs = mx.repeat(xe, 6, axis=0)[:, :, None]
+            flat = ids.reshape(-1)
+            g, u = ((_decode(t, flat) @ xs)[..., 0] for t in (g_t, u_t))
+            errs.append(_rel(mid, (moe.swiglu(g, u, 10.0) * weights.reshape(-1, 1)).reshape(2, 6, -1)))
+            _bar(f"expert_swiglu {type_name} {rows}x{cols}", errs[-1] <= _KERNEL_BAR)
         fused_s = _seconds(lambda v, g_t=g_t, u_t=u_t: kernels.expert_swiglu(g_t, u_t, one_ids, v, one_w, 10.0),
                            xe[:1])
         apart_s = _seconds(lambda v, g_t=g_t, u_t=u_t: moe.swiglu(
             kernels.expert_matvec(g_t, one_ids, v, pairs_per_input=6),
             kernels.expert_matvec(u_t, one_ids, v, pairs_per_input=6), 10.0) * one_w[..., None], xe[:1])
-        print(f"expert_swiglu {type_name} (2 tokens x 6 of 16 experts, 512x1024) vs decode, multiply, swiglu: "
-              f"max rel err {err:.2e}; one token {fused_s * 1e6:.1f} us vs two expert_matvec + swiglu "
-              f"{apart_s * 1e6:.1f} us")
+        print(f"expert_swiglu {type_name} (2 tokens x 6 of 16 experts, 100x768 and 512x1024) vs decode, multiply, "
+              f"swiglu: max rel err {errs[0]:.2e}, {errs[1]:.2e}; one token (512x1024) {fused_s * 1e6:.1f} us vs "
+              f"two expert_matvec + swiglu {apart_s * 1e6:.1f} us")
 
 
 def _q8_matrix(rows: int, cols: int) -> Q8Matrix:
@@ -363,6 +366,11 @@ def check_q8_matvec() -> None:
             tensor, ids, v, pairs_per_input=1 if down else 6, sum_pairs=down), x)
         print(f"expert_matvec {type_name} 6 x {rows}x{cols}{' summed' if down else ''}: {s * 1e6:7.1f} us "
               f"({nbytes / s / 1e9:6.0f} GB/s)")
+    gate, up = (_expert_blocks("IQ2_XXS", 16, 2048, 4096) for _ in range(2))
+    s = _seconds(lambda v: kernels.expert_swiglu(gate, up, ids, v, mx.ones(ids.shape), 10.0),
+                 mx.random.normal((1, 4096)))
+    nbytes = 2 * gate.raw.nbytes / 16 * ids.size
+    print(f"expert_swiglu IQ2_XXS 6 x 2 x 2048x4096: {s * 1e6:7.1f} us ({nbytes / s / 1e9:6.0f} GB/s)")
     for rows, cols, what in ((1024, 4096, "compressor kv"), (8192, 1024, "indexer q_b"), (256, 4096, "router"),
                              (24, 16384, "HC mixer")):
         w = mx.random.normal((rows, cols))
