@@ -15,6 +15,7 @@ import ds4lab  # noqa: F401  (first: OpenBLAS before MLX on Linux)
 
 # isort: split
 import argparse
+import math
 import time
 
 import mlx.core as mx
@@ -168,6 +169,23 @@ def check_fused_kernels() -> None:
         ref = (mx.maximum(q @ keys.T, 0.0) * w[:, :, None]).sum(axis=1)
         print(f"indexer_scores ({t} tokens, {h} heads, dim {dh}, {n_keys} keys) vs dots: "
               f"max rel err {_rel(kernels.indexer_scores(q, w, keys), ref):.2e}")
+    # The indexer's queries of a few tokens in one launch (the flash shape, a small one): the
+    # heads before their FP4 rounding and the head weights against the norm, the products and
+    # RoPE; with the rounding, the reference's rounding of those heads bit for bit.
+    for t, h, dh, qdim, e in ((1, 64, 128, 1024, 4096), (3, 4, 64, 96, 200)):
+        qr, xa = mx.random.normal((t, qdim)) * 3.0, mx.random.normal((t, e))
+        qnorm = mx.random.uniform(0.5, 1.5, (qdim,))
+        wq, wp = mx.random.normal((h * dh, qdim)) * 0.05, mx.random.normal((h, e)) * 0.05
+        rotation = Rotation.at(300, t, 64, 160000.0, None)
+        rope = (rotation.cos, rotation.sin)
+        raw, w = kernels.indexer_queries(qr, qnorm, 1e-6, xa, wq, wp, rope, h, qat=False)
+        q, w_again = kernels.indexer_queries(qr, qnorm, 1e-6, xa, wq, wp, rope, h)
+        ref_raw = ref_mm.finish_rows((ref_mm.rms_norm(qr, qnorm, 1e-6) @ wq.T).reshape(t, h, dh), rotation=rotation)
+        err = max(_rel(raw, ref_raw), _rel(w, (xa @ wp.T) * (1.0 / math.sqrt(dh * h))))
+        exact = bool(mx.array_equal(q, ref_mm.finish_rows(raw, qat=True)).item() and mx.array_equal(w, w_again).item())
+        _bar(f"indexer_queries {t} tokens, {h} heads", err <= _KERNEL_BAR and exact)
+        print(f"indexer_queries ({t} tokens, {h} heads of {dh}, q_a {qdim}, input {e}) vs norm + products + RoPE: "
+              f"max rel err {err:.2e}; its FP4 rounding the reference's bit for bit {exact}")
     # A compressor's decode step: the slot write, and when the token completes a window the
     # ratio-4 frontier's shift and the pooled row; ratio 4 (two windows of rows, twice the
     # width), ratio 128, the indexer's, the small shape's.

@@ -172,6 +172,20 @@ def _attention(q, keys, mask, sinks, cos, sin, t):
     return [apply_rope_tail(out, cos, sin, inverse=True)]
 
 
+def _indexer_queries(inputs, t, grid, threadgroup):
+    """q_a's norm, the head's rows of wq times it, RoPE, Hadamard + FP4; the head weights."""
+    qr, qnorm, eps, xa, wq, wp, cos, sin, hscale, carry, wscale = inputs
+    heads, tokens = _blocks(grid, threadgroup)
+    dh, n_rot = t["DH"], t["NROT"]
+    assert qr.shape == (tokens, t["QR"]) and xa.shape == (tokens, t["E"]) and wq.shape == (heads * dh, t["QR"])
+    assert wp.shape == (heads, t["E"]) and cos.shape == (tokens, n_rot // 2) and carry.shape == (254,)
+    assert abs(float(hscale.item()) - 1 / math.sqrt(dh)) < 1e-7 and t["QAT"]
+    assert float(wscale.item()) == np.float32(1 / math.sqrt(dh * heads))
+    q = (_rms_weighted(qr, eps, qnorm) @ wq.T).reshape(tokens, heads, dh)
+    q = nm.indexer_qat(apply_rope_tail(q, cos, sin))
+    return [q, (xa @ wp.T) * wscale]
+
+
 def _indexer_scores(inputs, t, grid, threadgroup):
     q, w, keys, n_keys = inputs
     n = int(n_keys.item())
@@ -325,7 +339,7 @@ STAND_INS = {"q8_matvec": _q8_matvec, "q8_pair": _q8_pair, "q8_swiglu": _q8_swig
              "hc_post": _hc_post, "gemm_split_x": _gemm_split_x,
              "attention_heads": _attention_heads, "attention_partial": _attention_partial,
              "attention_combine": _attention_combine, "prefill_attention": _prefill_attention,
-             "indexer_scores": _indexer_scores, "indexer_mask": _indexer_mask,
+             "indexer_queries": _indexer_queries, "indexer_scores": _indexer_scores, "indexer_mask": _indexer_mask,
              "compressor_slot": _compressor_slot, "compressor_pool": _compressor_pool}
 
 

@@ -20,10 +20,16 @@ from .rope import Rotation
 from .weights import LayerWeights
 
 
-def indexer_queries(layer: LayerWeights, xa: mx.array, qr_n: mx.array, rotation: Rotation, n_heads: int,
-                    head_dim: int, mm: Schedule) -> tuple[mx.array, mx.array]:
+def indexer_queries(layer: LayerWeights, xa: mx.array, qr: mx.array, qr_n: mx.array | None, rotation: Rotation,
+                    n_heads: int, head_dim: int, eps: float, mm: Schedule) -> tuple[mx.array, mx.array]:
     """A chunk's indexer queries: (q [T, H, DH] from the q low-rank path, rotated and rounded
-    with Hadamard + FP4; per-head weights [T, H] from the layer input, scaled)."""
+    with Hadamard + FP4; per-head weights [T, H] from the layer input, scaled). qr is the q_a
+    product, qr_n its RMSNorm (`attention.project_q`), which the fast path's matvec does not
+    make: its one kernel (`kernels.indexer_queries`) norms qr itself (qr_n None)."""
+    if mm.matvec(xa):
+        return kernels.indexer_queries(qr, layer.dense["attn_q_a_norm.weight"], eps, xa,
+                                       layer.dense["indexer.attn_q_b.weight"], layer.dense["indexer.proj.weight"],
+                                       (rotation.cos, rotation.sin), n_heads)
     q = mm.linear(qr_n, layer.dense["indexer.attn_q_b.weight"])
     weights = mm.linear(xa, layer.dense["indexer.proj.weight"])
     scale = 1.0 / math.sqrt(head_dim * n_heads)

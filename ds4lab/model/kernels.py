@@ -24,6 +24,8 @@ reference's steps in the same order, so a Metal port can translate them line by 
   heads fill under half an H200's SMs). A chunk of tokens (prefill) runs
   `prefill_attention` instead: a token's heads 16 at a time on the tensor cores, each
   visible key read once for them.
+- `indexer_queries`: a decode token's indexer queries and head weights: q_a's norm, both
+  products, the heads' RoPE, Hadamard and FP4 in one launch (a head a block).
 - `indexer_scores`: the lightning indexer's Σ_h w_h·relu(q_h·k) per key row.
 - `indexer_mask`: the indexer's top-k of those rows, written with the window's columns as
   the attention mask (a radix select of the k-th score, ties ranked by row).
@@ -84,6 +86,7 @@ _ATTENTION_WARPS = 16                    # warps per (token, head) block of deco
 _ATTENTION_MANY_BLOCKS = 132
 _ATTENTION_SHARE_KEYS = 512
 _ATTENTION_MAX_SHARES = 2
+_INDEXER_Q_WARPS = 16                    # warps per (token, head) block of indexer_queries (a row of wq a warp)
 _HC_DECODE_THREADS = 1024                # hc_pre's block for a decode step's token (one block a token)
 _HC_MIX_COLUMNS = 256                    # hc_mix's block: a column of the mixer product a thread
 
@@ -115,6 +118,9 @@ _KERNELS = {
                           ["part_ml", "part_acc", "sinks", "rope_cos", "rope_sin"], ["out"]),
     "prefill_attention": ("prefill_attention.cu", ("ds4lab_block.cuh", "gemm_common.cuh"),
                           ["q", "keys", "mask", "sinks", "rope_cos", "rope_sin", "n_keys"], ["out"]),
+    "indexer_queries": ("indexer_queries.cu", ("ds4lab_block.cuh",),
+                        ["qr", "qnorm", "eps", "xa", "wq", "wp", "rope_cos", "rope_sin", "hscale", "carry", "wscale"],
+                        ["q", "w"]),
     "indexer_scores": ("indexer_scores.cu", ("ds4lab_block.cuh",), ["q", "w", "keys", "n_keys"], ["scores"]),
     "indexer_mask": ("indexer_mask.cu", (), ["scores", "visible", "window", "sizes"], ["mask"]),
     "compressor_slot": ("compressor_slot.cu", (), ["x", "w_kv", "w_gate", "ape", "kv", "score", "at"],
@@ -355,6 +361,26 @@ def attention_heads(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array
                                                               ("SHARES", shares)],
         grid=(h * _THREADS, t, 1), threadgroup=(_THREADS, 1, 1), output_shapes=[q.shape], output_dtypes=[mx.float32])
     return out
+
+
+def indexer_queries(qr: mx.array, qnorm: mx.array, eps: float, xa: mx.array, wq: mx.array, wp: mx.array,
+                    rope: tuple[mx.array, mx.array], n_heads: int, qat: bool = True) -> tuple[mx.array, mx.array]:
+    """A few tokens' indexer queries from the q_a product qr [T, QR] before its norm (qnorm,
+    eps: attn_q_a_norm) and the sublayer input xa [T, E]: (q [T, H, DH] = the heads of
+    wq [H * DH, QR] times the normed qr, RoPE'd at rope = (cos, sin) [T, n_rot/2], Hadamard +
+    FP4 unless `qat` is False; w [T, H] = xa times wp [H, E], over sqrt(DH * H))."""
+    t, qdim = qr.shape
+    head_dim = wq.shape[0] // n_heads
+    cos, sin = rope
+    if t > MATVEC_MAX_TOKENS:
+        raise ValueError(f"indexer_queries: at most {MATVEC_MAX_TOKENS} tokens, not {t}")
+    threads = 32 * _INDEXER_Q_WARPS
+    return tuple(_fused("indexer_queries")(
+        inputs=[qr, qnorm, _scalar(eps), xa, wq, wp, cos, sin, _scalar(float(np.float32(1.0 / np.sqrt(head_dim)))),
+                _carry_table(), _scalar(float(np.float32(1.0 / math.sqrt(head_dim * n_heads))))],
+        template=[("QR", qdim), ("E", xa.shape[-1]), ("DH", head_dim), ("NROT", 2 * cos.shape[-1]), ("QAT", qat)],
+        grid=(n_heads * threads, t, 1), threadgroup=(threads, 1, 1),
+        output_shapes=[(t, n_heads, head_dim), (t, n_heads)], output_dtypes=[mx.float32] * 2))
 
 
 def indexer_scores(q: mx.array, w: mx.array, keys: mx.array) -> mx.array:

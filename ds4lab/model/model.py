@@ -337,14 +337,15 @@ class Model:
         rotation = Rotation(cos, sin)
         xa, control = self._sublayer_input(h, streams, "attn", layer, mm, parts)
         qr, kv = attention.input_products(layer, xa, mm)
+        # The indexer's queries read qr normed; the fast path's matvec norms it inside both products.
         q, qr_n = attention.project_q(layer, qr, rotation, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm,
-                                      keep_normed=indexed, finish=finish_q)
+                                      keep_normed=indexed and not mm.matvec(xa), finish=finish_q)
         if finish_q:
             q = h("hook_q", q)
         if finish_kv:
             kv = h("hook_kv", attention.kv_row(layer, kv, rotation, cfg.rms_eps, mm))
-        queries = indexer.indexer_queries(layer, xa, qr_n, rotation, cfg.indexer_heads, cfg.indexer_head_dim,
-                                          mm) if indexed else ()
+        queries = indexer.indexer_queries(layer, xa, qr, qr_n, rotation, cfg.indexer_heads, cfg.indexer_head_dim,
+                                          cfg.rms_eps, mm) if indexed else ()
         return xa, control.pre, control.post, control.comb, q, kv, *queries
 
     def _attention_output(self, layer: LayerWeights, mm: Schedule, heads: mx.array, streams: mx.array,

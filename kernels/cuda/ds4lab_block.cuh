@@ -100,6 +100,29 @@ __device__ void ds4lab_block_minifloat(float* p, float fmax, float amax_floor, c
     }
 }
 
+// ds4's indexer rounding of a row of D_ values in place (model/numerics.py `indexer_qat`):
+// the Hadamard transform (butterflies with stride 1, 2, ...: each sum and difference rounded
+// as the reference rounds them), times hscale = 1/sqrt(D_), then FP4 E2M1 in blocks of 32,
+// a warp a block. The whole thread block calls it on a row it has written and synchronised;
+// the call synchronises the block.
+__device__ void ds4lab_hadamard_fp4(float* row, int D_, float hscale, const int* carry) {
+    const int warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    for (int stride = 1; stride < D_; stride *= 2) {
+        for (int j = threadIdx.x; j < D_ / 2; j += blockDim.x) {
+            const int i = (j / stride) * 2 * stride + j % stride;
+            const float a = row[i], b = row[i + stride];
+            row[i] = __fadd_rn(a, b);
+            row[i + stride] = __fsub_rn(a, b);
+        }
+        __syncthreads();
+    }
+    for (int i = threadIdx.x; i < D_; i += blockDim.x) row[i] = __fmul_rn(row[i], hscale);
+    __syncthreads();
+    for (int b = warp; b < D_ / 32; b += n_warps)
+        ds4lab_block_minifloat<32, 1, 0>(row + 32 * b, 6.0f, 7.052966104933725e-38f, carry);
+    __syncthreads();
+}
+
 // RoPE (or with `inverse` its inverse) of a row's last NROT_ of D_ dims, GPT-J pairs, at row
 // `pos` of (rope_cos, rope_sin) [positions, NROT_ / 2], in place, a pair a thread of the block;
 // each product rounded as the reference composition rounds it. The caller synchronises.

@@ -37,22 +37,7 @@ if (ROPE) {
     __syncthreads();
 }
 const int lane_warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-if (QAT) {
-    for (int stride = 1; stride < D; stride *= 2) {
-        for (int j = threadIdx.x; j < D / 2; j += blockDim.x) {
-            const int i = (j / stride) * 2 * stride + j % stride;
-            const float a = yr[i], b = yr[i + stride];
-            yr[i] = __fadd_rn(a, b);
-            yr[i + stride] = __fsub_rn(a, b);
-        }
-        __syncthreads();
-    }
-    for (int i = threadIdx.x; i < D; i += blockDim.x) yr[i] = __fmul_rn(yr[i], hscale[0]);
-    __syncthreads();
-    for (int b = lane_warp; b < D / 32; b += n_warps)
-        ds4lab_block_minifloat<32, 1, 0>(yr + 32 * b, 6.0f, 7.052966104933725e-38f, carry);
-    __syncthreads();
-}
+if (QAT) ds4lab_hadamard_fp4(yr, D, hscale[0], carry);
 if (FP8) {
     for (int b = lane_warp; b < (D - NROT) / 64; b += n_warps)
         ds4lab_block_minifloat<64, 3, -6>(yr + 64 * b, 448.0f, 1.0e-4f, carry);

@@ -1,0 +1,40 @@
+// The lightning indexer's queries of a decode token (model/indexer.py `indexer_queries`),
+// one thread block a (head, token), from the q low-rank path before its norm:
+//   qn = RMS(qr; eps[0]) * qnorm                   (attn_q_a_norm: what the q_b product reads)
+//   q  = the head's DH rows of wq times qn, RoPE'd at the token's position on the last NROT
+//        dims, then Hadamard + FP4 (row_finish's steps and float operations; template QAT,
+//        off only where bench/check_device.py compares the heads before that rounding);
+//   w  = wp[h] . xa * wscale[0]                    (the head's weight in the scores)
+// One launch instead of the norm, two products, the weights' scaling and the rows' finish.
+// Inputs: qr [T, QR], qnorm [QR], eps, xa [T, E], wq [H * DH, QR], wp [H, E], rope_cos /
+// rope_sin [T, NROT/2], hscale (1/sqrt(DH)), carry (FP4's log2 table), wscale.
+// Outputs: q [T, H, DH], w [T, H]. Grid: x = the heads, y = the tokens.
+const int h = blockIdx.x, t = blockIdx.y, n_head = gridDim.x;
+const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+__shared__ float qn[QR];
+__shared__ float row[DH];
+__shared__ float scratch[32];
+const float* qrt = qr + (size_t)t * QR;
+const float inv = ds4lab_rms_inverse(qrt, QR, eps[0], scratch);
+for (int i = threadIdx.x; i < QR; i += blockDim.x) qn[i] = __fmul_rn(__fmul_rn(qrt[i], inv), qnorm[i]);
+__syncthreads();
+// A warp a row: its lanes read the row's consecutive floats, every load of the row in flight.
+for (int r = warp; r < DH; r += n_warps) {
+    const float* wr = wq + ((size_t)h * DH + r) * QR;
+    float s = 0.0f;
+#pragma unroll
+    for (int i = lane; i < QR; i += 32) s += wr[i] * qn[i];
+    s = ds4lab_warp_sum_all(s);
+    if (lane == 0) row[r] = s;
+}
+const float* xt = xa + (size_t)t * E;
+const float* wr = wp + (size_t)h * E;
+float s = 0.0f;
+for (int i = threadIdx.x; i < E; i += blockDim.x) s += wr[i] * xt[i];
+s = ds4lab_block_sum(s, scratch);              // synchronises: row[] is complete after it
+if (threadIdx.x == 0) w[(size_t)t * n_head + h] = __fmul_rn(s, wscale[0]);
+ds4lab_rope_tail(row, DH, NROT, t, rope_cos, rope_sin, false);
+__syncthreads();
+if (QAT) ds4lab_hadamard_fp4(row, DH, hscale[0], carry);
+float* qh = q + ((size_t)t * n_head + h) * DH;
+for (int i = threadIdx.x; i < DH; i += blockDim.x) qh[i] = row[i];
