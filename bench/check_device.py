@@ -186,6 +186,23 @@ def check_fused_kernels() -> None:
         _bar(f"indexer_queries {t} tokens, {h} heads", err <= _KERNEL_BAR and exact)
         print(f"indexer_queries ({t} tokens, {h} heads of {dh}, q_a {qdim}, input {e}) vs norm + products + RoPE: "
               f"max rel err {err:.2e}; its FP4 rounding the reference's bit for bit {exact}")
+    # The router: a decode step's with its logits made inside (the flash shape; 3 tokens and 16
+    # experts), a prefill chunk's from the logits; ties between probabilities are unlikely
+    # enough in random inputs that the chosen experts must be equal.
+    from ds4lab.model.weights import LayerWeights
+    for t, n, e, k in ((1, 4096, 256, 6), (3, 200, 16, 2), (40, 4096, 256, 6)):
+        xf, gate = mx.random.normal((t, n)), mx.random.normal((e, n)) * 0.05
+        layer = LayerWeights(index=3, ratio=0, dense={"ffn_gate_inp.weight": gate,
+                                                      "exp_probs_b.bias": mx.random.normal((e,)) * 0.1})
+        probs = moe.router_probs(layer, xf, ref_mm)
+        experts = moe.select_experts(layer, probs, mx.zeros((t,), mx.int32), k)
+        made = moe.route_fused(layer, xf, k, 1.5)
+        err = max(_rel(made[0], probs), _rel(made[2], moe.route_weights(probs, experts, 1.5)))
+        same = bool(mx.array_equal(made[1], experts).item())
+        _bar(f"router {t} tokens, {e} experts", err <= _KERNEL_BAR and same)
+        where = "inside" if t <= kernels.MATVEC_MAX_TOKENS else "given"
+        print(f"router ({t} tokens, {e} experts of {n}; logits {where}) vs probs, top-{k} and weights: "
+              f"max rel err {err:.2e}, same experts {same}")
     # A compressor's decode step: the slot write, and when the token completes a window the
     # ratio-4 frontier's shift and the pooled row; ratio 4 (two windows of rows, twice the
     # width), ratio 128, the indexer's, the small shape's.

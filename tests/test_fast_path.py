@@ -243,9 +243,19 @@ def _compressor_pool(inputs, t, grid, threadgroup):
 
 
 def _router(inputs, t, grid, threadgroup):
-    logits, bias, scale = inputs
-    assert logits.shape[1] == t["E"] and grid[0] // threadgroup[0] == logits.shape[0] >= 1
+    """With PRODUCT the logits first: x · w.T, a warp a row of w over grid x's blocks, counted
+    in counter[token] (given zeroed, left zeroed)."""
+    x, w, bias, scale, counter = inputs
     assert threadgroup[0] >= t["E"] and threadgroup[0] % 32 == 0
+    assert counter.dtype == mx.int32 and not np.array(counter).any()
+    if t["PRODUCT"]:
+        blocks, tokens = _blocks(grid, threadgroup)
+        assert x.shape == (tokens, t["N"]) and w.shape == (t["E"], t["N"]) and tokens <= counter.size
+        assert blocks * threadgroup[0] // 32 >= t["E"] > (blocks - 1) * threadgroup[0] // 32
+        logits = x @ w.T
+    else:
+        logits = x
+        assert logits.shape[1] == t["E"] and grid[0] // threadgroup[0] == logits.shape[0] >= 1
     sp = mx.where(logits > 20, logits, mx.where(logits < -20, mx.exp(logits), mx.log1p(mx.exp(logits))))
     probs = mx.sqrt(sp)
     experts = mx.argsort(-(probs + bias if t["HAS_BIAS"] else probs), axis=-1)[:, :t["K"]].astype(mx.int32)

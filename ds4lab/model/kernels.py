@@ -87,6 +87,7 @@ _ATTENTION_MANY_BLOCKS = 132
 _ATTENTION_SHARE_KEYS = 512
 _ATTENTION_MAX_SHARES = 2
 _INDEXER_Q_WARPS = 16                    # warps per (token, head) block of indexer_queries (a row of wq a warp)
+_MAX_HEADS = 1024                        # heads (or experts) a token may count arrivals for
 _HC_DECODE_THREADS = 1024                # hc_pre's block for a decode step's token (one block a token)
 _HC_MIX_COLUMNS = 256                    # hc_mix's block: a column of the mixer product a thread
 
@@ -126,7 +127,8 @@ _KERNELS = {
     "compressor_slot": ("compressor_slot.cu", (), ["x", "w_kv", "w_gate", "ape", "kv", "score", "at"],
                         ["kv_out", "score_out"]),
     "compressor_pool": ("compressor_pool.cu", (), ["old_kv", "old_score", "new_kv", "new_score"], ["out"]),
-    "router": ("router.cu", (), ["logits", "bias", "scale"], ["probs", "experts", "weights"]),
+    "router": ("router.cu", ("ds4lab_block.cuh",), ["x", "w", "bias", "scale", "counter"],
+               ["probs", "experts", "weights"]),
     "q8_matvec": ("q8_matvec.cu", ("ds4lab_block.cuh", "q8_rows.cuh"), ["codes", "scales", "x", "norm_w", "eps"],
                   ["y"]),
     "q8_pair": ("q8_pair.cu", ("ds4lab_block.cuh", "q8_rows.cuh"),
@@ -577,18 +579,39 @@ def q8_hc(matrix: Q8Matrix, x: mx.array, streams: mx.array, post: mx.array, comb
     return y, part if mix is not None else None
 
 
-def router(logits: mx.array, bias: mx.array | None, n_used: int, scale: float) -> tuple[mx.array, mx.array, mx.array]:
+def router(x: mx.array, bias: mx.array | None, n_used: int, scale: float,
+           weight: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """(probs [T, E], experts [T, n_used] int32 best first, weights [T, n_used]) from the router
-    logits [T, E]: sqrt(softplus), the best n_used of probs + bias, normalised chosen probs x scale."""
-    t, e = logits.shape
+    logits x [T, E]: sqrt(softplus), the best n_used of probs + bias, normalised chosen probs x
+    scale. With `weight` [E, N] (up to MATVEC_MAX_TOKENS tokens) x is the FFN input [T, N] and
+    the logits x . weight.T are made in the same launch, over a thread block per few experts."""
+    t = x.shape[0]
+    e = x.shape[1] if weight is None else weight.shape[0]
     threads = -(-e // 32) * 32
     if threads > 1024:
         raise ValueError(f"the router kernel takes at most 1024 experts, not {e}")
+    if weight is not None and t > MATVEC_MAX_TOKENS:
+        raise ValueError(f"router: the logits made inside for at most {MATVEC_MAX_TOKENS} tokens, not {t}")
+    blocks = 1 if weight is None else -(-e // (threads // 32))
     return tuple(_fused("router")(
-        inputs=[logits, _scalar(0.0) if bias is None else bias, _scalar(scale)],
-        template=[("E", e), ("K", n_used), ("HAS_BIAS", bias is not None)],
-        grid=(t * threads, 1, 1), threadgroup=(threads, 1, 1),
+        inputs=[x, _scalar(0.0) if weight is None else weight, _scalar(0.0) if bias is None else bias, _scalar(scale),
+                _arrival_counters()],
+        template=[("E", e), ("K", n_used), ("N", x.shape[1]), ("HAS_BIAS", bias is not None),
+                  ("PRODUCT", weight is not None)],
+        grid=(blocks * threads, t, 1) if weight is not None else (t * threads, 1, 1),
+        threadgroup=(threads, 1, 1),
         output_shapes=[(t, e), (t, n_used), (t, n_used)], output_dtypes=[mx.float32, mx.int32, mx.float32]))
+
+
+@cache
+def _arrival_counters() -> mx.array:
+    """The zeroed ints the kernels whose last thread block finishes a launch's work count their
+    blocks in (`ds4lab_last_block`): a counter per (token, head) of decode attention, the
+    largest user. Each launch leaves them zero again; kernels run in stream order, so one set
+    serves every launch."""
+    counters = mx.zeros((MATVEC_MAX_TOKENS * _MAX_HEADS,), mx.int32)
+    mx.eval(counters)
+    return counters
 
 
 # The block-format GEMM's tiles (`quant_gemm.cu`'s BM and BN): pairs (or tokens) by output

@@ -57,10 +57,13 @@ def route_weights(probs: mx.array, experts: mx.array, scale: float) -> mx.array:
 
 
 def route_fused(layer: LayerWeights, xf: mx.array, n_used: int, scale: float) -> tuple[mx.array, mx.array, mx.array]:
-    """The fast path's router on biased top-k layers: the logits matvec, then one kernel for
-    `router_probs`, `select_experts` and `route_weights`: (probs, experts, weights)."""
-    logits = xf @ layer.transposed("ffn_gate_inp.weight")
-    return kernels.router(logits, layer.dense.get("exp_probs_b.bias"), n_used, scale)
+    """The fast path's router on biased top-k layers: one kernel for `router_probs`,
+    `select_experts` and `route_weights`, after the logits' GEMM, or in a decode step with the
+    logits made inside: (probs, experts, weights)."""
+    bias = layer.dense.get("exp_probs_b.bias")
+    if xf.shape[0] <= kernels.MATVEC_MAX_TOKENS:
+        return kernels.router(xf, bias, n_used, scale, weight=layer.dense["ffn_gate_inp.weight"])
+    return kernels.router(xf @ layer.transposed("ffn_gate_inp.weight"), bias, n_used, scale)
 
 
 def swiglu(gate: mx.array, up: mx.array, clamp: float) -> mx.array:

@@ -47,6 +47,24 @@ __device__ __forceinline__ void ds4lab_block_sums(const float* acc, float* scrat
     }
 }
 
+// Whether this thread block is the last of `blocks` to get here (every thread gets the
+// answer): each block's writes before the call are then visible to the last one, which reads
+// them with __ldcg (not through its L1). `counter` is an int in a buffer the kernel is given
+// zeroed (kernels.py `_arrival_counters`): the last block sets it back to 0 for the next launch.
+// So two launches must not share a counter at once (MLX runs a stream's kernels in order).
+__device__ bool ds4lab_last_block(int* counter, int blocks) {
+    __shared__ bool last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        last = atomicAdd(counter, 1) == blocks - 1;
+        if (last) atomicExch(counter, 0);
+    }
+    __syncthreads();
+    __threadfence();
+    return last;
+}
+
 // RMSNorm's 1 / sqrt(mean(x^2) + eps) of the row xr (D values) over the thread block: each
 // thread sums every blockDim.x-th square, then the block sums. row_finish (NORM) and q8_matvec
 // (NORM: the norm inside the product) share it, so with equal blocks they give the same bits.

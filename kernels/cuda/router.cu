@@ -1,19 +1,37 @@
-// The router of one token per thread block, one thread per expert (model/moe.py
-// `router_probs`, `select_experts`, `route_weights` for biased top-k layers):
+// The router of a token (model/moe.py `router_probs`, `select_experts`, `route_weights` for
+// biased top-k layers), one thread an expert:
 //   probs   = sqrt(softplus(logit)), softplus as the reference writes it (exp below -20,
 //             identity above 20);
 //   experts = the K best of probs + bias (the bias only selects), best first, ties to the
 //             lower expert id;
 //   weights = the chosen probs / max(their sum, 2^-14) * scale[0].
-// Templates: E (experts, at most the block size), K, HAS_BIAS.
-const int t = blockIdx.x, e = threadIdx.x;
+// Without PRODUCT x holds the logits [T, E] (a prefill chunk's, from a GEMM): one thread
+// block a token (grid x). With PRODUCT (a decode step) the logits are made here: x is the
+// FFN input [T, N], w the router matrix [E, N], and grid x's blocks each take a warp's row
+// of w; each writes its logits into probs, and the last block of the token to finish
+// (ds4lab_last_block, on counter[t]) reads them back and routes. Templates: E (experts, at
+// most the block size), K, N, HAS_BIAS, PRODUCT.
+const int t = PRODUCT ? blockIdx.y : blockIdx.x, e = threadIdx.x;
 const int lane = e & 31, warp = e >> 5, n_warps = blockDim.x >> 5;
 __shared__ float best_v[32];
 __shared__ int best_i[32];
 __shared__ int chosen[K];
+if (PRODUCT) {
+    const int r = blockIdx.x * n_warps + warp;
+    if (r < E) {
+        const float* wr = w + (size_t)r * N;
+        const float* xt = x + (size_t)t * N;
+        float s = 0.0f;
+#pragma unroll 8
+        for (int i = lane; i < N; i += 32) s += wr[i] * xt[i];
+        s = ds4lab_warp_sum_all(s);
+        if (lane == 0) probs[(size_t)t * E + r] = s;
+    }
+    if (!ds4lab_last_block(const_cast<int*>(counter) + t, gridDim.x)) return;
+}
 float p = 0.0f, sel = -INFINITY;
 if (e < E) {
-    const float l = logits[(size_t)t * E + e];
+    const float l = PRODUCT ? __ldcg(probs + (size_t)t * E + e) : x[(size_t)t * E + e];
     const float sp = l > 20.0f ? l : (l < -20.0f ? expf(l) : log1pf(expf(l)));
     p = sqrtf(sp);
     probs[(size_t)t * E + e] = p;
