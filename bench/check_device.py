@@ -135,8 +135,8 @@ def check_fused_kernels() -> None:
               f"hc_post vs hc_expand (out, and out + add) {expand:.2e}")
     # Decode's kernel, then (more than 8 tokens) prefill's, over keys stored f16 as the model's
     # are, with more columns than its 1024-column mask segments.
-    # Decode over 1024 keys or more takes two shares of them (attention_partial, then
-    # attention_combine), one case with every visible key in the first share.
+    # Decode over 1024 keys or more takes two shares of them (attention_shares, whose last block
+    # of a head adds them), one case with every visible key in the first share.
     for t, h, d, n_keys in ((1, 64, 512, 640), (5, 8, 256, 300), (2, 6, 192, 40), (1, 64, 512, 1152),
                             (3, 8, 256, 1100), (1, 64, 512, -1100), (40, 64, 512, 2700), (20, 8, 256, 300),
                             (12, 6, 192, 40)):

@@ -121,14 +121,20 @@ def test_every_launched_kernel_compiles_with_nvrtc(recorded_launches, nvrtc, tin
     kernels.q8_hc(q8, x, streams, post, comb, mix=mx.ones((24, 4 * 4096)))
     # Decode attention over 1152 keys (a ratio-4 layer at 4096 tokens): shares of the keys.
     q, rope = mx.ones((1, 64, 512)), (mx.ones((1, 32)), mx.zeros((1, 32)))
+    # The flash shape's indexer queries (also without their rounding, as check_device runs
+    # them) and its router with the logits made inside.
+    for qat in (True, False):
+        kernels.indexer_queries(mx.ones((1, 1024)), mx.ones((1024,)), 1e-6, mx.ones((1, 4096)),
+                                mx.ones((8192, 1024)), mx.ones((64, 4096)), rope, 64, qat=qat)
+    kernels.router(mx.ones((1, 4096)), mx.zeros((256,)), 6, 1.5, weight=mx.ones((256, 4096)))
     for eps in (None, 1e-6):
         kernels.attention_heads(q, mx.ones((128, 512)), mx.ones((1, 1152), mx.bool_), mx.zeros((64,)), rope,
                                 mx.ones((1024, 512)), q_eps=eps)
     distinct = _code_paths(recorded_launches)
     names = {launch.name for launch in distinct.values()}
     # The step's kernels and a chunk's: the fused ones, an expert format's pair, the GEMM.
-    assert {"ds4lab_hc_pre", "ds4lab_hc_mix", "ds4lab_q8_hc", "ds4lab_attention_heads", "ds4lab_attention_partial",
-            "ds4lab_attention_combine", "ds4lab_prefill_attention", "ds4lab_router"} <= names, names
+    assert {"ds4lab_hc_pre", "ds4lab_hc_mix", "ds4lab_q8_hc", "ds4lab_attention_heads", "ds4lab_attention_shares",
+            "ds4lab_prefill_attention", "ds4lab_router", "ds4lab_indexer_queries"} <= names, names
     experts = {f"ds4lab_expert_{kind}_{name}" for kind in ("swiglu", "matvec") for name in kernels._TYPES.values()}
     assert experts <= names, names
     assert any(n.startswith("ds4lab_quant_gemm_") for n in names)

@@ -119,10 +119,14 @@ def _attention_heads(inputs, t, grid, threadgroup):
     return _attention(q, keys, mask, sinks, cos, sin, t)
 
 
-def _attention_partial(inputs, t, grid, threadgroup):
-    """Each of grid z's equal shares of the keys: its largest visible score m (-inf when none),
-    l = sum of exp(score - m) and the keys weighted by those."""
-    q, keys, comp, mask, cos, sin, n_keys, eps = inputs
+def _attention_shares(inputs, t, grid, threadgroup):
+    """Each of grid z's SHARES equal shares of the keys: its largest visible score m (-inf when
+    none), l = sum of exp(score - m) and the keys weighted by those; then (the last block of
+    a head) the shares added with the sink and the inverse RoPE: decode attention's output."""
+    q, keys, comp, mask, cos, sin, n_keys, eps, sinks, counter = inputs
+    heads, tokens = _blocks(grid, threadgroup)
+    assert grid[2] == t["SHARES"] and tokens * heads <= counter.size
+    assert counter.dtype == mx.int32 and not np.array(counter).any()
     q, keys = _decode_attention_inputs(q, keys, comp, mask, cos, sin, n_keys, eps, t, grid, threadgroup)
     shares, n = grid[2], keys.shape[0]
     chunk = -(-n // shares)
@@ -137,20 +141,12 @@ def _attention_partial(inputs, t, grid, threadgroup):
         weights = np.exp(share - np.where(np.isfinite(m), m, 0.0)[..., None])
         ml[..., z, 0], ml[..., z, 1] = m, weights.sum(axis=-1)
         acc[..., z, :] = weights @ rows[min(n, z * chunk):min(n, (z + 1) * chunk)]
-    return [mx.array(ml), mx.array(acc)]
-
-
-def _attention_combine(inputs, t, grid, threadgroup):
-    """The shares added with the sink, then the inverse RoPE: decode attention's output."""
-    ml, acc, sinks, cos, sin = inputs
-    heads, tokens = _blocks(grid, threadgroup)
-    assert ml.shape == (tokens, heads, t["SHARES"], 2) and acc.shape == (tokens, heads, t["SHARES"], t["D"])
-    m, total = ml[..., 0], ml[..., 1]
+    m, total = mx.array(ml[..., 0]), mx.array(ml[..., 1])
     top = mx.maximum(sinks[None, :], m.max(axis=-1))
     kept = mx.where(m == -mx.inf, 0.0, mx.exp(m - top[..., None]))
     denom = mx.exp(sinks[None, :] - top) + (total * kept).sum(axis=-1)
-    out = (acc * kept[..., None]).sum(axis=2) / denom[..., None]
-    return [apply_rope_tail(out, cos, sin, inverse=True)]
+    out = (mx.array(acc) * kept[..., None]).sum(axis=2) / denom[..., None]
+    return [apply_rope_tail(out, cos, sin, inverse=True), mx.array(ml), mx.array(acc)]
 
 
 def _prefill_attention(inputs, t, grid, threadgroup):
@@ -173,17 +169,17 @@ def _attention(q, keys, mask, sinks, cos, sin, t):
 
 
 def _indexer_queries(inputs, t, grid, threadgroup):
-    """q_a's norm, the head's rows of wq times it, RoPE, Hadamard + FP4; the head weights."""
+    """q_a's norm, the head's rows of wq times it, RoPE, Hadamard + FP4 (QAT); the head weights."""
     qr, qnorm, eps, xa, wq, wp, cos, sin, hscale, carry, wscale = inputs
     heads, tokens = _blocks(grid, threadgroup)
     dh, n_rot = t["DH"], t["NROT"]
     assert qr.shape == (tokens, t["QR"]) and xa.shape == (tokens, t["E"]) and wq.shape == (heads * dh, t["QR"])
     assert wp.shape == (heads, t["E"]) and cos.shape == (tokens, n_rot // 2) and carry.shape == (254,)
-    assert abs(float(hscale.item()) - 1 / math.sqrt(dh)) < 1e-7 and t["QAT"]
+    assert abs(float(hscale.item()) - 1 / math.sqrt(dh)) < 1e-7
     assert float(wscale.item()) == np.float32(1 / math.sqrt(dh * heads))
     q = (_rms_weighted(qr, eps, qnorm) @ wq.T).reshape(tokens, heads, dh)
-    q = nm.indexer_qat(apply_rope_tail(q, cos, sin))
-    return [q, (xa @ wp.T) * wscale]
+    q = apply_rope_tail(q, cos, sin)
+    return [nm.indexer_qat(q) if t["QAT"] else q, (xa @ wp.T) * wscale]
 
 
 def _indexer_scores(inputs, t, grid, threadgroup):
@@ -347,8 +343,8 @@ def _gemm_split_x(inputs, t, grid, threadgroup):
 STAND_INS = {"q8_matvec": _q8_matvec, "q8_pair": _q8_pair, "q8_swiglu": _q8_swiglu, "q8_hc": _q8_hc,
              "router": _router, "row_finish": _row_finish, "hc_pre": _hc_pre, "hc_mix": _hc_mix,
              "hc_post": _hc_post, "gemm_split_x": _gemm_split_x,
-             "attention_heads": _attention_heads, "attention_partial": _attention_partial,
-             "attention_combine": _attention_combine, "prefill_attention": _prefill_attention,
+             "attention_heads": _attention_heads, "attention_shares": _attention_shares,
+             "prefill_attention": _prefill_attention,
              "indexer_queries": _indexer_queries, "indexer_scores": _indexer_scores, "indexer_mask": _indexer_mask,
              "compressor_slot": _compressor_slot, "compressor_pool": _compressor_pool}
 
@@ -467,7 +463,7 @@ def test_fast_path_wiring_matches_the_reference(request, weights_fixture, stand_
     assert model.numerics.fast
     fast_full, fast_decoded = _prefill_and_decode(model, tokens, 6)
     # (decode attention over shares of its keys takes 1024 keys or more: its own test)
-    every = (set(STAND_INS) - {"attention_partial", "attention_combine"}) | {"expert_matvec", "expert_swiglu",
+    every = (set(STAND_INS) - {"attention_shares"}) | {"expert_matvec", "expert_swiglu",
                                                                             "quant_gemm"}
     assert set(stand_in_kernels) == every, f"kernels never called: {every - set(stand_in_kernels)}"
     model.numerics.allow_fast = False
@@ -619,8 +615,8 @@ def test_q8_products_of_a_few_thousand_rows_split_their_columns_over_a_block(sta
 
 
 def test_decode_attention_over_many_keys_takes_shares_of_them_and_adds_them(stand_in_kernels):
-    """A (token, head)'s 1024 keys or more go over two blocks (attention_partial) and are added
-    with the sink (attention_combine) when the heads fill fewer blocks than the GPU has SMs:
+    """A (token, head)'s 1024 keys or more go over two blocks (attention_shares), the last of
+    them adding the shares with the sink, when the heads fill fewer blocks than the GPU has SMs:
     the same output as one block's, a share with no visible key included; the q heads
     finished inside too."""
     rng = np.random.default_rng(8)
@@ -633,7 +629,7 @@ def test_decode_attention_over_many_keys_takes_shares_of_them_and_adds_them(stan
         mask = mx.array(mask)
         stand_in_kernels.clear()
         shared = kernels.attention_heads(q, keys[:128], mask, sinks, rope, keys[128:])
-        assert stand_in_kernels == {"attention_partial": 1, "attention_combine": 1}
+        assert stand_in_kernels == {"attention_shares": 1}
         whole = _attention_heads([q, keys, mx.array(0.0), mask, sinks, *rope, mx.array([1100, 1100]), mx.array(0.0)],
                                  {"D": 64, "NROT": 32, "WARPS": kernels._ATTENTION_WARPS, "QFINISH": False},
                                  (8 * 32 * kernels._ATTENTION_WARPS, 2, 1), (32 * kernels._ATTENTION_WARPS, 1, 1))[0]

@@ -20,7 +20,7 @@ reference's steps in the same order, so a Metal port can translate them line by 
   across warps (each taking its keys four at a time), and the inverse RoPE of the output;
   in a decode step it first finishes the q heads (norm, RoPE) from the q_b product. A long
   key list (1024 keys or more, a ratio-4 layer past ~2k tokens) goes over two blocks a head
-  instead, `attention_partial`, whose shares `attention_combine` adds with the sink (64
+  instead, `attention_shares`, whose last block of a head adds the shares with the sink (64
   heads fill under half an H200's SMs). A chunk of tokens (prefill) runs
   `prefill_attention` instead: a token's heads 16 at a time on the tensor cores, each
   visible key read once for them.
@@ -79,15 +79,14 @@ _TYPES = {"IQ2_XXS": "iq2_xxs", "Q2_K": "q2_k", "Q4_K": "q4_k"}
 _EXPERT_WARPS = 4                        # warps per thread block of the expert kernels
 _THREADS = 128                           # threads per block of the row and HC kernels
 _ATTENTION_WARPS = 16                    # warps per (token, head) block of decode attention
-# Decode attention splits a (token, head)'s keys over blocks ("shares", attention_partial +
-# attention_combine) when its heads fill fewer blocks than an H200 has SMs (132; a block of
-# 16 warps at 128 registers fills one): a share per _ATTENTION_SHARE_KEYS keys, at most
+# Decode attention splits a (token, head)'s keys over blocks ("shares", attention_shares)
+# when its heads fill fewer blocks than an H200 has SMs (132; a block of 16 warps at 128
+# registers fills one): a share per _ATTENTION_SHARE_KEYS keys, at most
 # _ATTENTION_MAX_SHARES. At 4096 tokens a ratio-4 layer's 1152 keys take 2 shares.
 _ATTENTION_MANY_BLOCKS = 132
 _ATTENTION_SHARE_KEYS = 512
 _ATTENTION_MAX_SHARES = 2
 _INDEXER_Q_WARPS = 16                    # warps per (token, head) block of indexer_queries (a row of wq a warp)
-_MAX_HEADS = 1024                        # heads (or experts) a token may count arrivals for
 _HC_DECODE_THREADS = 1024                # hc_pre's block for a decode step's token (one block a token)
 _HC_MIX_COLUMNS = 256                    # hc_mix's block: a column of the mixer product a thread
 
@@ -112,11 +111,9 @@ _KERNELS = {
                    ["x", "weight", "rope_cos", "rope_sin", "eps", "hscale", "carry", "n_rows", "prefix"], ["y"]),
     "attention_heads": ("decode_attention.cu", ("ds4lab_block.cuh", "decode_attention.cuh"),
                         ["q", "keys", "comp", "mask", "sinks", "rope_cos", "rope_sin", "n_keys", "eps"], ["out"]),
-    "attention_partial": ("attention_partial.cu", ("ds4lab_block.cuh", "decode_attention.cuh"),
-                          ["q", "keys", "comp", "mask", "rope_cos", "rope_sin", "n_keys", "eps"],
-                          ["part_ml", "part_acc"]),
-    "attention_combine": ("attention_combine.cu", ("ds4lab_block.cuh", "decode_attention.cuh"),
-                          ["part_ml", "part_acc", "sinks", "rope_cos", "rope_sin"], ["out"]),
+    "attention_shares": ("attention_shares.cu", ("ds4lab_block.cuh", "decode_attention.cuh"),
+                         ["q", "keys", "comp", "mask", "rope_cos", "rope_sin", "n_keys", "eps", "sinks", "counter"],
+                         ["out", "part_ml", "part_acc"]),
     "prefill_attention": ("prefill_attention.cu", ("ds4lab_block.cuh", "gemm_common.cuh"),
                           ["q", "keys", "mask", "sinks", "rope_cos", "rope_sin", "n_keys"], ["out"]),
     "indexer_queries": ("indexer_queries.cu", ("ds4lab_block.cuh",),
@@ -353,15 +350,12 @@ def attention_heads(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array
             inputs=[*sources, sinks, cos, sin, *lengths], template=template,
             grid=(h * threads, t, 1), threadgroup=(threads, 1, 1), output_shapes=[q.shape], output_dtypes=[mx.float32])
         return out
-    # A long key list over more blocks than heads: shares of the keys, then their sum with the sink.
-    part_ml, part_acc = _fused("attention_partial")(
-        inputs=[*sources, cos, sin, *lengths], template=template,
+    # A long key list over more blocks than heads: shares of the keys, the last block of a head
+    # adding them with the sink.
+    out, _, _ = _fused("attention_shares")(
+        inputs=[*sources, cos, sin, *lengths, sinks, _arrival_counters()], template=[*template, ("SHARES", shares)],
         grid=(h * threads, t, shares), threadgroup=(threads, 1, 1),
-        output_shapes=[(t, h, shares, 2), (t, h, shares, d)], output_dtypes=[mx.float32] * 2)
-    (out,) = _fused("attention_combine")(
-        inputs=[part_ml, part_acc, sinks, cos, sin], template=[("D", d), ("NROT", 2 * cos.shape[-1]),
-                                                              ("SHARES", shares)],
-        grid=(h * _THREADS, t, 1), threadgroup=(_THREADS, 1, 1), output_shapes=[q.shape], output_dtypes=[mx.float32])
+        output_shapes=[q.shape, (t, h, shares, 2), (t, h, shares, d)], output_dtypes=[mx.float32] * 3)
     return out
 
 
@@ -605,11 +599,11 @@ def router(x: mx.array, bias: mx.array | None, n_used: int, scale: float,
 
 @cache
 def _arrival_counters() -> mx.array:
-    """The zeroed ints the kernels whose last thread block finishes a launch's work count their
-    blocks in (`ds4lab_last_block`): a counter per (token, head) of decode attention, the
-    largest user. Each launch leaves them zero again; kernels run in stream order, so one set
-    serves every launch."""
-    counters = mx.zeros((MATVEC_MAX_TOKENS * _MAX_HEADS,), mx.int32)
+    """The zeroed ints in which kernels whose last thread block finishes a launch's work count
+    their blocks (`ds4lab_last_block`): the router a counter per token, decode attention's
+    shares one per (token, head), of which there are fewer than _ATTENTION_MANY_BLOCKS. Each
+    launch leaves them zero; kernels run in stream order, so one set serves every launch."""
+    counters = mx.zeros((max(_ATTENTION_MANY_BLOCKS, MATVEC_MAX_TOKENS),), mx.int32)
     mx.eval(counters)
     return counters
 

@@ -1,6 +1,6 @@
 // A decode (token, head)'s attention over the keys [lo, hi) it may see, by one thread block
-// of WARPS warps (decode_attention.cu over all of them; attention_partial.cu over a share,
-// attention_combine.cu adding the shares): sink-free online softmax, K = V.
+// of WARPS warps (decode_attention.cu over all of them; attention_shares.cu over a share,
+// its last block adding the shares): sink-free online softmax, K = V.
 //   q [T, H, D]; keys [n_keys[0], D]: the raw window rows, comp [n_keys[1] - n_keys[0], D]:
 //   the compressed rows after them (two arrays: no copy of the cache into one); mask [T,
 //   n_keys[1]] over both; rope_cos/rope_sin [T, NROT/2] of the query positions.
@@ -89,19 +89,25 @@ __device__ void ds4lab_attend_keys(const float* q, const float* keys, const floa
         }
         m = m_new;
     }
-    __shared__ float part_m[WARPS], part_l[WARPS];
+    __shared__ float part_m[WARPS], part_l[WARPS], part_w[WARPS];
     __shared__ float part_acc[WARPS * D];
     if (lane == 0) { part_m[warp] = m; part_l[warp] = l; }
     for (int k = 0; k < PER; ++k) part_acc[warp * D + lane + 32 * k] = acc[k];
     __syncthreads();
     float top = -INFINITY;
     for (int w = 0; w < WARPS; ++w) top = fmaxf(top, part_m[w]);
+    // each warp's weight exp(m_w - top) once (0 for a warp that saw no visible key)
+    if ((int)threadIdx.x < WARPS) {
+        const float mw = part_m[threadIdx.x];
+        part_w[threadIdx.x] = mw == -INFINITY ? 0.0f : expf(mw - top);
+    }
+    __syncthreads();
     float total = 0.0f;
-    for (int w = 0; w < WARPS; ++w) total += part_m[w] == -INFINITY ? 0.0f : part_l[w] * expf(part_m[w] - top);
+    for (int w = 0; w < WARPS; ++w) total += part_m[w] == -INFINITY ? 0.0f : part_l[w] * part_w[w];
     for (int d = threadIdx.x; d < D; d += blockDim.x) {
         float o = 0.0f;
         for (int w = 0; w < WARPS; ++w)
-            if (part_m[w] != -INFINITY) o += part_acc[w * D + d] * expf(part_m[w] - top);
+            if (part_m[w] != -INFINITY) o += part_acc[w * D + d] * part_w[w];
         acc_out[d] = o;
     }
     m_out = top;
@@ -113,7 +119,7 @@ __device__ void ds4lab_attend_keys(const float* q, const float* keys, const floa
 // (largest scaled score, -INFINITY when none of its keys was visible) and l (sum of
 // exp(score - m)): w[z] = exp(m[z] - top) / (exp(sink - top) + sum over z of l[z] * exp(m[z] - top)),
 // top the largest of the sink and the m. decode_attention.cu's one share and
-// attention_combine.cu's several take their output as sum over z of w[z] * acc[z].
+// attention_shares.cu's several take their output as sum over z of w[z] * acc[z].
 template <int S>
 __device__ __forceinline__ void ds4lab_share_weights(float sink, const float* m, const float* l, float* w) {
     float top = sink;
