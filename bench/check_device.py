@@ -205,7 +205,8 @@ def check_fused_kernels() -> None:
               f"max rel err {err:.2e}, same experts {same}")
     # A compressor's decode step: the slot write, and when the token completes a window the
     # ratio-4 frontier's shift and the pooled row; ratio 4 (two windows of rows, twice the
-    # width), ratio 128, the indexer's, the small shape's.
+    # width), ratio 128, the indexer's, the small shape's. On ratio 4 also two compressors in
+    # one launch, each the same bits as alone.
     from ds4lab.model.compressor import Frontier, compress_chunk
     for width, cols, ratio in ((512, 4096, 4), (512, 4096, 128), (128, 4096, 4), (192, 256, 4)):
         r = width * (2 if ratio == 4 else 1)
@@ -227,8 +228,14 @@ def check_fused_kernels() -> None:
             else:
                 w_gate_used, ape_used = w_gate, ape
             pooled_ref, ref = compress_chunk(old, x @ w_kv.T, gate, slot, ratio, width)
-            new = kernels.compressor_slot(x, w_kv, w_gate_used, ape_used, old.kv, old.score, row, slot,
-                                          ratio == 4 and slot == ratio - 1)
+            first, shift = (w_kv, w_gate_used, ape_used, old.kv, old.score), ratio == 4 and slot == ratio - 1
+            new = kernels.compressor_slot(x, first, row, slot, shift)
+            if ratio == 4:              # with a second compressor (the indexer's, 128 wide) in the launch
+                second = (*(mx.random.normal((256, cols)) for _ in range(2)), mx.random.normal((ratio, 256)),
+                          *(mx.random.normal((n_rows, 256)) for _ in range(2)))
+                both = kernels.compressor_slot(x, first, row, slot, shift, second=second)
+                alone = (*new, *kernels.compressor_slot(x, second, row, slot, shift))
+                errs.append(0.0 if all(mx.array_equal(a, b).item() for a, b in zip(both, alone, strict=True)) else 1.0)
             empty = ref.score < -1e29                 # compared apart: -1e30 would swamp a relative error
             errs += [_rel(new[0], ref.kv), _rel(mx.where(empty, 0.0, new[1]), mx.where(empty, 0.0, ref.score)),
                      0.0 if mx.array_equal(new[1] < -1e29, empty) else 1.0]

@@ -208,20 +208,29 @@ def _indexer_mask(inputs, t, grid, threadgroup):
 def _compressor_slot(inputs, t, grid, threadgroup):
     """The frontier with row at[0] replaced: kv by w_kv·x, score by w_gate·x + ape[at[1]]; with
     SHIFT the second half of the rows (token included) copied over the first. One warp per
-    column of each matrix, each warp's values written once."""
-    x, w_kv, w_gate, ape, kv, score, at = inputs
+    column of each matrix, each warp's values written once; with R2 a second compressor's
+    frontier the same way, its warps after the first's."""
+    x, *both, at = inputs
     row, slot = np.array(at).tolist()
-    r, rows, ratio = t["R"], t["ROWS"], t["RATIO"]
-    assert kv.shape == score.shape == (rows, r) and w_kv.shape == w_gate.shape == (r, t["COLS"]) == (r, x.size)
-    assert ape.shape == (ratio, r) and 0 <= slot < ratio and 0 <= row < rows
-    assert not t["SHIFT"] or (rows == 2 * ratio and row == rows - 1)
-    assert threadgroup[0] % 32 == 0 and at.dtype == mx.int32
-    assert all(a.dtype == mx.float32 for a in (x, w_kv, w_gate, ape, kv, score))
-    assert 2 * r <= _blocks(grid, threadgroup)[0] * threadgroup[0] // 32 < 2 * r + threadgroup[0] // 32
-    at_row = mx.arange(rows)[:, None] == row
-    x = x.reshape(1, -1)
-    outs = [mx.where(at_row, x @ w_kv.T, kv), mx.where(at_row, x @ w_gate.T + ape[slot], score)]
-    return [mx.concatenate([o[ratio:], o[ratio:]]) for o in outs] if t["SHIFT"] else outs
+    ratio = t["RATIO"]
+    assert threadgroup[0] % 32 == 0 and at.dtype == mx.int32 and 0 <= slot < ratio
+    warps = 2 * (t["R"] + t["R2"])
+    assert warps <= _blocks(grid, threadgroup)[0] * threadgroup[0] // 32 < warps + threadgroup[0] // 32
+    outs = []
+    for (w_kv, w_gate, ape, kv, score), r, rows in zip((both[:5], both[5:]), (t["R"], t["R2"]),
+                                                       (t["ROWS"], t["ROWS2"]), strict=True):
+        if r == 0:                                       # no second compressor: outputs left unwritten
+            outs += [mx.zeros((1, 1)), mx.zeros((1, 1))]
+            continue
+        assert kv.shape == score.shape == (rows, r) and w_kv.shape == w_gate.shape == (r, t["COLS"]) == (r, x.size)
+        assert ape.shape == (ratio, r) and 0 <= row < rows
+        assert not t["SHIFT"] or (rows == 2 * ratio and row == rows - 1)
+        assert all(a.dtype == mx.float32 for a in (x, w_kv, w_gate, ape, kv, score))
+        at_row = mx.arange(rows)[:, None] == row
+        xr = x.reshape(1, -1)
+        pair = [mx.where(at_row, xr @ w_kv.T, kv), mx.where(at_row, xr @ w_gate.T + ape[slot], score)]
+        outs += [mx.concatenate([o[ratio:], o[ratio:]]) for o in pair] if t["SHIFT"] else pair
+    return outs
 
 
 def _compressor_pool(inputs, t, grid, threadgroup):

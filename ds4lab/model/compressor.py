@@ -102,41 +102,62 @@ class Compressor:
         """Feed a chunk of tokens at positions p0..: the rows it completes, [E, width], normed, rotated to each window's
         first position, rounded and stored as f16; and the new frontier.
 
-        A fast-path decode token takes kernels: the frontier's update (`_decode_step`) and, when
-        the token completes a window, its pooling from the frontiers before and after. The
-        CPU's native path runs `compress_chunk` as one native call (`cpu_kernels`)."""
+        A fast-path decode token takes kernels: the frontier's update (`_decode_step`; with the
+        layer's other compressor, `decode_pair`) and, when the token completes a window, its
+        pooling from the frontiers before and after (`emitted`). The CPU's native path runs
+        `compress_chunk` as one native call (`cpu_kernels`)."""
         if mm.fast and x.shape[0] == 1:
-            after = self._decode_step(frontier, x, p0)
-            if (p0 + 1) % self.ratio:
-                return mx.zeros((0, self.width), mx.float32), after
-            pooled = kernels.compressor_pool((frontier.kv, frontier.score), (after.kv, after.score), self.ratio,
-                                             self.width, overlaps(self.ratio))
+            slot, row, shift = self._slot(p0)
+            after = Frontier(*kernels.compressor_slot(x, self._slot_inputs(frontier), row, slot, shift))
+            return self.emitted(frontier, after, p0, mm)
+        kv, score = self.project(x, p0, mm)
+        if mm.native:
+            pooled, *rows = cpu_kernels.compress_chunk(frontier.kv, frontier.score, kv, score, p0, self.ratio,
+                                                       self.width, overlaps(self.ratio))
+            after = Frontier(*rows)
         else:
-            kv, score = self.project(x, p0, mm)
-            if mm.native:
-                pooled, *rows = cpu_kernels.compress_chunk(frontier.kv, frontier.score, kv, score, p0, self.ratio,
-                                                           self.width, overlaps(self.ratio))
-                after = Frontier(*rows)
-            else:
-                pooled, after = compress_chunk(frontier, kv, score, p0, self.ratio, self.width)
-            if pooled.shape[0] == 0:
-                return pooled, after
-        # rotated to each window's first position: p0 // ratio · ratio, then every ratio tokens
+            pooled, after = compress_chunk(frontier, kv, score, p0, self.ratio, self.width)
+        return (pooled if pooled.shape[0] == 0 else self._finished(pooled, p0, mm)), after
+
+    def emitted(self, before: Frontier, after: Frontier, p0: int, mm: Schedule) -> tuple[mx.array, Frontier]:
+        """`step`'s result for a fast-path decode token at p0 from the frontier before and after
+        it: the row of the window it completes (pooled by `kernels.compressor_pool`, finished),
+        or none; and `after`."""
+        if (p0 + 1) % self.ratio:
+            return mx.zeros((0, self.width), mx.float32), after
+        pooled = kernels.compressor_pool((before.kv, before.score), (after.kv, after.score), self.ratio, self.width,
+                                         overlaps(self.ratio))
+        return self._finished(pooled, p0, mm), after
+
+    def _finished(self, pooled: mx.array, p0: int, mm: Schedule) -> mx.array:
+        """Pooled rows of the windows completed from p0 on, normed, rotated to each window's
+        first position (p0 // ratio · ratio, then every ratio tokens), rounded, f16."""
         first = Rotation.at(p0 // self.ratio * self.ratio, pooled.shape[0], self.n_rot, self.rope_base, self.yarn,
                             step=self.ratio)
-        rows = mm.finish_rows(pooled, eps=self.eps, weight=self.norm, rotation=first, qat=self.qat, fp8=self.fp8,
+        return mm.finish_rows(pooled, eps=self.eps, weight=self.norm, rotation=first, qat=self.qat, fp8=self.fp8,
                               f16=True)
-        return rows, after
 
-    def _decode_step(self, frontier: Frontier, x: mx.array, p0: int) -> Frontier:
-        """The fast path's frontier after one decode token (what `compress_chunk` does with
-        it): its kv and score rows written into its slot and, when it completes a ratio-4
-        window, that window moved to the first half; one kernel (`kernels.compressor_slot`)."""
+    def _slot(self, p0: int) -> tuple[int, int, bool]:
+        """A decode token's (APE row, frontier row, shift): its window slot, the frontier row it
+        writes and, on a ratio-4 compressor, whether it completes the window (that window then
+        moves to the first half: `compress_chunk`)."""
         slot = p0 % self.ratio
         overlap = overlaps(self.ratio)
-        row = (self.ratio if overlap else 0) + slot
-        return Frontier(*kernels.compressor_slot(x, self.kv_weight, self.gate_weight, self.ape, frontier.kv,
-                                                 frontier.score, row, slot, overlap and slot == self.ratio - 1))
+        return slot, (self.ratio if overlap else 0) + slot, overlap and slot == self.ratio - 1
+
+    def _slot_inputs(self, frontier: Frontier) -> tuple[mx.array, ...]:
+        return self.kv_weight, self.gate_weight, self.ape, frontier.kv, frontier.score
+
+
+def decode_pair(first: Compressor, second: Compressor, frontiers: tuple[Frontier, Frontier], x: mx.array, p0: int,
+                mm: Schedule) -> tuple[tuple[mx.array, Frontier], tuple[mx.array, Frontier]]:
+    """`step` of a ratio-4 layer's two compressors (the attention's and the indexer's: the same
+    ratio, so the same slot) for a fast-path decode token, both slot writes in one kernel."""
+    slot, row, shift = first._slot(p0)
+    kv, score, kv2, score2 = kernels.compressor_slot(x, first._slot_inputs(frontiers[0]), row, slot, shift,
+                                                     second=second._slot_inputs(frontiers[1]))
+    return (first.emitted(frontiers[0], Frontier(kv, score), p0, mm),
+            second.emitted(frontiers[1], Frontier(kv2, score2), p0, mm))
 
 
 @lru_cache(maxsize=512)

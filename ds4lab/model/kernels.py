@@ -121,8 +121,10 @@ _KERNELS = {
                         ["q", "w"]),
     "indexer_scores": ("indexer_scores.cu", ("ds4lab_block.cuh",), ["q", "w", "keys", "n_keys"], ["scores"]),
     "indexer_mask": ("indexer_mask.cu", (), ["scores", "visible", "window", "sizes"], ["mask"]),
-    "compressor_slot": ("compressor_slot.cu", (), ["x", "w_kv", "w_gate", "ape", "kv", "score", "at"],
-                        ["kv_out", "score_out"]),
+    "compressor_slot": ("compressor_slot.cu", (),
+                        ["x", "w_kv", "w_gate", "ape", "kv", "score",
+                         "w_kv2", "w_gate2", "ape2", "kv2", "score2", "at"],
+                        ["kv_out", "score_out", "kv_out2", "score_out2"]),
     "compressor_pool": ("compressor_pool.cu", (), ["old_kv", "old_score", "new_kv", "new_score"], ["out"]),
     "router": ("router.cu", ("ds4lab_block.cuh",), ["x", "w", "bias", "scale", "counter"],
                ["probs", "experts", "weights"]),
@@ -404,18 +406,24 @@ def indexer_mask(scores: mx.array, visible: mx.array, window: mx.array, top_k: i
     return mask
 
 
-def compressor_slot(x: mx.array, w_kv: mx.array, w_gate: mx.array, ape: mx.array, kv: mx.array, score: mx.array,
-                    row: int, slot: int, shift: bool = False) -> tuple[mx.array, mx.array]:
-    """A compressor's frontier (kv, score [rows, R]) after one decode token x [1, cols]: row
-    `row` replaced by w_kv·x and w_gate·x + ape[slot] (model/compressor.py). With `shift` (a
-    ratio-4 window completed) the first half of the rows then takes the second half's."""
-    rows, r = kv.shape
+def compressor_slot(x: mx.array, first: tuple[mx.array, ...], row: int, slot: int, shift: bool = False,
+                    second: tuple[mx.array, ...] | None = None) -> tuple[mx.array, ...]:
+    """A compressor's frontier (kv, score [rows, R]) after one decode token x [1, cols], from
+    first = (w_kv, w_gate, ape, kv, score): row `row` replaced by w_kv·x and w_gate·x +
+    ape[slot] (model/compressor.py). With `shift` (a ratio-4 window completed) the first half
+    of the rows then takes the second half's. `second`: another compressor of the same ratio
+    (a ratio-4 layer's indexer), in the same launch; then its (kv, score) follow."""
+    rows, r = first[3].shape
+    rows2, r2 = (0, 0) if second is None else second[3].shape
     threads = 256
-    return tuple(_fused("compressor_slot")(
-        inputs=[*(a.astype(mx.float32) for a in (x, w_kv, w_gate, ape, kv, score)), _constant((row, slot), mx.int32)],
-        template=[("R", r), ("COLS", x.shape[-1]), ("ROWS", rows), ("RATIO", ape.shape[0]), ("SHIFT", shift)],
-        grid=(-(-2 * r * 32 // threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
-        output_shapes=[kv.shape, score.shape], output_dtypes=[mx.float32] * 2))
+    unused = (_scalar(0.0),) * 5
+    outs = _fused("compressor_slot")(
+        inputs=[a.astype(mx.float32) for a in (x, *first, *(second or unused))] + [_constant((row, slot), mx.int32)],
+        template=[("R", r), ("COLS", x.shape[-1]), ("ROWS", rows), ("R2", r2), ("ROWS2", rows2),
+                  ("RATIO", first[2].shape[0]), ("SHIFT", shift)],
+        grid=(-(-2 * (r + r2) * 32 // threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
+        output_shapes=[(rows, r)] * 2 + [(max(rows2, 1), max(r2, 1))] * 2, output_dtypes=[mx.float32] * 4)
+    return tuple(outs if second is not None else outs[:2])
 
 
 def compressor_pool(old: tuple[mx.array, mx.array], new: tuple[mx.array, mx.array], ratio: int, width: int,

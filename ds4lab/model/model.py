@@ -31,7 +31,7 @@ import pandas as pd
 from ..config import ModelConfig, has_indexer
 from ..hooks import ActivationCache, HookFn, HookRegistry, NameFilter, Scope, floats_per_token, hook_names
 from . import attention, cpu_kernels, indexer, kernels, moe
-from .compressor import Compressor, Frontier, row_span
+from .compressor import Compressor, Frontier, decode_pair, row_span
 from .hc import HCControl, hc_collapse, hc_control, hc_expand, hc_expand_q8, hc_fused_input, hc_head_weights
 from .numerics import MODES, Numerics, Schedule, joined
 from .rope import Rotation, yarn_for
@@ -387,14 +387,20 @@ class Model:
         completed; on ratio-4 layers the indexer's top-k of them)."""
         cfg, comps, t = self.config, self._compressors[layer.index], xa.shape[0]
         window = _window_mask(p0, t, n_kept, cfg.n_swa)
-        rows, cache.frontier = comps["attn"].step(cache.frontier, xa, p0, mm)
+        index_rows = None
+        if has_indexer(layer.ratio) and mm.fast and t == 1:      # both compressors' slots in one launch
+            (rows, cache.frontier), (index_rows, cache.index_frontier) = decode_pair(
+                comps["attn"], comps["indexer"], (cache.frontier, cache.index_frontier), xa, p0, mm)
+        else:
+            rows, cache.frontier = comps["attn"].step(cache.frontier, xa, p0, mm)
         comp = cache.append_compressed(h("compressor.hook_rows", rows))
         cache.frontier = self._hook_frontier(h, "compressor.hook_frontier", cache.frontier)
         visible, n_visible = _visible_rows(p0, t, comp.shape[0], layer.ratio)
         comp_mask = None                         # every visible row
         if has_indexer(layer.ratio):
-            rows, cache.index_frontier = comps["indexer"].step(cache.index_frontier, xa, p0, mm)
-            index_keys = cache.append_index_keys(h("indexer.hook_rows", rows))
+            if index_rows is None:
+                index_rows, cache.index_frontier = comps["indexer"].step(cache.index_frontier, xa, p0, mm)
+            index_keys = cache.append_index_keys(h("indexer.hook_rows", index_rows))
             cache.index_frontier = self._hook_frontier(h, "indexer.hook_frontier", cache.index_frontier)
             if queries:                          # more rows than the indexer keeps (see `_attention_block`)
                 scores = h("indexer.hook_scores", indexer.indexer_scores(*queries, index_keys, mm))
