@@ -344,14 +344,23 @@ def check_fused_products() -> None:
             g, u = ((_decode(t, flat) @ xs)[..., 0] for t in (g_t, u_t))
             errs.append(_rel(mid, (moe.swiglu(g, u, 10.0) * weights.reshape(-1, 1)).reshape(2, 6, -1)))
             _bar(f"expert_swiglu {type_name} {rows}x{cols}", errs[-1] <= _KERNEL_BAR)
+            # with the shared expert's SwiGLU in the launch (its Q8_0 gate and up, 3 rows fewer)
+            shared = (_q8_matrix(rows - 3, cols), _q8_matrix(rows - 3, cols))
+            both, shared_mid = kernels.expert_swiglu(g_t, u_t, ids, xe, weights, 10.0, shared)
+            ref_shared = moe.swiglu(*(mx.dequantize(m.codes, m.scales, m.biases, group_size=32, bits=8) @ xe.T
+                                      for m in shared), 10.0)
+            same = bool(mx.array_equal(both, mid).item())
+            errs.append(max(_rel(shared_mid, ref_shared.T), 0.0 if same else 1.0))
+            _bar(f"expert_swiglu {type_name} {rows}x{cols} with the shared expert", errs[-1] <= _KERNEL_BAR)
         fused_s = _seconds(lambda v, g_t=g_t, u_t=u_t: kernels.expert_swiglu(g_t, u_t, one_ids, v, one_w, 10.0),
                            xe[:1])
         apart_s = _seconds(lambda v, g_t=g_t, u_t=u_t: moe.swiglu(
             kernels.expert_matvec(g_t, one_ids, v, pairs_per_input=6),
             kernels.expert_matvec(u_t, one_ids, v, pairs_per_input=6), 10.0) * one_w[..., None], xe[:1])
         print(f"expert_swiglu {type_name} (2 tokens x 6 of 16 experts, 100x768 and 512x1024) vs decode, multiply, "
-              f"swiglu: max rel err {errs[0]:.2e}, {errs[1]:.2e}; one token (512x1024) {fused_s * 1e6:.1f} us vs "
-              f"two expert_matvec + swiglu {apart_s * 1e6:.1f} us")
+              f"swiglu: max rel err {errs[0]:.2e}, {errs[2]:.2e}; with the shared expert's (its rows vs "
+              f"dequantize, multiply, swiglu; the routed ones the same bits) {errs[1]:.2e}, {errs[3]:.2e}; "
+              f"one token (512x1024) {fused_s * 1e6:.1f} us vs two expert_matvec + swiglu {apart_s * 1e6:.1f} us")
 
 
 def _q8_matrix(rows: int, cols: int) -> Q8Matrix:
@@ -413,6 +422,13 @@ def check_q8_matvec() -> None:
                  mx.random.normal((1, 4096)))
     nbytes = 2 * gate.raw.nbytes / 16 * ids.size
     print(f"expert_swiglu IQ2_XXS 6 x 2 x 2048x4096: {s * 1e6:7.1f} us ({nbytes / s / 1e9:6.0f} GB/s)")
+    shared = (_q8_matrix(2048, 4096), _q8_matrix(2048, 4096))
+    both_s = _seconds(lambda v: kernels.expert_swiglu(gate, up, ids, v, mx.ones(ids.shape), 10.0, shared)[1],
+                      mx.random.normal((1, 4096)))
+    apart_s = _seconds(lambda v: kernels.expert_swiglu(gate, up, ids, v, mx.ones(ids.shape), 10.0)
+                       + kernels.q8_swiglu(*shared, v, 10.0).sum(), mx.random.normal((1, 4096)))
+    print(f"expert_swiglu IQ2_XXS with the shared expert's 2 x 2048x4096 Q8_0: {both_s * 1e6:7.1f} us, "
+          f"against it and q8_swiglu apart {apart_s * 1e6:7.1f} us")
     for rows, cols, what in ((1024, 4096, "compressor kv"), (8192, 1024, "indexer q_b"), (256, 4096, "router"),
                              (24, 16384, "HC mixer")):
         w = mx.random.normal((rows, cols))

@@ -373,17 +373,27 @@ def _expert_matvec(type_name):
 
 
 def _expert_swiglu(type_name):
+    """With SHARED_ROWS also the shared expert's SwiGLU, a warp a row, grid y's rows after
+    the pairs one a token."""
     def run(inputs, t, grid, threadgroup):
-        raw_gate, raw_up, ids, x, w, clamp = inputs[:6]
-        rows, cols, x_div = t["ROWS"], t["COLS"], t["X_DIV"]
+        raw_gate, raw_up, ids, x, w, clamp, codes_g, scales_g, codes_u, scales_u = inputs[:10]
+        rows, cols, x_div, shared_rows = t["ROWS"], t["COLS"], t["X_DIV"], t["SHARED_ROWS"]
+        tokens = ids.size // x_div
         assert t["ROW_BYTES"] * rows == t["EXPERT_BYTES"] == raw_gate.shape[1] == raw_up.shape[1]
-        assert grid[1] == ids.size == w.size and x.shape == (ids.size // x_div, cols) and ids.shape[1] == x_div
-        assert grid[0] // 32 >= rows                      # a warp per row
+        assert grid[1] == ids.size + (tokens if shared_rows else 0) and ids.size == w.size
+        assert x.shape == (tokens, cols) and ids.shape[1] == x_div
+        assert grid[0] // 32 >= max(rows, shared_rows)     # a warp per row
         flat = ids.reshape(-1)
         xs = x[mx.arange(flat.size) // x_div][:, :, None]
         gate, up = ((gather_experts(raw, flat, type_name, rows, cols) @ xs)[..., 0] for raw in (raw_gate, raw_up))
         mid = moe.swiglu(gate, up, float(clamp.item())) * w.reshape(-1, 1)
-        return [mid.reshape(*ids.shape, rows)]
+        if not shared_rows:
+            return [mid.reshape(*ids.shape, rows), mx.zeros((1, 1))]
+        shared = moe.swiglu(*(_q8_products(_q8_rows(c, s, cols), x) for c, s in ((codes_g, scales_g),
+                                                                               (codes_u, scales_u))),
+                            float(clamp.item()))
+        assert shared.shape == (tokens, shared_rows)
+        return [mid.reshape(*ids.shape, rows), shared]
     return run
 
 
@@ -471,9 +481,10 @@ def test_fast_path_wiring_matches_the_reference(request, weights_fixture, stand_
     tokens = [(37 * i + 11) % 1000 + 100 for i in range(76)]
     assert model.numerics.fast
     fast_full, fast_decoded = _prefill_and_decode(model, tokens, 6)
-    # (decode attention over shares of its keys takes 1024 keys or more: its own test)
-    every = (set(STAND_INS) - {"attention_shares"}) | {"expert_matvec", "expert_swiglu",
-                                                                            "quant_gemm"}
+    # (decode attention over shares of its keys takes 1024 keys or more: its own test; the
+    # shared expert's SwiGLU is made in the routed experts' launch unless ffn.hook_out is
+    # hooked: q8_swiglu then, in the boundary-hook test)
+    every = (set(STAND_INS) - {"attention_shares", "q8_swiglu"}) | {"expert_matvec", "expert_swiglu", "quant_gemm"}
     assert set(stand_in_kernels) == every, f"kernels never called: {every - set(stand_in_kernels)}"
     model.numerics.allow_fast = False
     ref_full, ref_decoded = _prefill_and_decode(model, tokens, 6)
@@ -681,6 +692,8 @@ def test_a_hook_off_the_boundaries_sends_only_its_block_to_the_reference(small_w
     # unhooked, each sublayer's last product and HC step are one kernel; block 2's FFN (its
     # hook_out replaceable) keeps the HC step apart
     assert "hc_post" not in fast_calls and stand_in_kernels["hc_post"] == 1
+    # and the shared expert's SwiGLU is made in the routed experts' launch, except in block 2
+    assert "q8_swiglu" not in fast_calls and stand_in_kernels["q8_swiglu"] == 1
     assert stand_in_kernels["q8_hc"] == fast_calls["q8_hc"] - 3
     # the compiled parts are traced once: the same chunk again launches only the uncompiled
     # blocks' kernels (block 1 on the reference: none; block 2's FFN as written)

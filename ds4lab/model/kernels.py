@@ -718,8 +718,10 @@ def _kernel(type_name: str, swiglu: bool = False):
     tables = ["grid", "ksigns"] if type_name == "IQ2_XXS" else []
     if swiglu:
         return mx.fast.cuda_kernel(name=f"ds4lab_expert_swiglu_{name}",
-                                   input_names=["raw_gate", "raw_up", "ids", "x", "w", "clamp", *tables],
-                                   output_names=["mid"], **kernel_texts("expert_swiglu.cu", *headers))
+                                   input_names=["raw_gate", "raw_up", "ids", "x", "w", "clamp", "codes_g", "scales_g",
+                                                "codes_u", "scales_u", *tables],
+                                   output_names=["mid", "shared"],
+                                   **kernel_texts("expert_swiglu.cu", *headers, "q8_rows.cuh"))
     return mx.fast.cuda_kernel(name=f"ds4lab_expert_matvec_{name}", input_names=["raw", "ids", "x", *tables],
                                output_names=["y"], **kernel_texts("expert_matvec.cu", *headers))
 
@@ -762,10 +764,13 @@ def expert_matvec(tensor: ExpertBlocks, ids: mx.array, x: mx.array, *, pairs_per
 
 
 def expert_swiglu(gate: ExpertBlocks, up: ExpertBlocks, ids: mx.array, x: mx.array, weights: mx.array,
-                  clamp: float) -> mx.array:
+                  clamp: float,
+                  shared: tuple[Q8Matrix, Q8Matrix] | None = None) -> mx.array | tuple[mx.array, mx.array]:
     """The routed experts' mid [T, U, rows] in one launch: for pair (t, u), expert ids[t, u]'s
     swiglu(G·x[t], U·x[t]) times its route weight weights[t, u] (`moe.swiglu`'s clamp, 0 for
-    none), read from the block bytes; x [T, cols], the token's input, is read by its U pairs."""
+    none), read from the block bytes; x [T, cols], the token's input, is read by its U pairs.
+    With `shared` (the shared expert's Q8_0 gate and up, as `q8_swiglu` takes them) also its
+    swiglu(G·x[t], U·x[t]) [T, rows], by more thread blocks of the same launch: (mid, that)."""
     rows, cols = gate.rows, gate.cols
     if (gate.type_name, gate.rows, gate.cols) != (up.type_name, up.rows, up.cols):
         raise ValueError(f"expert_swiglu: gate {gate.type_name} {gate.rows}x{gate.cols}, "
@@ -773,13 +778,23 @@ def expert_swiglu(gate: ExpertBlocks, up: ExpertBlocks, ids: mx.array, x: mx.arr
     if ids.ndim != 2 or weights.shape != ids.shape or x.shape != (ids.shape[0], cols):
         raise ValueError(f"expert_swiglu: ids {tuple(ids.shape)}, weights {tuple(weights.shape)}, "
                          f"input {tuple(x.shape)} (expected [T, U], [T, U], [T, {cols}])")
+    shared_rows = 0
+    if shared is not None:
+        shared_rows = shared[0].rows
+        if any((m.rows, m.cols) != (shared_rows, cols) for m in shared):
+            raise ValueError(f"expert_swiglu: shared gate and up {[(m.rows, m.cols) for m in shared]} "
+                             f"(expected equal, {cols} columns)")
+    none = [_constant((0,), mx.uint32), _scalar(0.0)] * 2                       # no shared expert: typed stand-ins
+    q8 = [a for m in shared for a in (m.codes, m.scales)] if shared is not None else none
     n_row_bytes = row_bytes(gate.type_name, cols)
     threads = 32 * _EXPERT_WARPS
-    (mid,) = _kernel(gate.type_name, True)(
+    t = ids.shape[0]
+    mid, shared_mid = _kernel(gate.type_name, True)(
         inputs=[gate.raw, up.raw, ids.astype(mx.int32), x.astype(mx.float32), weights.astype(mx.float32),
-                _scalar(clamp), *_tables(gate.type_name)],
+                _scalar(clamp), *q8, *_tables(gate.type_name)],
         template=[("ROWS", rows), ("COLS", cols), ("ROW_BYTES", n_row_bytes),
-                  ("EXPERT_BYTES", rows * n_row_bytes), ("X_DIV", ids.shape[1])],
-        grid=(-(-rows // _EXPERT_WARPS) * threads, ids.size, 1), threadgroup=(threads, 1, 1),
-        output_shapes=[(*ids.shape, rows)], output_dtypes=[mx.float32])
-    return mid
+                  ("EXPERT_BYTES", rows * n_row_bytes), ("X_DIV", ids.shape[1]), ("SHARED_ROWS", shared_rows)],
+        grid=(-(-max(rows, shared_rows) // _EXPERT_WARPS) * threads, ids.size + (t if shared else 0), 1),
+        threadgroup=(threads, 1, 1),
+        output_shapes=[(*ids.shape, rows), (t, shared_rows) if shared else (1, 1)], output_dtypes=[mx.float32] * 2)
+    return (mid, shared_mid) if shared is not None else mid

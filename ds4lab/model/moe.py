@@ -22,7 +22,7 @@ import numpy as np
 from ..quants import gather_experts
 from . import cpu_kernels, kernels, kquant_dots, linalg
 from .numerics import Schedule
-from .weights import ExpertBlocks, LayerWeights
+from .weights import ExpertBlocks, LayerWeights, Q8Matrix
 
 _ROUTE_DENOM_FLOOR = 2.0 ** -14
 # Experts decoded at once: bounds the float32 temporaries (3 matrices each) on big models.
@@ -121,7 +121,7 @@ def routed_experts(layer: LayerWeights, xf: mx.array, experts: mx.array, weights
         return _routed_grouped(gate_t, up_t, down_t, xf, experts, weights, clamp, on_mid)
     if not mm.batch_invariant and experts.size <= _GATHERED_MAX_PAIRS:
         return _routed_gathered(gate_t, up_t, down_t, act_round(xf), experts, weights, clamp, act_round, on_mid,
-                                fused)
+                                fused)[0]
     native = [_native_form(t) for t in (gate_t, up_t, down_t)] if mm.native else [None]
     if None not in native:
         y, mid = cpu_kernels.routed_experts(*native, xf, experts, weights, clamp, want_mid=on_mid is not None)
@@ -161,6 +161,22 @@ def routed_experts(layer: LayerWeights, xf: mx.array, experts: mx.array, weights
     return out
 
 
+def routed_and_shared_mid(layer: LayerWeights, xf: mx.array, experts: mx.array, weights: mx.array, clamp: float,
+                          mm: Schedule,
+                          on_mid: Callable[[mx.array], object] | None = None) -> tuple[mx.array, mx.array]:
+    """(`routed_experts`, `shared_mid`). In a fast-path decode step whose routed gate and up
+    share a block format, the routed pairs' SwiGLU and the shared expert's come from one launch
+    (`kernels.expert_swiglu(shared=)`: both read the FFN input)."""
+    gate_t, up_t, down_t = (layer.experts[f"ffn_{r}_exps.weight"] for r in ("gate", "up", "down"))
+    one_launch = (mm.matvec(xf) and experts.size <= _GATHERED_MAX_PAIRS and gate_t.type_name == up_t.type_name
+                  and all(kernels.available(w.type_name) for w in (gate_t, up_t, down_t)))
+    if not one_launch:
+        return routed_experts(layer, xf, experts, weights, clamp, mm, on_mid), shared_mid(layer, xf, clamp, mm)
+    shared = (layer.q8["ffn_gate_shexp.weight"], layer.q8["ffn_up_shexp.weight"])
+    return _routed_gathered(gate_t, up_t, down_t, mm.experts_in(xf), experts, weights, clamp, mm.experts_in, on_mid,
+                            True, shared)
+
+
 def _native_form(tensor: ExpertBlocks) -> tuple[mx.array, str] | None:
     """What the native kernel reads of an expert tensor: its blocks, else its kept float32 copy."""
     if cpu_kernels.reads_blocks(tensor.type_name, tensor.cols):
@@ -170,21 +186,27 @@ def _native_form(tensor: ExpertBlocks) -> tuple[mx.array, str] | None:
 
 def _routed_gathered(gate_t: ExpertBlocks, up_t: ExpertBlocks, down_t: ExpertBlocks, x_in: mx.array,
                      experts: mx.array, weights: mx.array, clamp: float, act_round,
-                     on_mid: Callable[[mx.array], object] | None, fused: bool) -> mx.array:
+                     on_mid: Callable[[mx.array], object] | None, fused: bool,
+                     shared: tuple[Q8Matrix, Q8Matrix] | None = None) -> tuple[mx.array, mx.array | None]:
+    """(the routed output, and with `shared` (fused, gate and up in one format) the shared
+    expert's SwiGLU made in the routed one's launch; else None)."""
     t, u = experts.shape
+    shared_mid = None
     if fused:
         # Two expert kernels: gate, up and the weighted SwiGLU, each token's input read by its
         # U pairs in place; then the down projections, summed in the kernel. (Gate and up in
         # two block formats: one kernel each and a compiled SwiGLU.)
         if gate_t.type_name == up_t.type_name:
-            mid = kernels.expert_swiglu(gate_t, up_t, experts, x_in, weights, clamp)    # [T, U, n_ff]
+            mid = kernels.expert_swiglu(gate_t, up_t, experts, x_in, weights, clamp, shared)    # [T, U, n_ff]
+            if shared is not None:
+                mid, shared_mid = mid
         else:
             gate = kernels.expert_matvec(gate_t, experts, x_in, pairs_per_input=u)
             up = kernels.expert_matvec(up_t, experts, x_in, pairs_per_input=u)
             mid = _swiglu_compiled(clamp, True)(gate, up, weights)
         if on_mid is not None:
             on_mid(mid)
-        return kernels.expert_matvec(down_t, experts, mid, sum_pairs=True)
+        return kernels.expert_matvec(down_t, experts, mid, sum_pairs=True), shared_mid
     ids = experts.reshape(-1)
     x = mx.repeat(x_in, u, axis=0)                                      # [T*U, d]
     gate = _matvec(gate_t, ids, x)
@@ -192,7 +214,7 @@ def _routed_gathered(gate_t: ExpertBlocks, up_t: ExpertBlocks, down_t: ExpertBlo
     mid = act_round(swiglu(gate, up, clamp) * weights.reshape(-1, 1))
     if on_mid is not None:
         on_mid(mid.reshape(t, u, -1))
-    return _matvec(down_t, ids, mid).reshape(t, u, -1).sum(axis=1)
+    return _matvec(down_t, ids, mid).reshape(t, u, -1).sum(axis=1), None
 
 
 def _routed_grouped(gate_t: ExpertBlocks, up_t: ExpertBlocks, down_t: ExpertBlocks, x: mx.array,
