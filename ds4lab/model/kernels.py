@@ -41,14 +41,17 @@ reference's steps in the same order, so a Metal port can translate them line by 
   bytes: Q8_0 matrices (`q8_gemm`) and the routed experts grouped by expert on the device
   (`expert_tiles`, `expert_gemm`: each expert's tile of pairs reads its weights once); its
   input first split into scaled f16 halves by `gemm_split_x`.
-- `router`: router scores, biased top-k selection and route weights of a token in one block.
+- `router`: router scores, biased top-k selection and route weights of a token in one block;
+  in a decode step the logits too, over many blocks, the last to finish routing
+  (`ds4lab_last_block`, as decode attention's shares are added).
 - `expert_matvec`: routed-expert matvec on the IQ2_XXS, Q2_K or Q4_K block bytes of the
   selected experts, one warp per two output rows (their activation loads shared); a token's
   input read once for all its experts, and the down projection's weighted outputs summed in
   the kernel (the portable path decodes each selected expert to a float32 matrix first: a
   few dozen kernels and three float32 copies per step). `expert_swiglu`: the gate and up
   projections and the route-weighted SwiGLU of each pair in one launch (the down
-  projection's input), a warp per row of gate and up in one pass.
+  projection's input), a warp per row of gate and up in one pass; in a decode step the
+  shared expert's gate, up and SwiGLU in the same launch (`q8_swiglu`'s work, more blocks).
 
 Float sums run in another order than the reference's (same values up to float32
 reassociation); `bench/check_device.py` checks each kernel against its composition. The
