@@ -753,6 +753,26 @@ def test_a_decode_step_finishes_q_and_kv_rows_without_launches_of_their_own(smal
     assert stand_in_kernels["hc_pre"] == 2 * n_layer and stand_in_kernels["hc_mix"] == 1
 
 
+def test_a_decode_step_shares_launches_where_parts_read_the_same_input(small_weights, stand_in_kernels):
+    """A decode step whose indexer chooses (small: top-4 of 5 ratio-4 rows at position 21; no
+    window completes): each ratio-4 layer's indexer queries in one launch and its two
+    compressors' slots in another, the router's logits in the router's launch, the shared
+    expert's SwiGLU in the routed experts'; no norm launch for the indexer's q_a."""
+    cfg = small_weights.config
+    model = Model(small_weights)
+    session = model.session()
+    session.prefill([(37 * i + 11) % 1000 + 100 for i in range(21)])
+    stand_in_kernels.clear()
+    mx.eval(session.decode(321))
+    ratios = cfg.compress_ratios
+    assert stand_in_kernels["indexer_queries"] == stand_in_kernels["indexer_mask"] == ratios.count(4) == 2
+    assert stand_in_kernels["compressor_slot"] == sum(r > 0 for r in ratios)
+    assert "compressor_pool" not in stand_in_kernels
+    assert stand_in_kernels["router"] == cfg.n_layer - cfg.n_hash_layer
+    assert stand_in_kernels["expert_swiglu"] == cfg.n_layer and "q8_swiglu" not in stand_in_kernels
+    assert stand_in_kernels["row_finish"] == cfg.n_layer + 2
+
+
 def test_mixer_sums_made_before_a_replaced_residual_are_not_used(small_weights, stand_in_kernels):
     """A hook that replaces the streams at a residual point drops the mixer's partial sums the
     sublayer before made of the old streams: the next sublayer runs its own hc_mix, and the
