@@ -164,6 +164,23 @@ def check_fused_kernels() -> None:
             _bar(f"attention_heads {t} tokens, {n_keys} keys, q finished inside", err <= _KERNEL_BAR)
             print(f"attention_heads with the q heads' norm and RoPE inside vs finish_rows + attend: "
                   f"max rel err {err:.2e}")
+        if t == 1:       # a decode step's form: also the token's KV row finished inside, after the window
+            kv, kv_w = mx.random.normal((1, d)) * 3.0, mx.random.uniform(0.5, 1.5, (d,))
+            with_row = mx.concatenate([mask[:, :cut], mx.ones((1, 1), mx.bool_), mask[:, cut:]], axis=1)
+            heads, written = kernels.attention_heads(raw_q, keys[:cut], with_row, sinks, rope, keys[cut:],
+                                                     q_eps=1e-6, kv_row=(kv, kv_w, 1e-6))
+            row = ref_mm.finish_rows(kv, eps=1e-6, weight=kv_w, rotation=rotation, fp8=True, f16=True)
+            ref = attention.attend_heads(ref_mm.finish_rows(raw_q, eps=1e-6, rotation=rotation),
+                                         mx.concatenate([written, keys[cut:]]), with_row, sinks, rotation, ref_mm)
+            err = _rel(heads, ref)
+            copied = bool(mx.array_equal(written[:cut], keys[:cut]).item())
+            # the row's norm sums in the block's order: a rare FP8 code may differ by one step
+            same = float(mx.mean(written[cut:] == row).item())
+            ok = err <= _KERNEL_BAR and copied and same >= 0.99 and _rel(written[cut:], row) <= 0.07
+            _bar(f"attention_heads {n_keys} keys, KV row finished inside", ok)
+            print(f"attention_heads with the token's KV row finished inside: heads vs attend over its keys "
+                  f"{err:.2e}; window copied exactly {copied}; row equal to finish_rows' in {same:.1%} of its "
+                  f"dims, max rel err {_rel(written[cut:], row):.2e}")
     for t, h, dh, n_keys in ((1, 64, 128, 1024), (3, 4, 64, 50)):
         q, w, keys = mx.random.normal((t, h, dh)), mx.random.normal((t, h)), mx.random.normal((n_keys, dh))
         ref = (mx.maximum(q @ keys.T, 0.0) * w[:, :, None]).sum(axis=1)

@@ -130,6 +130,9 @@ def test_every_launched_kernel_compiles_with_nvrtc(recorded_launches, nvrtc, tin
     for eps in (None, 1e-6):
         kernels.attention_heads(q, mx.ones((128, 512)), mx.ones((1, 1152), mx.bool_), mx.zeros((64,)), rope,
                                 mx.ones((1024, 512)), q_eps=eps)
+    # and with the token's KV row finished inside (the decode step's form), over 1152 keys too
+    kernels.attention_heads(q, mx.ones((127, 512)), mx.ones((1, 1152), mx.bool_), mx.zeros((64,)), rope,
+                            mx.ones((1024, 512)), q_eps=1e-6, kv_row=(mx.ones((1, 512)), mx.ones((512,)), 1e-6))
     distinct = _code_paths(recorded_launches)
     names = {launch.name for launch in distinct.values()}
     # The step's kernels and a chunk's: the fused ones, an expert format's pair, the GEMM.

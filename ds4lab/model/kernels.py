@@ -113,10 +113,11 @@ _KERNELS = {
     "row_finish": ("row_finish.cu", ("ds4lab_block.cuh",),
                    ["x", "weight", "rope_cos", "rope_sin", "eps", "hscale", "carry", "n_rows", "prefix"], ["y"]),
     "attention_heads": ("decode_attention.cu", ("ds4lab_block.cuh", "decode_attention.cuh"),
-                        ["q", "keys", "comp", "mask", "sinks", "rope_cos", "rope_sin", "n_keys", "eps"], ["out"]),
+                        ["q", "keys", "comp", "mask", "sinks", "rope_cos", "rope_sin", "n_keys", "eps", "kv",
+                         "kv_weight", "carry"], ["out", "keys_out"]),
     "attention_shares": ("attention_shares.cu", ("ds4lab_block.cuh", "decode_attention.cuh"),
-                         ["q", "keys", "comp", "mask", "rope_cos", "rope_sin", "n_keys", "eps", "sinks", "counter"],
-                         ["out", "part_ml", "part_acc"]),
+                         ["q", "keys", "comp", "mask", "rope_cos", "rope_sin", "n_keys", "eps", "sinks", "counter",
+                          "kv", "kv_weight", "carry"], ["out", "keys_out", "part_ml", "part_acc"]),
     "prefill_attention": ("prefill_attention.cu", ("ds4lab_block.cuh", "gemm_common.cuh"),
                           ["q", "keys", "mask", "sinks", "rope_cos", "rope_sin", "n_keys"], ["out"]),
     "indexer_queries": ("indexer_queries.cu", ("ds4lab_block.cuh",),
@@ -324,16 +325,24 @@ def row_finish(x: mx.array, *, eps: float | None = None, weight: mx.array | None
 
 def attention_heads(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array,
                     rope: tuple[mx.array, mx.array], comp: mx.array | None = None,
-                    q_eps: float | None = None) -> mx.array:
+                    q_eps: float | None = None,
+                    kv_row: tuple[mx.array, mx.array, float] | None = None) -> mx.array | tuple[mx.array, mx.array]:
     """Sink softmax attention, K = V, then the inverse RoPE of the query positions: q [T, H, D],
     keys [N, D] (then `comp` [C, D], the compressed rows, when given), mask [T, N (+ C)],
     sinks [H], rope (cos, sin) [T, n_rot/2] -> [T, H, D]. With `q_eps` (up to
     MATVEC_MAX_TOKENS tokens) q is the q_b product: each head is first RMS-normed with that
-    eps and rotated at its token's position (`row_finish(q, eps=q_eps, rope=rope)`)."""
+    eps and rotated at its token's position (`row_finish(q, eps=q_eps, rope=rope)`).
+    With kv_row = (kv [1, D], the KV norm's weight, its eps) (a decode token) keys is the kept
+    window and kv the token's KV product: the kernel finishes its row as `attention.kv_row`
+    does and attends it after the window (mask [1, N + 1 (+ C)]); returns (heads, the window's
+    rows then the token's: the keys, as `row_finish(prefix=keys)` makes them)."""
     t, h, d = q.shape
     cos, sin = rope
     if q_eps is not None and t > MATVEC_MAX_TOKENS:
         raise ValueError(f"attention_heads: q finished inside for at most {MATVEC_MAX_TOKENS} tokens, not {t}")
+    if kv_row is not None and (t != 1 or kv_row[0].shape != (1, d)):
+        raise ValueError(f"attention_heads: the KV row finished inside for one token, not {t} (kv "
+                         f"{tuple(kv_row[0].shape)})")
     if t > MATVEC_MAX_TOKENS and d % 64 == 0:
         # A chunk: one thread block per token and 16 heads, on the tensor cores.
         keys = keys if comp is None else mx.concatenate([keys, comp])
@@ -345,23 +354,28 @@ def attention_heads(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array
         return out
     threads = 32 * _ATTENTION_WARPS
     n_comp = 0 if comp is None else comp.shape[0]
-    n_keys = keys.shape[0] + n_comp
-    template = [("D", d), ("NROT", 2 * cos.shape[-1]), ("WARPS", _ATTENTION_WARPS), ("QFINISH", q_eps is not None)]
+    n_keys = keys.shape[0] + (kv_row is not None) + n_comp
+    template = [("D", d), ("NROT", 2 * cos.shape[-1]), ("WARPS", _ATTENTION_WARPS), ("QFINISH", q_eps is not None),
+                ("KVROW", kv_row is not None)]
     sources = [q, keys, _scalar(0.0) if comp is None else comp, mask]
-    lengths = [_constant((keys.shape[0], n_keys), mx.int32), _scalar(q_eps or 0.0)]
+    kv, kv_weight, kv_eps = kv_row if kv_row is not None else (_scalar(0.0), _scalar(0.0), 0.0)
+    lengths = [_constant((keys.shape[0], n_keys), mx.int32), _constant((q_eps or 0.0, kv_eps))]
+    row_inputs = [kv.astype(mx.float32), kv_weight, _carry_table()]
+    keys_out = [(keys.shape[0] + 1, d) if kv_row is not None else (1, 1)]
     shares = min(_ATTENTION_MAX_SHARES, n_keys // _ATTENTION_SHARE_KEYS) if h * t < _ATTENTION_MANY_BLOCKS else 1
     if shares <= 1:
-        (out,) = _fused("attention_heads")(
-            inputs=[*sources, sinks, cos, sin, *lengths], template=template,
-            grid=(h * threads, t, 1), threadgroup=(threads, 1, 1), output_shapes=[q.shape], output_dtypes=[mx.float32])
-        return out
-    # A long key list over more blocks than heads: shares of the keys, the last block of a head
-    # adding them with the sink.
-    out, _, _ = _fused("attention_shares")(
-        inputs=[*sources, cos, sin, *lengths, sinks, _arrival_counters()], template=[*template, ("SHARES", shares)],
-        grid=(h * threads, t, shares), threadgroup=(threads, 1, 1),
-        output_shapes=[q.shape, (t, h, shares, 2), (t, h, shares, d)], output_dtypes=[mx.float32] * 3)
-    return out
+        out, new_keys = _fused("attention_heads")(
+            inputs=[*sources, sinks, cos, sin, *lengths, *row_inputs], template=template,
+            grid=(h * threads, t, 1), threadgroup=(threads, 1, 1), output_shapes=[q.shape, *keys_out],
+            output_dtypes=[mx.float32] * 2)
+    else:
+        # A long key list over more blocks than heads: shares of the keys, the last block of a
+        # head adding them with the sink.
+        out, new_keys, _, _ = _fused("attention_shares")(
+            inputs=[*sources, cos, sin, *lengths, sinks, _arrival_counters(), *row_inputs],
+            template=[*template, ("SHARES", shares)], grid=(h * threads, t, shares), threadgroup=(threads, 1, 1),
+            output_shapes=[q.shape, *keys_out, (t, h, shares, 2), (t, h, shares, d)], output_dtypes=[mx.float32] * 4)
+    return out if kv_row is None else (out, new_keys)
 
 
 def indexer_queries(qr: mx.array, qnorm: mx.array, eps: float, xa: mx.array, wq: mx.array, wp: mx.array,

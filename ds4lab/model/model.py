@@ -301,15 +301,19 @@ class Model:
         # computed with the attention's (position p0 + t - 1 completes (p0 + t) // ratio windows).
         indexed = has_indexer(layer.ratio) and (p0 + streams.shape[0]) // layer.ratio > cfg.indexer_top_k
         # On the fast path the KV rows leave the sublayer unfinished: one kernel finishes them
-        # after the kept window's rows, the keys to attend; in a decode step so do the q heads,
-        # finished by the attention kernel (`hook_kv`, `hook_q` send a block to the reference).
+        # after the kept window's rows, the keys to attend (a decode token's: the attention
+        # kernel); in a decode step so do the q heads, finished by the attention kernel
+        # (`hook_kv`, `hook_q` send a block to the reference).
         q_in_attention = mm.fast and streams.shape[0] <= kernels.MATVEC_MAX_TOKENS
         xa, pre, post, comb, q, kv, *queries = self._sublayer(
             "attn_in+indexer" if indexed else "attn_in", layer, mm,
             partial(self._attention_inputs, indexed=indexed, finish_kv=not mm.fast, finish_q=not q_in_attention),
             streams, rotation.cos, rotation.sin, *([parts] if parts is not None else []))
         t, n_kept = kv.shape[0], cache.raw.shape[0]
-        if mm.fast:
+        row_in_attention = q_in_attention and t == 1
+        if row_in_attention:
+            keys = None
+        elif mm.fast:
             keys = cache.keep_window(attention.kv_row(layer, kv, rotation, cfg.rms_eps, mm, window=cache.raw),
                                      cfg.n_swa)
         else:
@@ -321,8 +325,15 @@ class Model:
         if h.wants("hook_pattern") or h.wants("hook_key_span"):
             self._read_pattern(h, q, keys if comp is None else mx.concatenate([keys, comp]), mask,
                                d["attn_sinks.weight"], mx.arange(p0 - n_kept, p0 + t), layer.ratio)
-        heads = h("hook_z", attention.attend_heads(q, keys, mask, d["attn_sinks.weight"], rotation, mm, comp,
-                                                   cfg.rms_eps if q_in_attention else None))
+        if row_in_attention:
+            heads, keys = kernels.attention_heads(q, cache.raw, mask, d["attn_sinks.weight"],
+                                                  (rotation.cos, rotation.sin), comp, cfg.rms_eps,
+                                                  kv_row=(kv, d["attn_kv_a_norm.weight"], cfg.rms_eps))
+            cache.keep_window(keys, cfg.n_swa)
+            heads = h("hook_z", heads)
+        else:
+            heads = h("hook_z", attention.attend_heads(q, keys, mask, d["attn_sinks.weight"], rotation, mm, comp,
+                                                       cfg.rms_eps if q_in_attention else None))
         return self._sublayer("attn_out", layer, mm, self._attention_output, heads, streams, pre, post, comb)
 
     def _attention_inputs(self, layer: LayerWeights, mm: Schedule, streams: mx.array, cos: mx.array,

@@ -5,17 +5,19 @@
 // (ds4lab_last_block on counter[t * H + h]) adds them with the head's sink logit in the
 // denominator (ds4lab_share_weights) and turns the sum back by the query position's angle on
 // its last NROT dims: what decode_attention.cu computes in one block.
-// Inputs as decode_attention.cuh's, then sinks [H] and the zeroed counters. Outputs: out
-// [T, H, D]; part_ml [T, H, SHARES, 2] and part_acc [T, H, SHARES, D], the shares' (m, l) and
+// Inputs as decode_attention.cuh's, then sinks [H] and the zeroed counters; KVROW as
+// decode_attention.cu's. Outputs: out [T, H, D], keys_out (KVROW); part_ml [T, H, SHARES, 2] and part_acc [T, H, SHARES, D], the shares' (m, l) and
 // sums, which only the last block reads. Grid: x = the heads (WARPS warps each), y = the
 // tokens, z = the shares.
 const int h = blockIdx.x, t = blockIdx.y, z = blockIdx.z, n_head = gridDim.x;
 const int nk = n_keys[1], chunk = (nk + SHARES - 1) / SHARES;
 const int lo = min(nk, z * chunk), hi = min(nk, lo + chunk);
 __shared__ float acc[D];
+__shared__ float row[KVROW ? D : 1];
+if (KVROW) ds4lab_token_row<D, NROT>(kv, kv_weight, eps, rope_cos, rope_sin, carry, keys, n_keys, row, keys_out);
 float m, l;
-ds4lab_attend_keys<D, NROT, WARPS, QFINISH>(q, keys, comp, mask, n_keys, eps, rope_cos, rope_sin, lo, hi, m, l,
-                                            acc);
+ds4lab_attend_keys<D, NROT, WARPS, QFINISH>(q, keys, KVROW ? row : nullptr, comp, mask, n_keys, eps, rope_cos,
+                                            rope_sin, lo, hi, m, l, acc);
 const size_t first = ((size_t)t * n_head + h) * SHARES;
 if (threadIdx.x == 0) {
     part_ml[2 * (first + z)] = m;

@@ -1,9 +1,9 @@
 // A decode (token, head)'s attention over the keys [lo, hi) it may see, by one thread block
 // of WARPS warps (decode_attention.cu over all of them; attention_shares.cu over a share,
 // its last block adding the shares): sink-free online softmax, K = V.
-//   q [T, H, D]; keys [n_keys[0], D]: the raw window rows, comp [n_keys[1] - n_keys[0], D]:
-//   the compressed rows after them (two arrays: no copy of the cache into one); mask [T,
-//   n_keys[1]] over both; rope_cos/rope_sin [T, NROT/2] of the query positions.
+//   q [T, H, D]; keys [n_keys[0], D]: the raw window rows, then (KVROW) the token's own row,
+//   then comp: the compressed rows (separate arrays: no copy of the cache into one); mask
+//   [T, n_keys[1]] over them all; rope_cos/rope_sin [T, NROT/2] of the query positions.
 // QFINISH: q is the q_b product, not yet the head: the block first RMS-norms it (weightless,
 // eps[0]) and applies the RoPE of the token's position, with row_finish's float steps (its
 // NORM and ROPE = 1; the norm's sum over this block's threads), so the heads' finish costs
@@ -17,15 +17,17 @@
 // Result: m (the largest scaled score, -INFINITY when no key is visible), l (the sum of
 // exp(score - m)) and acc[D] (the sum of exp(score - m) * key, shared memory) for every
 // thread; the call synchronises the block.
+// `row` (or nullptr): the decode token's own KV row, finished by the kernel
+// (ds4lab_token_row), the key after keys' n_keys[0] rows and before comp's.
 template <int D, int NROT, int WARPS, bool QFINISH>
-__device__ void ds4lab_attend_keys(const float* q, const float* keys, const float* comp, const bool* mask,
-                                   const int* n_keys, const float* eps, const float* rope_cos,
+__device__ void ds4lab_attend_keys(const float* q, const float* keys, const float* row, const float* comp,
+                                   const bool* mask, const int* n_keys, const float* eps, const float* rope_cos,
                                    const float* rope_sin, int lo, int hi, float& m_out, float& l_out,
                                    float* acc_out) {
     constexpr int PER = D / 32, BATCH = 4;
     const int h = blockIdx.x, t = blockIdx.y, n_head = gridDim.x;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int n_raw = n_keys[0], nk = n_keys[1];
+    const int n_raw = n_keys[0], nk = n_keys[1], comp_from = n_raw + (row != nullptr ? 1 : 0);
     const float scale = 1.0f / sqrtf((float)D);
     const float* qh = q + ((size_t)t * n_head + h) * D;
     const bool* visible = mask + (size_t)t * nk;
@@ -53,7 +55,8 @@ __device__ void ds4lab_attend_keys(const float* q, const float* keys, const floa
         #pragma unroll
         for (int b = 0; b < BATCH; ++b) {
             const int n = n0 + b * WARPS;
-            const float* kr = n < n_raw ? keys + (size_t)n * D : comp + (size_t)(n - n_raw) * D;
+            const float* kr = n < n_raw ? keys + (size_t)n * D
+                                        : (n < comp_from ? row : comp + (size_t)(n - comp_from) * D);
             #pragma unroll
             for (int k = 0; k < PER; ++k) kv[b][k] = vis[b] ? kr[lane + 32 * k] : 0.0f;
         }
@@ -130,4 +133,23 @@ __device__ __forceinline__ void ds4lab_share_weights(float sink, const float* m,
         denom += l[z] * w[z];
     }
     for (int z = 0; z < S; ++z) w[z] /= denom;
+}
+
+// A decode token's KV row finished in the attention launch (KVROW; one token): every block
+// finishes it into `row` (shared memory, ds4lab_kv_row with eps[1]) to attend it as a key,
+// and the blocks share writing keys_out = the kept window's n_keys[0] rows (`keys`), then the
+// row: the raw rows the layer's cache keeps (model/state.py `keep_window`), with no launch of
+// their own. Synchronises the block.
+template <int D, int NROT>
+__device__ void ds4lab_token_row(const float* kv, const float* kv_weight, const float* eps, const float* rope_cos,
+                                 const float* rope_sin, const int* carry, const float* keys, const int* n_keys,
+                                 float* row, float* keys_out) {
+    __shared__ float scratch[32];
+    ds4lab_kv_row(kv, kv_weight, eps[1], 0, rope_cos, rope_sin, carry, row, D, NROT, scratch);
+    const int blocks = gridDim.x * gridDim.y * gridDim.z;
+    const int b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
+    for (int r = b; r <= n_keys[0]; r += blocks) {
+        const float* src = r < n_keys[0] ? keys + (size_t)r * D : row;
+        for (int i = threadIdx.x; i < D; i += blockDim.x) keys_out[(size_t)r * D + i] = src[i];
+    }
 }

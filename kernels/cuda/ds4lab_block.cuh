@@ -156,6 +156,25 @@ __device__ void ds4lab_rope_tail(float* row, int D_, int NROT_, int pos, const f
     }
 }
 
+// A KV row as stored (model/attention.py `kv_row`: row_finish's NORM, WEIGHT, RoPE, FP8 and
+// F16 steps, the same float operations) from the product x [D_] into y (shared memory), by
+// the whole thread block, at row `pos` of (rope_cos, rope_sin). Every block of a launch that
+// calls it gets the same bits (the norm's sum in the block's order). Synchronises the block.
+__device__ void ds4lab_kv_row(const float* x, const float* weight, float eps, int pos, const float* rope_cos,
+                              const float* rope_sin, const int* carry, float* y, int D_, int NROT_, float* scratch) {
+    const int warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    const float inv = ds4lab_rms_inverse(x, D_, eps, scratch);
+    for (int i = threadIdx.x; i < D_; i += blockDim.x) y[i] = __fmul_rn(__fmul_rn(x[i], inv), weight[i]);
+    __syncthreads();
+    ds4lab_rope_tail(y, D_, NROT_, pos, rope_cos, rope_sin, false);
+    __syncthreads();
+    for (int b = warp; b < (D_ - NROT_) / 64; b += n_warps)
+        ds4lab_block_minifloat<64, 3, -6>(y + 64 * b, 448.0f, 1.0e-4f, carry);
+    __syncthreads();
+    for (int i = threadIdx.x; i < D_; i += blockDim.x) y[i] = __half2float(__float2half_rn(y[i]));
+    __syncthreads();
+}
+
 // The inverse RoPE of one output pair (o0, o1) at dims d, d + 1 of a row whose last NROT of
 // D dims are rotated (d even), at row t's angle: ds4's rotation by -angle, each product
 // rounded as the reference composition rounds it.
