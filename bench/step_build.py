@@ -14,7 +14,12 @@ tokens of context and ~220 at 4096; the H200 machine's host built the 43-layer s
 6.3-7.0 ms at 128 tokens (~150 µs a layer, MLX's CUDA primitives included) and 8.7-11.3 ms
 at 4096. So the figures here track the device host's, growth with the context included.
 
-    python bench/step_build.py [--layers 3] [--contexts 128 4096] [--steps 8] [--profile 25]
+With `--count` it also prints the step's primitives a layer, as `bench_model.py` counts
+them on the GPU: every kernel launch one (`Depends`: the stub ties its zeros to the
+launch's inputs), then MLX's other operations and views; a launch cut shows here before a
+device session.
+
+    python bench/step_build.py [--layers 3] [--contexts 128 4096] [--steps 8] [--profile 25] [--count]
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import pstats
 import time
 
 import mlx.core as mx
+from bench_model import VIEWS, step_ops
 
 from ds4lab.config import preset
 from ds4lab.model import Model, kernel_cache
@@ -59,6 +65,7 @@ def main() -> None:
                         help="tokens prefilled before the timed steps")
     parser.add_argument("--steps", type=int, default=8, help="decode steps timed after 4 warm-up steps")
     parser.add_argument("--profile", type=int, default=0, help="print this many functions of a profile of the steps")
+    parser.add_argument("--count", action="store_true", help="print the step's primitives a layer, by kind")
     args = parser.parse_args()
     weights = random_weights(preset("flash-dims", args.layers), "q2")
     with kernel_cache.recorded_variants(record=False):
@@ -73,6 +80,14 @@ def main() -> None:
             print(f"flash-dims {args.layers}L q2, {context} tokens of context: a decode step's build "
                   f"{median * 1e3:.2f} ms (median of {args.steps}; fastest {times[0] * 1e3:.2f}), "
                   f"{median / args.layers * 1e6:.0f} µs a layer")
+            if args.count:
+                ops = step_ops(model, session.state)
+                launches = ops.pop("Depends", 0)
+                views = sum(n for op, n in ops.items() if op in VIEWS)
+                print(f"    a layer: {launches / args.layers:.1f} kernel launches, "
+                      f"{(ops.total() - views) / args.layers:.1f} other operations, {views / args.layers:.1f} views"
+                      f" (the output head's and the embedding's included); other operations in the step: "
+                      + ", ".join(f"{op} {n}" for op, n in ops.most_common() if op not in VIEWS))
             if args.profile:
                 profiler = cProfile.Profile()
                 build_seconds(session, args.steps, profiler)

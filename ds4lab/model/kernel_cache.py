@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
+import numpy as np
 
 from . import kernels, numerics, rope, state
 
@@ -125,7 +126,8 @@ def cache_path(directory: Path, module_name: str) -> Path:
 @contextlib.contextmanager
 def recorded_variants(record: bool = True) -> Iterator[list[KernelVariant]]:
     """The fast path on, as on a CUDA GPU (its kernels, and the GPU's batched schedule), each
-    kernel launch answered with zeros of its output shapes and, with `record`, recorded: the
+    kernel launch answered with zeros of its output shapes (one `Depends` primitive on its
+    inputs) and, with `record`, recorded: the
     list holds the distinct variants launched inside the `with`, in first-launch order, once
     it exits. Without `record` what is left of a step is its Python build
     (`bench/step_build.py`)."""
@@ -137,7 +139,11 @@ def recorded_variants(record: bool = True) -> Iterator[list[KernelVariant]]:
                 seen.setdefault(KernelVariant(name, tuple(input_names), tuple(output_names), source, header,
                                               tuple((x.dtype, x.ndim) for x in inputs), tuple(output_dtypes),
                                               tuple(template)))
-            return [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes, strict=True)]
+            # Host arrays of zeros, tied to the inputs: a step's graph keeps its edges and has one
+            # primitive per launch (`bench/step_build.py --count`), as with the real kernels.
+            zeros = [mx.array(np.zeros(shape, np.dtype(str(dtype).rsplit(".", 1)[-1])))
+                     for shape, dtype in zip(output_shapes, output_dtypes, strict=True)]
+            return mx.depends(zeros, list(inputs))
         return launch
 
     patched = [(mx.fast, "cuda_kernel", cuda_kernel), (kernels, "cuda_ready", lambda: True),
