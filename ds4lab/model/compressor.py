@@ -102,8 +102,8 @@ class Compressor:
         """Feed a chunk of tokens at positions p0..: the rows it completes, [E, width], normed, rotated to each window's
         first position, rounded and stored as f16; and the new frontier.
 
-        A fast-path decode token takes kernels: the frontier's update (`_decode_step`; with the
-        layer's other compressor, `decode_pair`) and, when the token completes a window, its
+        A fast-path decode token takes kernels: the frontier's update (`kernels.compressor_slot`;
+        with the layer's other compressor in the same launch, `decode_pair`) and, when the token completes a window, its
         pooling from the frontiers before and after (`emitted`). The CPU's native path runs
         `compress_chunk` as one native call (`cpu_kernels`)."""
         if mm.fast and x.shape[0] == 1:

@@ -156,21 +156,28 @@ __device__ void ds4lab_rope_tail(float* row, int D_, int NROT_, int pos, const f
     }
 }
 
+// ds4's KV rounding of a row in place (model/numerics.py `fp8_kv_round`): FP8 E4M3FN in blocks
+// of 64 over the first D_ - NROT_ dims, a warp a block (row_finish's FP8, the KV row's finish
+// in decode attention). The whole thread block calls it; the call synchronises the block.
+__device__ void ds4lab_fp8_round(float* row, int D_, int NROT_, const int* carry) {
+    const int warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
+    for (int b = warp; b < (D_ - NROT_) / 64; b += n_warps)
+        ds4lab_block_minifloat<64, 3, -6>(row + 64 * b, 448.0f, 1.0e-4f, carry);
+    __syncthreads();
+}
+
 // A KV row as stored (model/attention.py `kv_row`: row_finish's NORM, WEIGHT, RoPE, FP8 and
 // F16 steps, the same float operations) from the product x [D_] into y (shared memory), by
 // the whole thread block, at row `pos` of (rope_cos, rope_sin). Every block of a launch that
 // calls it gets the same bits (the norm's sum in the block's order). Synchronises the block.
 __device__ void ds4lab_kv_row(const float* x, const float* weight, float eps, int pos, const float* rope_cos,
                               const float* rope_sin, const int* carry, float* y, int D_, int NROT_, float* scratch) {
-    const int warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
     const float inv = ds4lab_rms_inverse(x, D_, eps, scratch);
     for (int i = threadIdx.x; i < D_; i += blockDim.x) y[i] = __fmul_rn(__fmul_rn(x[i], inv), weight[i]);
     __syncthreads();
     ds4lab_rope_tail(y, D_, NROT_, pos, rope_cos, rope_sin, false);
     __syncthreads();
-    for (int b = warp; b < (D_ - NROT_) / 64; b += n_warps)
-        ds4lab_block_minifloat<64, 3, -6>(y + 64 * b, 448.0f, 1.0e-4f, carry);
-    __syncthreads();
+    ds4lab_fp8_round(y, D_, NROT_, carry);
     for (int i = threadIdx.x; i < D_; i += blockDim.x) y[i] = __half2float(__float2half_rn(y[i]));
     __syncthreads();
 }

@@ -36,13 +36,8 @@ if (ROPE) {
     ds4lab_rope_tail(yr, D, NROT, r / POS_DIV, rope_cos, rope_sin, ROPE == 2);
     __syncthreads();
 }
-const int lane_warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
 if (QAT) ds4lab_hadamard_fp4(yr, D, hscale[0], carry);
-if (FP8) {
-    for (int b = lane_warp; b < (D - NROT) / 64; b += n_warps)
-        ds4lab_block_minifloat<64, 3, -6>(yr + 64 * b, 448.0f, 1.0e-4f, carry);
-    __syncthreads();
-}
+if (FP8) ds4lab_fp8_round(yr, D, NROT, carry);
 if (F16) {
     for (int i = threadIdx.x; i < D; i += blockDim.x) yr[i] = __half2float(__float2half_rn(yr[i]));
 }
