@@ -1,0 +1,88 @@
+"""A decode step's device time under variants of the fast path's launch geometry, in one run.
+
+The greedy stream is bound by the device once a step's kernels take longer than its host
+work (2026-12-03, 43 layers at 4096 tokens: built in 5.8 ms, encoded in 6.2 ms, then 13.3 ms
+of device time). A geometry constant of `ds4lab.model.kernels` (how many thread blocks share
+a head's keys, how many rows a warp of a Q8_0 product takes) changes that device time, and
+runs on different machines differ by more than such a change, so the variants are compared
+in one process on one model: the step is evaluated as one CUDA graph
+(MLX_MAX_OPS_PER_BUFFER and MLX_MAX_MB_PER_BUFFER past its size, set here), so that nothing
+runs before its encoding ends and the wait that follows is the device's time (the graph's
+update included, the same in every variant). Printed per variant: the fastest of `--repeat`
+steps' wait, and its ratio to the first variant's.
+
+A variant is a comma-separated list of NAME=VALUE for module constants of
+`ds4lab.model.kernels` (ints); "base" is the code as it is. Between variants the sublayers
+are traced again (their kernels' templates change) and each variant's step is warmed first.
+
+    python bench/device_time_ab.py [--layers 43] [--context 4096] \
+        [--variants base _ATTENTION_SHARE_KEYS=64 _Q8_WARPS_WANTED=8192]
+
+Needs a CUDA device: on the CPU the fast path is off and nothing is compared.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("MLX_MAX_OPS_PER_BUFFER", "1000000")
+os.environ.setdefault("MLX_MAX_MB_PER_BUFFER", "100000000")
+
+import ds4lab  # noqa: F401  (first: OpenBLAS before MLX on Linux)
+
+# isort: split
+import argparse
+
+import mlx.core as mx
+from step_costs import decoding_session, time_step
+
+from ds4lab.config import preset
+from ds4lab.model import kernels
+from ds4lab.model.random_weights import random_weights
+
+
+def parse_variant(text: str) -> dict[str, int]:
+    """{constant: value} of "NAME=VALUE,NAME=VALUE" ("base": none), each NAME one of
+    `kernels`' integer constants."""
+    if text == "base":
+        return {}
+    out = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        if not isinstance(getattr(kernels, name, None), int) or not value.lstrip("-").isdigit():
+            raise SystemExit(f"device_time_ab: {item!r} is not NAME=INT for an int constant of ds4lab.model.kernels")
+        out[name] = int(value)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=43)
+    parser.add_argument("--context", type=int, default=4096, help="tokens prefilled before the steps")
+    parser.add_argument("--repeat", type=int, default=8, help="steps timed per variant (the fastest wait kept)")
+    parser.add_argument("--variants", nargs="+", default=["base"])
+    args = parser.parse_args()
+    variants = [(text, parse_variant(text)) for text in args.variants]
+    if not kernels.cuda_ready():
+        raise SystemExit("device_time_ab: the fast path is off on this device (no CUDA): nothing to compare")
+    model, session = decoding_session(random_weights(preset("flash-dims", args.layers), "q2"), args.context)
+    print(f"device {mx.default_device()}, flash-dims {args.layers}L q2, {args.context} tokens of context; "
+          f"one CUDA graph a step")
+    defaults = {name: getattr(kernels, name) for _, changes in variants for name in changes}
+    first = None
+    for text, changes in variants:
+        for name, value in {**defaults, **changes}.items():
+            setattr(kernels, name, value)
+        model._compiled.clear()
+        time_step(model, session.state, 999, repeat=2)            # this variant's kernels and traces
+        waits = [time_step(model, session.state, 999, repeat=1)[2] for _ in range(args.repeat)]
+        best = min(waits)
+        first = first or best
+        print(f"{text:48s} device {best * 1e3:7.3f} ms a step (median {sorted(waits)[len(waits) // 2] * 1e3:.3f}); "
+              f"{best / first:.3f} of the first")
+    for name, value in defaults.items():
+        setattr(kernels, name, value)
+
+
+if __name__ == "__main__":
+    main()
