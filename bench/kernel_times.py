@@ -20,6 +20,7 @@ every kernel.
 
     python bench/kernel_times.py [--layers 4] [--context 128] [--steps 4] [--ncu /usr/local/cuda/bin/ncu]
     python bench/kernel_times.py --details attention_heads [--launches 2]
+    python bench/kernel_times.py --sequence      # also the first step's launches in order
 
 `--details NAME` prints instead ncu's own report of the first `--launches` launches of the
 kernels whose name contains NAME in those steps: speed of light (the share of the device's
@@ -87,16 +88,32 @@ def kernel_name(name: str) -> str:
     return name.rsplit("::", 1)[-1]
 
 
-def per_kernel(report: str) -> dict[str, list[float]]:
-    """Nanoseconds of each launch, by kernel name, from ncu's CSV (`--csv --print-units base`)."""
+def launches(report: str) -> list[tuple[str, float]]:
+    """(kernel name, nanoseconds) of each launch in launch order, from ncu's CSV
+    (`--csv --print-units base`)."""
     start = report.find('"ID"')
     if start < 0:
         raise ValueError("ncu's output holds no CSV table (did it profile anything?):\n" + report[-2000:])
+    return [(kernel_name(row["Kernel Name"]), float(row["Metric Value"].replace(",", "")))
+            for row in csv.DictReader(io.StringIO(report[start:])) if row.get("Metric Name") == _METRIC]
+
+
+def per_kernel(report: str) -> dict[str, list[float]]:
+    """Nanoseconds of each launch, by kernel name."""
     times: dict[str, list[float]] = defaultdict(list)
-    for row in csv.DictReader(io.StringIO(report[start:])):
-        if row.get("Metric Name") == _METRIC:
-            times[kernel_name(row["Kernel Name"])].append(float(row["Metric Value"].replace(",", "")))
+    for name, ns in launches(report):
+        times[name].append(ns)
     return times
+
+
+def sequence(report: str, steps: int) -> None:
+    """The first profiled step's launches in order: where in the step (which layer's
+    attention, which sublayer) the device's time goes."""
+    step = launches(report)
+    step = step[:len(step) // steps]
+    print(f"{'#':>4s} {'µs':>8s}  kernel (the first profiled step, in launch order)")
+    for index, (name, ns) in enumerate(step):
+        print(f"{index:4d} {ns / 1e3:8.2f}  {name}")
 
 
 def report(times: dict[str, list[float]], steps: int, layers: int, wall: float) -> None:
@@ -118,6 +135,7 @@ def main() -> None:
     parser.add_argument("--ncu", default=shutil.which("ncu") or "/usr/local/cuda/bin/ncu")
     parser.add_argument("--details", metavar="NAME", help="ncu's sections for the kernels whose name contains NAME")
     parser.add_argument("--launches", type=int, default=2, help="launches reported with --details")
+    parser.add_argument("--sequence", action="store_true", help="also print the first step's launches in order")
     args = parser.parse_args()
     if os.environ.get(_CHILD):
         decode_steps(args.layers, args.context, args.steps, profile=True)
@@ -147,6 +165,8 @@ def main() -> None:
     print(f"device {mx.default_device()}, flash-dims {args.layers}L q2, {args.context} tokens of context, "
           f"{args.steps} decode steps under ncu")
     report(per_kernel(text), args.steps, args.layers, wall)
+    if args.sequence:
+        sequence(text, args.steps)
 
 
 if __name__ == "__main__":
