@@ -68,9 +68,22 @@ __device__ bool ds4lab_last_block(int* counter, int blocks) {
 // RMSNorm's 1 / sqrt(mean(x^2) + eps) of the row xr (D values) over the thread block: each
 // thread sums every blockDim.x-th square, then the block sums. row_finish (NORM) and q8_matvec
 // (NORM: the norm inside the product) share it, so with equal blocks they give the same bits.
+// A thread's loads go out eight at a time: with D known only at run time the compiler issues
+// a plain loop's loads one after another, each an L2 round trip (the q_b product's SASS: eight
+// of them before its first weight load). The squares are added in the loop's order.
 __device__ float ds4lab_rms_inverse(const float* xr, int D, float eps, float* scratch) {
+    constexpr int LOADS = 8;
     float ss = 0.0f;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) ss += xr[i] * xr[i];
+    const int step = blockDim.x;
+    int i = threadIdx.x;
+    for (; i + (LOADS - 1) * step < D; i += LOADS * step) {
+        float v[LOADS];
+#pragma unroll
+        for (int k = 0; k < LOADS; ++k) v[k] = xr[i + k * step];
+#pragma unroll
+        for (int k = 0; k < LOADS; ++k) ss += v[k] * v[k];
+    }
+    for (; i < D; i += step) ss += xr[i] * xr[i];
     ss = ds4lab_block_sum(ss, scratch);
     return 1.0f / sqrtf(ss / (float)D + eps);
 }
