@@ -19,6 +19,20 @@ settings.register_profile("derandomized", derandomize=True)
 settings.register_profile("explore", derandomize=False)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "derandomized"))
 
+# The suite runs on every core (pytest-xdist, `--dist loadgroup` in pyproject.toml), test by
+# test, except these modules: their module- and session-scoped fixtures take tens of seconds
+# (the oracle's forced run, fitted MTP heads, requantized files, the JupyterLab server), so
+# each stays on one worker instead of being built on every worker its tests land on.
+ONE_WORKER_MODULES = {"test_model_oracle", "test_mtp", "test_requantize", "test_browser"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        module = item.module.__name__ if item.module is not None else ""
+        if module in ONE_WORKER_MODULES:
+            item.add_marker(pytest.mark.xdist_group(module))
+
+
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TINY_A_GZ = REPO_ROOT.parent / "shared" / "oracle" / "tiny-a" / "model.gguf.gz"
 TINY_A_SHA256 = "3961a6e7281d6aafe95bb2761f9633455416404ec75c83b1ce8068bd44b84ecf"
