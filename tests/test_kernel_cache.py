@@ -77,6 +77,25 @@ def test_fill_compiles_into_mlx_s_cache_files_once(tmp_path):
     assert kernel_cache.fill([_VARIANT], nvrtc, tmp_path, arch="compute_90a")[0][1] == "cached"
 
 
+def test_precompiled_headers_change_no_byte_of_the_code():
+    """`-pch` (NVRTC 12.4+, which the dev extra installs) only caches the parsed headers: a
+    real kernel's PTX is the same with it and without it."""
+    from ds4lab.model.weights import Q8Matrix
+
+    nvrtc = kernel_cache.default_nvrtc()
+    assert nvrtc.precompiled_headers, nvrtc.version
+    with kernel_cache.recorded_variants() as variants:
+        q8 = Q8Matrix(mx.zeros((64, 128), mx.uint32), mx.zeros((64, 16)), mx.zeros((64, 16)), 64, 512)
+        kernels.q8_matvec(q8, mx.ones((1, 512)), norm=(mx.ones((512,)), 1e-6))
+    source = variants[0].mlx_source()
+    first, _, log = nvrtc.compile(source, "k.cu", "compute_90a")
+    again, _, _ = nvrtc.compile(source, "k.cu", "compute_90a")        # from the precompiled headers
+    nvrtc.precompiled_headers = False
+    plain, _, _ = nvrtc.compile(source, "k.cu", "compute_90a")
+    assert first is not None, log
+    assert first == again == plain
+
+
 def test_a_recorded_run_lists_the_step_s_kernels_and_leaves_mlx_as_it_was():
     original, ready = mx.fast.cuda_kernel, kernels.cuda_ready()
     weights = random_weights(preset("tiny"), "q2", seed=2)
