@@ -86,7 +86,8 @@ _PATH_TEMPLATES = {"SPLIT"}
 def _code_paths(launches: list[dict]) -> dict:
     """One launch per kernel, input types and set of boolean templates (each its own code
     path; so is each SPLIT), the one of largest sizes among them (the largest static shared arrays): an NVRTC
-    compile takes ~2 s on CI's 2 cores, and other sizes only change constants."""
+    compile takes 0.5-2 s on CI's 2 cores (less once NVRTC's precompiled headers are made), and
+    other sizes only change constants."""
     chosen: dict = {}
     for launch in launches:
         flags = tuple((k, v) for k, v in launch.template if isinstance(v, bool) or k in _PATH_TEMPLATES)
