@@ -10,11 +10,23 @@ if (n >= nk) return;
 float kv[PER];
 for (int k = 0; k < PER; ++k) kv[k] = keys[(size_t)n * DH + lane + 32 * k];
 const float* qt = q + (size_t)t * H * DH;
+// HB heads at a time: their q loads and their butterflies are independent, so they overlap
+// (one head at a time, every head waits on its loads and five dependent shuffles: 64 such
+// chains a key on the flash shape). Each head's dot and the score's sum over heads keep
+// their order, so the bits are the same.
+constexpr int HB = H % 8 == 0 ? 8 : (H % 4 == 0 ? 4 : (H % 2 == 0 ? 2 : 1));
 float score = 0.0f;
-for (int h = 0; h < H; ++h) {
-    float dot = 0.0f;
-    for (int k = 0; k < PER; ++k) dot += qt[h * DH + lane + 32 * k] * kv[k];
-    dot = ds4lab_warp_sum_all(dot);
-    score += fmaxf(dot, 0.0f) * w[t * H + h];
+for (int h0 = 0; h0 < H; h0 += HB) {
+    float dot[HB];
+#pragma unroll
+    for (int b = 0; b < HB; ++b) {
+        dot[b] = 0.0f;
+#pragma unroll
+        for (int k = 0; k < PER; ++k) dot[b] += qt[(h0 + b) * DH + lane + 32 * k] * kv[k];
+    }
+#pragma unroll
+    for (int b = 0; b < HB; ++b) dot[b] = ds4lab_warp_sum_all(dot[b]);
+#pragma unroll
+    for (int b = 0; b < HB; ++b) score += fmaxf(dot[b], 0.0f) * w[t * H + h0 + b];
 }
 if (lane == 0) scores[(size_t)t * nk + n] = score;
