@@ -68,10 +68,10 @@ class Q8Matrix:
         blocks = self.cols // 32
         words = self.codes.reshape(self.rows, blocks, 8)
         unit = mx.ones((self.rows, 1), mx.float32)
+        offset = mx.full((self.rows, 1), -128.0, mx.float32)
         acc = mx.zeros((xc.shape[0], self.rows), mx.float32)
         for b in range(blocks):
-            isum = mx.quantized_matmul(xc[:, b], words[:, b], unit, -128.0 * unit, transpose=True, group_size=32,
-                                       bits=8)
+            isum = mx.quantized_matmul(xc[:, b], words[:, b], unit, offset, transpose=True, group_size=32, bits=8)
             acc = acc + (self.scales[:, b][None, :] * xs[:, b][:, None]) * isum
         return acc.reshape(*lead, self.rows)
 
