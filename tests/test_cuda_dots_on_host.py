@@ -142,8 +142,7 @@ static float block_dot(const uint32_t* codes, const float* scales, const float* 
         float warp = 0.0f;
         for (int lane = 0; lane < 32; ++lane) {
             float acc[1];
-            ds4lab_q8_dots<1, COLS, false, SPLIT>(w, s, reinterpret_cast<const float4*>(x), lane, acc, nullptr, 1.0f,
-                                                  part);
+            ds4lab_q8_dots<1, COLS, SPLIT>(w, s, reinterpret_cast<const float4*>(x), lane, acc, part);
             warp += acc[0];
         }
         total += warp;

@@ -40,16 +40,20 @@ __device__ __forceinline__ void ds4lab_expert_dot(const uint8_t* const (&w)[R], 
             ds4lab_lane_inputs(xv, b0 + u, lane, xs);
             #pragma unroll
             for (int r = 0; r < R; ++r) {
-                const float db = ds4lab_f16_bits(d[u][r]) * (0.5f + (float)(aux[u][r] >> 28)) * 0.25f;
+                const float db = ds4lab_f16_bits(d[u][r]) * (0.5f + ds4lab_small_uint(aux[u][r] >> 28)) * 0.25f;
                 const uint2 g8 = grid[index[u][r]];
                 const uint32_t g[2] = {g8.x, g8.y};
-                const uint8_t signs = ksigns[(aux[u][r] >> (7 * part)) & 127];
+                const uint32_t signs = ksigns[(aux[u][r] >> (7 * part)) & 127];
                 // The scale once per 8 values: the weights' loop is bound by instruction issue.
+                // So a grid byte becomes its float as q8_rows.cuh's codes do (a byte permute
+                // into the mantissa of 2^23, one exact subtraction; an int-to-float conversion
+                // issues at an eighth of the FMA rate), and its sign is the sign bit set.
                 float gx = 0.0f;
                 #pragma unroll
                 for (int k = 0; k < 8; ++k) {
-                    const float mag = (float)((g[k >> 2] >> (8 * (k & 3))) & 0xffu);
-                    gx = fmaf((signs >> k) & 1 ? -mag : mag, xs[k], gx);
+                    const float mag = __uint_as_float(__byte_perm(g[k >> 2], 0x4B000000u, 0x7540u | (k & 3))) - 8388608.0f;
+                    const float q = __uint_as_float(__float_as_uint(mag) ^ ((signs << (31 - k)) & 0x80000000u));
+                    gx = fmaf(q, xs[k], gx);
                 }
                 sums[r] = fmaf(db, gx, sums[r]);
             }

@@ -19,7 +19,7 @@ for (int i = 0; i < R; ++i) {
     else ds4lab_q8_row<COLS>(codes_b, scales_b, rb + i, w[i], s[i]);
 }
 float acc[R];
-ds4lab_q8_dots<R, COLS, false, SPLIT>(w, s, xv, lane, acc, nullptr, 1.0f, cols_part);
+ds4lab_q8_dots<R, COLS, SPLIT>(w, s, xv, lane, acc, cols_part);
 ds4lab_q8_totals<R, SPLIT>(acc, cols_part, lane);
 #pragma unroll
 for (int i = 0; i < R; ++i) {

@@ -1,3 +1,24 @@
+// The lane's 16 inputs of chunk j (xv: the input vector as float4).
+__device__ __forceinline__ void ds4lab_q8_inputs(const float4* xv, int j, float xs[16]) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        const float4 v = xv[4 * j + k];
+        xs[4 * k] = v.x; xs[4 * k + 1] = v.y; xs[4 * k + 2] = v.z; xs[4 * k + 3] = v.w;
+    }
+}
+
+// sum_k (byte k of q - 128) * xs[k] over one 16-byte word of codes, in k order.
+__device__ __forceinline__ float ds4lab_q8_dot16(uint4 q, const float xs[16]) {
+    const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+    float dot = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 16; ++k) {
+        const uint32_t bits = __byte_perm(words[k >> 2], 0x4B000000u, 0x7540u | (k & 3));
+        dot += (__uint_as_float(bits) - 8388736.0f) * xs[k];
+    }
+    return dot;
+}
+
 // One warp's dot products of NR Q8_0 rows with one input vector: the inner loop of every
 // decode-step Q8_0 product (q8_matvec, q8_pair, q8_swiglu, q8_hc). Row i's codes are the
 // 16-byte words w[i] (byte = code + 128, model/weights.py `Q8Matrix`), its float32 block
@@ -15,37 +36,62 @@
 // byte of weights, and the L1 becomes the bound (ncu: 88% of its throughput, DRAM 24%, on the
 // 4096 x 8192 q8_hc); 4 rows a warp over a quarter of the columns each keep as many warps and
 // read a quarter of the input per row.
-// With NORM each input is first RMS-normed and weighted as row_finish does it: x * inv, then
-// times norm_w (two rounded products; inv from ds4lab_rms_inverse).
-template <int NR, int COLS, bool NORM = false, int SPLIT = 1>
+// ds4lab_q8_dots_normed is the q_b product's form, its input normed inside.
+template <int NR, int COLS, int SPLIT = 1>
 __device__ __forceinline__ void ds4lab_q8_dots(const uint4* const* w, const float* const* s, const float4* xv,
-                                               int lane, float* acc, const float* norm_w = nullptr,
-                                               float inv = 1.0f, int part = 0) {
+                                               int lane, float* acc, int part = 0) {
 #pragma unroll
     for (int i = 0; i < NR; ++i) acc[i] = 0.0f;
 #pragma unroll (NR < 8 ? 8 / NR : 1)
     for (int j = lane + 32 * part; j < COLS / 16; j += 32 * SPLIT) {
         float xs[16];
+        ds4lab_q8_inputs(xv, j, xs);
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-            const float4 v = xv[4 * j + k];
-            xs[4 * k] = v.x; xs[4 * k + 1] = v.y; xs[4 * k + 2] = v.z; xs[4 * k + 3] = v.w;
-        }
-        if (NORM) {
+        for (int i = 0; i < NR; ++i) acc[i] += s[i][j >> 1] * ds4lab_q8_dot16(w[i][j], xs);
+    }
+}
+
+// ds4lab_q8_dots (a warp to its rows, no split) on the input RMS-normed and weighted first
+// as row_finish leaves it: x * inv, then times norm_w (two rounded products), with inv =
+// ds4lab_rms_inverse(x; eps), a block-wide sum (every thread of the block calls this).
+// The lane's first code words and scales are loaded before that sum: otherwise the norm's
+// reads of x and its barriers stand before the product's first DRAM read, and the q_b
+// product ran at a third of the bandwidth of plain matvecs its size (ncu, H200).
+template <int NR, int COLS>
+__device__ __forceinline__ void ds4lab_q8_dots_normed(const uint4* const* w, const float* const* s, const float* x,
+                                                      int lane, float* acc, const float* norm_w, float eps,
+                                                      float* scratch) {
+    constexpr int CHUNKS = COLS / 16, STEPS = (CHUNKS + 31) / 32;   // a lane's chunk j: lane + 32k
+    constexpr int EARLY = STEPS * NR <= 8 ? STEPS : (NR < 8 ? 8 / NR : 1);   // loaded before the norm
+    uint4 q[EARLY][NR];
+    float sc[EARLY][NR];
 #pragma unroll
-            for (int k = 0; k < 16; ++k) xs[k] = __fmul_rn(__fmul_rn(xs[k], inv), norm_w[16 * j + k]);
-        }
+    for (int k = 0; k < EARLY; ++k) {
+        const int j = lane + 32 * k < CHUNKS ? lane + 32 * k : 0;
 #pragma unroll
         for (int i = 0; i < NR; ++i) {
-            const uint4 q = w[i][j];
-            const uint32_t words[4] = {q.x, q.y, q.z, q.w};
-            float dot = 0.0f;
+            q[k][i] = w[i][j];
+            sc[k][i] = s[i][j >> 1];
+        }
+    }
+    const float inv = ds4lab_rms_inverse(x, COLS, eps, scratch);
+    const float4* xv = reinterpret_cast<const float4*>(x);
 #pragma unroll
-            for (int k = 0; k < 16; ++k) {
-                const uint32_t bits = __byte_perm(words[k >> 2], 0x4B000000u, 0x7540u | (k & 3));
-                dot += (__uint_as_float(bits) - 8388736.0f) * xs[k];
-            }
-            acc[i] += s[i][j >> 1] * dot;
+    for (int i = 0; i < NR; ++i) acc[i] = 0.0f;
+#pragma unroll
+    for (int k = 0; k < STEPS; ++k) {
+        const int j = lane + 32 * k;
+        if (CHUNKS % 32 != 0 && j >= CHUNKS) break;
+        float xs[16];
+        ds4lab_q8_inputs(xv, j, xs);
+#pragma unroll
+        for (int e = 0; e < 16; ++e) xs[e] = __fmul_rn(__fmul_rn(xs[e], inv), norm_w[16 * j + e]);
+#pragma unroll
+        for (int i = 0; i < NR; ++i) {
+            const bool early = k < EARLY;
+            const uint4 words = early ? q[early ? k : 0][i] : w[i][j];
+            const float scale = early ? sc[early ? k : 0][i] : s[i][j >> 1];
+            acc[i] += scale * ds4lab_q8_dot16(words, xs);
         }
     }
 }

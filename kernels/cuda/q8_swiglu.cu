@@ -17,7 +17,7 @@ for (int i = 0; i < R; ++i) {
     ds4lab_q8_row<COLS>(codes_u, scales_u, r0 + i, w[R + i], s[R + i]);
 }
 float acc[2 * R];
-ds4lab_q8_dots<2 * R, COLS, false, SPLIT>(w, s, xv, lane, acc, nullptr, 1.0f, cols_part);
+ds4lab_q8_dots<2 * R, COLS, SPLIT>(w, s, xv, lane, acc, cols_part);
 ds4lab_q8_totals<2 * R, SPLIT>(acc, cols_part, lane);
 #pragma unroll
 for (int i = 0; i < R; ++i) {
