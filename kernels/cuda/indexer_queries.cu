@@ -18,14 +18,25 @@ const float* qrt = qr + (size_t)t * QR;
 const float inv = ds4lab_rms_inverse(qrt, QR, eps[0], scratch);
 for (int i = threadIdx.x; i < QR; i += blockDim.x) qn[i] = __fmul_rn(__fmul_rn(qrt[i], inv), qnorm[i]);
 __syncthreads();
-// A warp a row: its lanes read the row's consecutive floats, every load of the row in flight.
-for (int r = warp; r < DH; r += n_warps) {
+// A warp two rows at a time (r and r + n_warps): its lanes read the rows' consecutive floats,
+// every load of both rows in flight (one row at a time, each of a warp's 8 rows waited on
+// its own DRAM round trip and butterfly). Each row's sum keeps its order.
+for (int r = warp; r < DH; r += 2 * n_warps) {
+    const int r2 = r + n_warps < DH ? r + n_warps : r;
     const float* wr = wq + ((size_t)h * DH + r) * QR;
-    float s = 0.0f;
+    const float* wr2 = wq + ((size_t)h * DH + r2) * QR;
+    float s = 0.0f, s2 = 0.0f;
 #pragma unroll
-    for (int i = lane; i < QR; i += 32) s += wr[i] * qn[i];
+    for (int i = lane; i < QR; i += 32) {
+        s += wr[i] * qn[i];
+        s2 += wr2[i] * qn[i];
+    }
     s = ds4lab_warp_sum_all(s);
-    if (lane == 0) row[r] = s;
+    s2 = ds4lab_warp_sum_all(s2);
+    if (lane == 0) {
+        row[r] = s;
+        row[r2] = s2;
+    }
 }
 const float* xt = xa + (size_t)t * E;
 const float* wr = wp + (size_t)h * E;
