@@ -4,7 +4,7 @@
 is checked on a GPU. The part that decodes — one lane's share of R rows' dot products in a
 block format, `ds4lab_expert_dot` — is plain arithmetic on bytes and floats, so it also
 compiles as C++ for the host, with the few CUDA intrinsics it uses written out here
-(`__byte_perm`, the float/int bit casts, f16). A warp is its 32 lanes run in turn and
+(`__byte_perm`, `__popc`, the float/int bit casts, f16). A warp is its 32 lanes run in turn and
 their sums added, as the kernels' warp sum does. Compared with numpy's decode of the same
 bytes (`ds4lab.quants.dequantize`) times the input, in float64: a wrong byte, shift, sign
 or scale moves a row by far more than float32 rounding does.
@@ -21,7 +21,7 @@ import pytest
 
 from ds4lab.model import kernels
 from ds4lab.quants import dequantize, random_blocks, row_bytes
-from ds4lab.quants.tables import IQ2XXS_GRID_BYTES, IQ2XXS_KSIGNS
+from ds4lab.quants.tables import IQ2XXS_GRID_BYTES
 
 # The CUDA device functions and types the dot headers use, for a host compiler.
 _HOST_CUDA = r"""
@@ -45,6 +45,7 @@ static inline float __int_as_float(int v) { float f; std::memcpy(&f, &v, 4); ret
 static inline float __uint_as_float(uint32_t v) { float f; std::memcpy(&f, &v, 4); return f; }
 static inline int __float_as_int(float f) { int v; std::memcpy(&v, &f, 4); return v; }
 static inline uint32_t __float_as_uint(float f) { uint32_t v; std::memcpy(&v, &f, 4); return v; }
+static inline int __popc(uint32_t v) { return __builtin_popcount(v); }
 static inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
     const uint64_t bytes = ((uint64_t)y << 32) | x;
     uint32_t r = 0;
@@ -55,7 +56,7 @@ static inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
 
 _DRIVER = r"""
 template <int COLS, int R>
-static void warp_dot(const uint8_t* const* w, const float* x, float* out, const uint2* grid, const uint8_t* ksigns) {
+static void warp_dot(const uint8_t* const* w, const float* x, float* out, const uint2* grid) {
     const uint8_t* rows[R];
     for (int r = 0; r < R; ++r) { rows[r] = w[r]; out[r] = 0.0f; }
     for (int lane = 0; lane < 32; ++lane) {
@@ -65,10 +66,10 @@ static void warp_dot(const uint8_t* const* w, const float* x, float* out, const 
     }
 }
 #define ONE(COLS, R) extern "C" void dot_##COLS##_##R(const uint8_t* const* w, const float* x, float* out, \
-    const uint2* grid, const uint8_t* ksigns) { warp_dot<COLS, R>(w, x, out, grid, ksigns); }
-ONE(256, 1) ONE(256, 2) ONE(768, 2) ONE(2048, 1) ONE(2048, 2) ONE(4096, 2)
+    const uint2* grid) { warp_dot<COLS, R>(w, x, out, grid); }
+ONE(256, 1) ONE(256, 2) ONE(768, 2) ONE(2048, 1) ONE(2048, 2) ONE(4096, 2) ONE(2048, 4)
 """
-_SHAPES = [(256, 1), (256, 2), (768, 2), (2048, 1), (2048, 2), (4096, 2)]
+_SHAPES = [(256, 1), (256, 2), (768, 2), (2048, 1), (2048, 2), (4096, 2), (2048, 4)]
 
 
 @pytest.fixture(scope="module", params=list(kernels._TYPES))
@@ -76,7 +77,7 @@ def host_dots(request, tmp_path_factory):
     """(type name, the compiled library) of one block format's dot header."""
     type_name = request.param
     name = kernels._TYPES[type_name]
-    tables = ", grid, ksigns" if type_name == "IQ2_XXS" else ""
+    tables = ", grid" if type_name == "IQ2_XXS" else ""
     return type_name, _host_library(tmp_path_factory.mktemp(f"dots_{name}"), f"#define TABLES {tables}\n{_DRIVER}",
                                     "ds4lab_block.cuh", "expert_matvec_common.cuh", f"expert_dot_{name}.cuh")
 
@@ -96,9 +97,8 @@ def _run(lib, type_name: str, raw: np.ndarray, x: np.ndarray, cols: int, r: int)
     pointers = (ctypes.c_void_p * r)(*[row.ctypes.data for row in rows])
     out = np.zeros(r, np.float32)
     grid = np.ascontiguousarray(IQ2XXS_GRID_BYTES, dtype=np.uint8)
-    signs = np.ascontiguousarray(IQ2XXS_KSIGNS, dtype=np.uint8)
     getattr(lib, f"dot_{cols}_{r}")(pointers, x.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p),
-                                   grid.ctypes.data_as(ctypes.c_void_p), signs.ctypes.data_as(ctypes.c_void_p))
+                                   grid.ctypes.data_as(ctypes.c_void_p))
     return out
 
 

@@ -72,7 +72,7 @@ import numpy as np
 
 from ..floats import log2f_carry_table
 from ..quants.formats import row_bytes
-from ..quants.tables import IQ2XXS_GRID_BYTES, IQ2XXS_KSIGNS
+from ..quants.tables import IQ2XXS_GRID_BYTES
 
 if TYPE_CHECKING:
     from .weights import ExpertBlocks, Q8Matrix
@@ -644,7 +644,7 @@ _GEMM_THREADS = 256
 def _gemm_kernel(type_name: str):
     name = "q8_0" if type_name == "Q8_0" else _TYPES[type_name]
     weights = (["codes", "scales"] if type_name == "Q8_0" else
-               ["raw"] + (["grid", "ksigns"] if type_name == "IQ2_XXS" else []))
+               ["raw"] + (["grid"] if type_name == "IQ2_XXS" else []))
     return mx.fast.cuda_kernel(name=f"ds4lab_quant_gemm_{name}",
                                input_names=[*weights, "xh", "xl", "xsum", "xexp", "order", "pair_offsets",
                                             "tile_offsets"],
@@ -732,7 +732,7 @@ def _kernel(type_name: str, swiglu: bool = False):
     """The routed-expert matvec in this block format; with `swiglu` its gate-and-up form."""
     name = _TYPES[type_name]
     headers = ("ds4lab_block.cuh", "expert_matvec_common.cuh", f"expert_dot_{name}.cuh")
-    tables = ["grid", "ksigns"] if type_name == "IQ2_XXS" else []
+    tables = ["grid"] if type_name == "IQ2_XXS" else []
     if swiglu:
         return mx.fast.cuda_kernel(name=f"ds4lab_expert_swiglu_{name}",
                                    input_names=["raw_gate", "raw_up", "ids", "x", "w", "clamp", "codes_g", "scales_g",
@@ -744,13 +744,14 @@ def _kernel(type_name: str, swiglu: bool = False):
 
 
 @cache
-def _iq2_tables() -> tuple[mx.array, mx.array]:
-    return mx.array(IQ2XXS_GRID_BYTES.reshape(-1)), mx.array(IQ2XXS_KSIGNS)
+def _iq2_grid() -> mx.array:
+    return mx.array(IQ2XXS_GRID_BYTES.reshape(-1))
 
 
 def _tables(type_name: str) -> list[mx.array]:
-    """The lookup tables a block format's expert kernels read (IQ2_XXS: its grid and signs)."""
-    return list(_iq2_tables()) if type_name == "IQ2_XXS" else []
+    """The lookup tables a block format's expert kernels read (IQ2_XXS: its grid; the sign
+    bits are computed, `ds4lab_iq2_signs`)."""
+    return [_iq2_grid()] if type_name == "IQ2_XXS" else []
 
 
 def expert_matvec(tensor: ExpertBlocks, ids: mx.array, x: mx.array, *, pairs_per_input: int = 1,
@@ -813,7 +814,7 @@ def expert_swiglu(gate: ExpertBlocks, up: ExpertBlocks, ids: mx.array, x: mx.arr
                 _scalar(clamp), *q8, *_tables(gate.type_name)],
         template=[("ROWS", rows), ("COLS", cols), ("ROW_BYTES", n_row_bytes),
                   ("EXPERT_BYTES", rows * n_row_bytes), ("X_DIV", ids.shape[1]), ("SHARED_ROWS", shared_rows)],
-        grid=(-(-max(rows, shared_rows) // _EXPERT_WARPS) * threads, ids.size + (t if shared else 0), 1),
+        grid=(-(-max(rows, shared_rows) // (2 * _EXPERT_WARPS)) * threads, ids.size + (t if shared else 0), 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(*ids.shape, rows), (t, shared_rows) if shared else (1, 1)], output_dtypes=[mx.float32] * 2)
     return (mid, shared_mid) if shared is not None else mid

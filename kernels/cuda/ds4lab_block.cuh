@@ -231,3 +231,9 @@ __device__ __forceinline__ float ds4lab_swiglu(float g, float u, float clamp) {
     const float e = 1.0f / (1.0f + expf(fabsf(g)));
     return g * (g < 0.0f ? e : 1.0f - e) * u;
 }
+
+// IQ2_XXS's 8 sign bits from a 7-bit sign index: the index, and an eighth bit that makes the
+// count of set bits even (ggml's ksigns_iq2xs table, computed instead of looked up).
+__device__ __forceinline__ uint32_t ds4lab_iq2_signs(uint32_t index7) {
+    return index7 | ((uint32_t)(__popc(index7) & 1) << 7);
+}

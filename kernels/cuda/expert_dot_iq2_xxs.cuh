@@ -2,20 +2,19 @@
 // 256 values): f16 d, then per 32 values 4 grid indices and a u32 of four 7-bit sign indices
 // plus a 4-bit scale s; w = d * (0.5 + s) * 0.25 * grid * sign. Blocks are 2-byte aligned:
 // the lane reads 16-bit words.
-// The grid (256 entries of 8 bytes) and the sign table (128 bytes) are copied to shared
-// memory first: a warp's 32 grid lookups hit up to 16 cache lines, which the L1 serves one
-// at a time, and shared memory serves them in a few passes.
+// The grid (256 entries of 8 bytes) is copied to shared memory first: a warp's 32 grid
+// lookups hit up to 16 cache lines, which the L1 serves one at a time, and shared memory
+// serves them in a few passes. The sign bits are computed (ds4lab_iq2_signs), not looked up:
+// the kernels are bound by the L1 and shared memory pipe (ncu, expert_swiglu: 72%).
 #define DS4LAB_DOT_STAGE                                                                         \
     __shared__ uint2 ds4lab_grid_s[256];                                                         \
-    __shared__ uint8_t ds4lab_ksigns_s[128];                                                     \
     for (int i = threadIdx.x; i < 256; i += blockDim.x)                                          \
         ds4lab_grid_s[i] = reinterpret_cast<const uint2*>(grid)[i];                              \
-    for (int i = threadIdx.x; i < 128; i += blockDim.x) ds4lab_ksigns_s[i] = ksigns[i];          \
     __syncthreads();
-#define DS4LAB_DOT_TABLES , ds4lab_grid_s, ds4lab_ksigns_s
+#define DS4LAB_DOT_TABLES , ds4lab_grid_s
 template <int COLS, int R>
 __device__ __forceinline__ void ds4lab_expert_dot(const uint8_t* const (&w)[R], const float* xv, int lane,
-                                                  float (&acc)[R], const uint2* grid, const uint8_t* ksigns) {
+                                                  float (&acc)[R], const uint2* grid) {
     const int sub = lane >> 2, part = lane & 3;
     constexpr int NB = COLS / 256, U = ds4lab_step<NB, R>::U;
     float sums[R];
@@ -43,7 +42,7 @@ __device__ __forceinline__ void ds4lab_expert_dot(const uint8_t* const (&w)[R], 
                 const float db = ds4lab_f16_bits(d[u][r]) * (0.5f + ds4lab_small_uint(aux[u][r] >> 28)) * 0.25f;
                 const uint2 g8 = grid[index[u][r]];
                 const uint32_t g[2] = {g8.x, g8.y};
-                const uint32_t signs = ksigns[(aux[u][r] >> (7 * part)) & 127];
+                const uint32_t signs = ds4lab_iq2_signs((aux[u][r] >> (7 * part)) & 127);
                 // The scale once per 8 values: the weights' loop is bound by instruction issue.
                 // So a grid byte becomes its float as q8_rows.cuh's codes do (a byte permute
                 // into the mantissa of 2^23, one exact subtraction; an int-to-float conversion

@@ -4,13 +4,12 @@
 struct ds4lab_gemm_row {
     const uint8_t* w;
     const uint8_t* grid;
-    const uint8_t* ksigns;
 };
 struct ds4lab_gemm_raw {
     uint32_t d, index, aux;   // the block's d bits; the 2 grid indices of these 16 values; aux
 };
 #define DS4LAB_GEMM_ROW(e, row) \
-    ds4lab_gemm_row{raw + (size_t)(e) * EXPERT_BYTES + (size_t)(row) * ROW_BYTES, grid, ksigns}
+    ds4lab_gemm_row{raw + (size_t)(e) * EXPERT_BYTES + (size_t)(row) * ROW_BYTES, grid}
 #define DS4LAB_GEMM_HAS_MIN false
 
 __device__ __forceinline__ void ds4lab_gemm_load16(const ds4lab_gemm_row& r, int k0, ds4lab_gemm_raw& v) {
@@ -30,7 +29,7 @@ __device__ __forceinline__ void ds4lab_gemm_unpack16(const ds4lab_gemm_row& r, c
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
         const uint32_t index = (v.index >> (8 * j)) & 0xffu;
-        const uint8_t signs = r.ksigns[(v.aux >> (7 * (2 * half + j))) & 127];
+        const uint32_t signs = ds4lab_iq2_signs((v.aux >> (7 * (2 * half + j))) & 127);
         const uint2 g8 = *reinterpret_cast<const uint2*>(r.grid + 8 * index);   // 8 grid bytes, one load
         const uint32_t gw[2] = {g8.x, g8.y};
 #pragma unroll

@@ -18,6 +18,7 @@ const float* s = streams + (size_t)t * N * E;
 constexpr int M = (2 + N) * N;
 __shared__ float scratch[32];
 __shared__ float m[M];
+__shared__ float cells[N * N];
 float ss = 0.0f;
 #pragma unroll 16
 for (int i = threadIdx.x; i < N * E; i += blockDim.x) {
@@ -39,7 +40,7 @@ for (int i = warp; i < M; i += (int)(blockDim.x >> 5)) {
 }
 __syncthreads();
 if (warp == 0) {
-    ds4lab_hc_split<N, ITERS>(m, scale, base, eps[1], pre + t * N, post + t * N, comb + (size_t)t * N * N,
+    ds4lab_hc_split<N, ITERS>(m, scale, base, eps[1], pre + t * N, post + t * N, comb + (size_t)t * N * N, cells,
                               lane);
     return;
 }

@@ -8,12 +8,25 @@
 //   comb = softmax over j of (m[2N + iN + j] * scale[2] + base[2N + iN + j]) + eps,
 //          then columns normalised (c / (sum over i + eps)), then ITERS - 1 times rows
 //          (sum over j) and columns again.
-// Why a warp: the ~40 normalisations are a chain of dependent divisions, and a decode step
-// runs two splits per layer back to back. Every lane holds the whole N x N matrix in
-// registers and runs the same steps (lane l then writes cells l, l + 32, ... of comb): each
-// sum is a few register adds in the serial order and a row's N divisions are independent,
-// where cells in shared memory made every step wait on loads and the warp's barriers.
-// Each value is the one a single thread computes, bit for bit.
+// Why a warp: the ~40 normalisations are a chain of dependent divisions, ~15 µs on one
+// thread, and a decode step runs two splits per layer back to back. Here lane l owns cells
+// l, l + 32, ... of c (kept in the shared `c` [N * N]); every lane of a row (or column)
+// sums that row from shared memory in the serial order, so each value is the one a single
+// thread would compute, bit for bit.
+template <int N>
+__device__ __forceinline__ float ds4lab_hc_row_sum(const float* c, int i) {
+    float s = 0.0f;
+    for (int j = 0; j < N; ++j) s += c[i * N + j];
+    return s;
+}
+
+template <int N>
+__device__ __forceinline__ float ds4lab_hc_col_sum(const float* c, int j) {
+    float s = 0.0f;
+    for (int i = 0; i < N; ++i) s += c[i * N + j];
+    return s;
+}
+
 // pre[i] of the split: sigmoid(m[i] * scale[0] + base[i]) + eps (hc_pre's collapse computes
 // it with this same function, so its weights are the split's bits).
 __device__ __forceinline__ float ds4lab_hc_pre_weight(const float* m, const float* scale, const float* base, float eps,
@@ -23,48 +36,51 @@ __device__ __forceinline__ float ds4lab_hc_pre_weight(const float* m, const floa
 
 template <int N, int ITERS>
 __device__ void ds4lab_hc_split(const float* m, const float* scale, const float* base, float eps, float* pre,
-                                float* post, float* comb, int lane) {
-    static_assert(N <= 8, "ds4lab_hc_split: the N x N mix is held in each lane's registers");
+                                float* post, float* comb, float* c, int lane) {
+    constexpr int CELLS = (N * N + 31) / 32;
     for (int i = lane; i < N; i += 32) {
         pre[i] = ds4lab_hc_pre_weight(m, scale, base, eps, i);
         post[i] = 2.0f / (1.0f + expf(-(m[N + i] * scale[1] + base[N + i])));
     }
-    float c[N][N];
+    float v[CELLS] = {};
 #pragma unroll
-    for (int i = 0; i < N; ++i) {
-        float top = -INFINITY;
-#pragma unroll
-        for (int j = 0; j < N; ++j) {
-            c[i][j] = m[2 * N + i * N + j] * scale[2] + base[2 * N + i * N + j];
-            top = fmaxf(top, c[i][j]);
-        }
-#pragma unroll
-        for (int j = 0; j < N; ++j) c[i][j] = expf(c[i][j] - top);
+    for (int k = 0; k < CELLS; ++k) {
+        const int l = lane + 32 * k;
+        if (l < N * N) c[l] = v[k] = m[2 * N + l] * scale[2] + base[2 * N + l];
     }
+    __syncwarp();
+#pragma unroll
+    for (int k = 0; k < CELLS; ++k) {
+        const int l = lane + 32 * k;
+        if (l < N * N) {
+            float top = -INFINITY;
+            for (int j = 0; j < N; ++j) top = fmaxf(top, c[(l / N) * N + j]);
+            v[k] = expf(v[k] - top);
+        }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int k = 0; k < CELLS; ++k)
+        if (lane + 32 * k < N * N) c[lane + 32 * k] = v[k];
+    __syncwarp();
     for (int it = 0; it < 2 * ITERS; ++it) {
         // it = 0: the softmax's sum (then + eps); then columns (odd it) and rows (even),
         // ending on columns: 2 * ITERS - 1 normalisations.
-        if (it % 2) {
+        float s[CELLS];
 #pragma unroll
-            for (int j = 0; j < N; ++j) {
-                float s = 0.0f;
-#pragma unroll
-                for (int i = 0; i < N; ++i) s += c[i][j];
-#pragma unroll
-                for (int i = 0; i < N; ++i) c[i][j] = c[i][j] / (s + eps);
-            }
-        } else {
-#pragma unroll
-            for (int i = 0; i < N; ++i) {
-                float s = 0.0f;
-#pragma unroll
-                for (int j = 0; j < N; ++j) s += c[i][j];
-#pragma unroll
-                for (int j = 0; j < N; ++j) c[i][j] = it == 0 ? c[i][j] / s + eps : c[i][j] / (s + eps);
-            }
+        for (int k = 0; k < CELLS; ++k) {
+            const int l = lane + 32 * k;
+            s[k] = l >= N * N ? 1.0f : it % 2 ? ds4lab_hc_col_sum<N>(c, l % N) : ds4lab_hc_row_sum<N>(c, l / N);
         }
+        __syncwarp();
+#pragma unroll
+        for (int k = 0; k < CELLS; ++k) {
+            const int l = lane + 32 * k;
+            if (l < N * N) c[l] = v[k] = it == 0 ? v[k] / s[k] + eps : v[k] / (s[k] + eps);
+        }
+        __syncwarp();
     }
 #pragma unroll
-    for (int l = 0; l < N * N; ++l)
-        if (l % 32 == lane) comb[l] = c[l / N][l % N];
+    for (int k = 0; k < CELLS; ++k)
+        if (lane + 32 * k < N * N) comb[lane + 32 * k] = v[k];
 }

@@ -22,9 +22,10 @@ float acc[R];
 if (NORM) {
     // Every warp joins the norm's block sum; one past the matrix reads its last rows.
     __shared__ float scratch[32];
+    __shared__ __align__(16) float xn[NORM ? COLS : 4];
 #pragma unroll
     for (int i = 0; i < R; ++i) ds4lab_q8_row<COLS>(codes, scales, min(r0 + i, ROWS - 1), w[i], s[i]);
-    ds4lab_q8_dots_normed<R, COLS>(w, s, xt, lane, acc, norm_w, eps[0], scratch);
+    ds4lab_q8_dots_normed<R, COLS>(w, s, xt, lane, acc, norm_w, eps[0], scratch, xn);
     if (r0 >= ROWS) return;
 } else {
     if (r0 >= ROWS) return;
