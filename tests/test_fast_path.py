@@ -375,7 +375,7 @@ def _expert_matvec(type_name):
         rows, cols, per_out, x_div = t["ROWS"], t["COLS"], t["PAIRS_PER_OUT"], t["X_DIV"]
         assert t["ROW_BYTES"] * rows == t["EXPERT_BYTES"] == raw.shape[1]
         assert grid[1] * per_out == ids.size and x.size == ids.size // x_div * cols
-        assert grid[0] // 32 * 2 >= rows * t["PARTS"]     # PARTS warps per two rows
+        assert grid[0] // 32 * 4 >= rows * t["PARTS"]     # PARTS warps per four rows
         flat = ids.reshape(-1)
         xs = x.reshape(-1, cols)[mx.arange(flat.size) // x_div]
         y = (gather_experts(raw, flat, type_name, rows, cols) @ xs[:, :, None])[..., 0]
