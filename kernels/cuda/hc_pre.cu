@@ -20,20 +20,21 @@ __shared__ float scratch[32];
 __shared__ float m[M];
 __shared__ float cells[N * N];
 float ss = 0.0f;
-#pragma unroll 16
+#pragma unroll 32
 for (int i = threadIdx.x; i < N * E; i += blockDim.x) {
     const float v = s[i];
     ss += v * v;
 }
 ss = ds4lab_block_sum(ss, scratch);
 const float inv = 1.0f / sqrtf(ss / (float)(N * E) + eps[0]);
-// A warp per mixer output: its lanes take every 32nd partial sum (8 loads in flight), then
+// A warp per mixer output: its lanes take every 32nd partial sum (32 loads in flight), then
 // the warp's butterfly adds the lanes'. PARTS is ~1000 when q8_hc made them (one a block of
-// its product): one thread adding them in turn would wait on ~1000 dependent loads.
+// its product): one thread adding them in turn would wait on ~1000 dependent loads, and 8
+// loads in flight a lane left each output 4 L2 round trips in turn.
 const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 for (int i = warp; i < M; i += (int)(blockDim.x >> 5)) {
     float v = 0.0f;
-#pragma unroll 8
+#pragma unroll 32
     for (int p = lane; p < PARTS; p += 32) v += mix[((size_t)t * M + i) * PARTS + p];
     v = ds4lab_warp_sum_all(v);
     if (lane == 0) m[i] = v * inv;

@@ -14,6 +14,13 @@ const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x
 __shared__ float qn[QR];
 __shared__ float row[DH];
 __shared__ float scratch[32];
+// The thread's share of the head's weight wp[h] . xa first: its loads are in flight while
+// the norm's sum waits on its own (the block sums them after the rows).
+const float* xt = xa + (size_t)t * E;
+const float* wph = wp + (size_t)h * E;
+float ws = 0.0f;
+#pragma unroll 8
+for (int i = threadIdx.x; i < E; i += blockDim.x) ws += wph[i] * xt[i];
 const float* qrt = qr + (size_t)t * QR;
 const float inv = ds4lab_rms_inverse(qrt, QR, eps[0], scratch);
 for (int i = threadIdx.x; i < QR; i += blockDim.x) qn[i] = __fmul_rn(__fmul_rn(qrt[i], inv), qnorm[i]);
@@ -38,12 +45,8 @@ for (int r = warp; r < DH; r += 2 * n_warps) {
         row[r2] = s2;
     }
 }
-const float* xt = xa + (size_t)t * E;
-const float* wr = wp + (size_t)h * E;
-float s = 0.0f;
-for (int i = threadIdx.x; i < E; i += blockDim.x) s += wr[i] * xt[i];
-s = ds4lab_block_sum(s, scratch);              // synchronises: row[] is complete after it
-if (threadIdx.x == 0) w[(size_t)t * n_head + h] = __fmul_rn(s, wscale[0]);
+const float weight = ds4lab_block_sum(ws, scratch);   // synchronises: row[] is complete after it
+if (threadIdx.x == 0) w[(size_t)t * n_head + h] = __fmul_rn(weight, wscale[0]);
 ds4lab_rope_tail(row, DH, NROT, t, rope_cos, rope_sin, false);
 __syncthreads();
 if (QAT) ds4lab_hadamard_fp4(row, DH, hscale[0], carry);
