@@ -197,7 +197,7 @@ def _indexer_scores(inputs, t, grid, threadgroup):
     q, w, keys, n_keys = inputs
     n = int(n_keys.item())
     assert q.shape[1:] == (t["H"], t["DH"]) and keys.shape == (n, t["DH"])
-    assert _blocks(grid, threadgroup)[0] * threadgroup[0] // 32 >= n and grid[1] == q.shape[0]
+    assert _blocks(grid, threadgroup)[0] * threadgroup[0] // 32 * 4 >= n and grid[1] == q.shape[0]   # 4 keys a warp
     return [(mx.maximum(q @ keys.T, 0.0) * w[:, :, None]).sum(axis=1)]
 
 

@@ -402,10 +402,10 @@ def indexer_scores(q: mx.array, w: mx.array, keys: mx.array) -> mx.array:
     """Σ_h w[t, h]·relu(q[t, h]·keys[n]): q [T, H, DH], w [T, H], keys [N, DH] -> [T, N]."""
     t, h, dh = q.shape
     n = keys.shape[0]
-    warps = 8
+    warps, keys_per_warp = 8, 4                  # indexer_scores.cu's KEYS
     (scores,) = _fused("indexer_scores")(
         inputs=[q, w, keys, _scalar(n, mx.int32)], template=[("H", h), ("DH", dh)],
-        grid=(-(-n // warps) * 32 * warps, t, 1), threadgroup=(32 * warps, 1, 1),
+        grid=(-(-n // (warps * keys_per_warp)) * 32 * warps, t, 1), threadgroup=(32 * warps, 1, 1),
         output_shapes=[(t, n)], output_dtypes=[mx.float32])
     return scores
 

@@ -19,26 +19,39 @@ constexpr int M = (2 + N) * N;
 __shared__ float scratch[32];
 __shared__ float m[M];
 __shared__ float cells[N * N];
-float ss = 0.0f;
-#pragma unroll 32
-for (int i = threadIdx.x; i < N * E; i += blockDim.x) {
-    const float v = s[i];
-    ss += v * v;
-}
-ss = ds4lab_block_sum(ss, scratch);
-const float inv = 1.0f / sqrtf(ss / (float)(N * E) + eps[0]);
-// A warp per mixer output: its lanes take every 32nd partial sum (32 loads in flight), then
-// the warp's butterfly adds the lanes'. PARTS is ~1000 when q8_hc made them (one a block of
-// its product): one thread adding them in turn would wait on ~1000 dependent loads, and 8
-// loads in flight a lane left each output 4 L2 round trips in turn.
+// The loads of each step below are made into arrays first, all in flight together: written
+// as plain unrolled sums, the compiler kept this kernel to 32 registers and a few loads in
+// flight, and each of its chains of L2 round trips stood in turn (ncu: ~18 us a launch).
+// A warp per mixer output: its lanes take every 32nd partial sum, then the warp's butterfly
+// adds the lanes'. PARTS is ~1000 when q8_hc made them (one a block of its product): one
+// thread adding them in turn would wait on ~1000 dependent loads. The sums are scaled by the
+// streams' RMS once it is known.
 const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+constexpr int PER_LANE = (PARTS + 31) / 32;
 for (int i = warp; i < M; i += (int)(blockDim.x >> 5)) {
+    const float* parts = mix + ((size_t)t * M + i) * PARTS;
+    float got[PER_LANE];
+#pragma unroll
+    for (int k = 0; k < PER_LANE; ++k) got[k] = lane + 32 * k < PARTS ? parts[lane + 32 * k] : 0.0f;
     float v = 0.0f;
-#pragma unroll 32
-    for (int p = lane; p < PARTS; p += 32) v += mix[((size_t)t * M + i) * PARTS + p];
+#pragma unroll
+    for (int k = 0; k < PER_LANE; ++k)
+        if (lane + 32 * k < PARTS) v += got[k];
     v = ds4lab_warp_sum_all(v);
-    if (lane == 0) m[i] = v * inv;
+    if (lane == 0) m[i] = v;
 }
+constexpr int BATCH = 16;
+float ss = 0.0f;
+for (int i0 = threadIdx.x; i0 < N * E; i0 += BATCH * blockDim.x) {
+    float got[BATCH];
+#pragma unroll
+    for (int k = 0; k < BATCH; ++k) got[k] = i0 + k * blockDim.x < N * E ? s[i0 + k * blockDim.x] : 0.0f;
+#pragma unroll
+    for (int k = 0; k < BATCH; ++k) ss += got[k] * got[k];
+}
+ss = ds4lab_block_sum(ss, scratch);            // synchronises: m[] is complete after it
+const float inv = 1.0f / sqrtf(ss / (float)(N * E) + eps[0]);
+if ((int)threadIdx.x < M) m[threadIdx.x] *= inv;
 __syncthreads();
 if (warp == 0) {
     ds4lab_hc_split<N, ITERS>(m, scale, base, eps[1], pre + t * N, post + t * N, comb + (size_t)t * N * N, cells,

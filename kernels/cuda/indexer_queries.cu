@@ -25,18 +25,29 @@ const float* qrt = qr + (size_t)t * QR;
 const float inv = ds4lab_rms_inverse(qrt, QR, eps[0], scratch);
 for (int i = threadIdx.x; i < QR; i += blockDim.x) qn[i] = __fmul_rn(__fmul_rn(qrt[i], inv), qnorm[i]);
 __syncthreads();
-// A warp two rows at a time (r and r + n_warps): its lanes read the rows' consecutive floats,
-// every load of both rows in flight (one row at a time, each of a warp's 8 rows waited on
-// its own DRAM round trip and butterfly). Each row's sum keeps its order.
+// A warp two rows at a time (r and r + n_warps): its lanes read the rows' consecutive floats
+// into arrays first, every load of both rows in flight (written as an unrolled sum, the
+// compiler kept the kernel to 32 registers: each of a warp's 8 rows waited on several DRAM
+// round trips in turn, 44 us a launch). Each row's sum keeps its order.
+constexpr int PER_LANE = (QR + 31) / 32;
 for (int r = warp; r < DH; r += 2 * n_warps) {
     const int r2 = r + n_warps < DH ? r + n_warps : r;
     const float* wr = wq + ((size_t)h * DH + r) * QR;
     const float* wr2 = wq + ((size_t)h * DH + r2) * QR;
+    float a[PER_LANE], b[PER_LANE];
+#pragma unroll
+    for (int k = 0; k < PER_LANE; ++k) {
+        const int i = lane + 32 * k < QR ? lane + 32 * k : 0;
+        a[k] = wr[i];
+        b[k] = wr2[i];
+    }
     float s = 0.0f, s2 = 0.0f;
 #pragma unroll
-    for (int i = lane; i < QR; i += 32) {
-        s += wr[i] * qn[i];
-        s2 += wr2[i] * qn[i];
+    for (int k = 0; k < PER_LANE; ++k) {
+        if (lane + 32 * k < QR) {
+            s += a[k] * qn[lane + 32 * k];
+            s2 += b[k] * qn[lane + 32 * k];
+        }
     }
     s = ds4lab_warp_sum_all(s);
     s2 = ds4lab_warp_sum_all(s2);
