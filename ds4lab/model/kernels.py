@@ -89,7 +89,8 @@ _ATTENTION_WARPS = 16                    # warps per (token, head) block of deco
 _ATTENTION_MANY_BLOCKS = 132
 _ATTENTION_SHARE_KEYS = 512
 _ATTENTION_MAX_SHARES = 2
-_INDEXER_Q_WARPS = 16                    # warps per (token, head) block of indexer_queries (a row of wq a warp)
+_INDEXER_Q_WARPS = 32                    # warps per (token, head) block of indexer_queries (two rows of wq a warp
+                                         # at a time: one block a head, so the more warps the more loads in flight)
 _HC_DECODE_THREADS = 1024                # hc_pre's block for a decode step's token (one block a token)
 _HC_MIX_COLUMNS = 256                    # hc_mix's block: a column of the mixer product a thread
 
@@ -389,6 +390,9 @@ def indexer_queries(qr: mx.array, qnorm: mx.array, eps: float, xa: mx.array, wq:
     cos, sin = rope
     if t > MATVEC_MAX_TOKENS:
         raise ValueError(f"indexer_queries: at most {MATVEC_MAX_TOKENS} tokens, not {t}")
+    if qdim % 4 or xa.shape[-1] % 4:
+        raise ValueError(f"indexer_queries: q_a width {qdim}, input {xa.shape[-1]} (the kernel reads float4: "
+                         "multiples of 4)")
     threads = 32 * _INDEXER_Q_WARPS
     return tuple(_fused("indexer_queries")(
         inputs=[qr, qnorm, _scalar(eps), xa, wq, wp, cos, sin, _scalar(float(np.float32(1.0 / np.sqrt(head_dim)))),
@@ -611,6 +615,8 @@ def router(x: mx.array, bias: mx.array | None, n_used: int, scale: float,
         raise ValueError(f"the router kernel takes at most 1024 experts, not {e}")
     if weight is not None and t > MATVEC_MAX_TOKENS:
         raise ValueError(f"router: the logits made inside for at most {MATVEC_MAX_TOKENS} tokens, not {t}")
+    if weight is not None and weight.shape[1] % 4:
+        raise ValueError(f"router: rows of {weight.shape[1]} values (the kernel reads float4: a multiple of 4)")
     blocks = 1 if weight is None else -(-e // (threads // 32))
     return tuple(_fused("router")(
         inputs=[x, _scalar(0.0) if weight is None else weight, _scalar(0.0) if bias is None else bias, _scalar(scale),

@@ -10,10 +10,10 @@
 // no launch of its own.
 // Each warp runs an online softmax over every WARPS-th key (a lane holds D/32 dims); the
 // warps' partial sums are then combined. Masked keys are skipped, so only the selected
-// compressed rows are read. A warp takes its keys BATCH at a time: the batch's mask bytes,
-// then its key rows, are all in flight together, and one softmax rescale covers the batch
-// (one key at a time, every key waits for two dependent loads and a shuffle reduction
-// before the next key's loads start).
+// compressed rows are read. A warp takes its keys BATCH at a time: the batch's key rows are
+// all in flight together (its mask bytes were loaded with the batch before), and one
+// softmax rescale covers the batch (one key at a time, every key waits for two dependent
+// loads and a shuffle reduction before the next key's loads start).
 // Result: m (the largest scaled score, -INFINITY when no key is visible), l (the sum of
 // exp(score - m)) and acc[D] (the sum of exp(score - m) * key, shared memory) for every
 // thread; the call synchronises the block.
@@ -31,6 +31,14 @@ __device__ void ds4lab_attend_keys(const float* q, const float* keys, const floa
     const float scale = 1.0f / sqrtf((float)D);
     const float* qh = q + ((size_t)t * n_head + h) * D;
     const bool* visible = mask + (size_t)t * nk;
+    // Each batch's mask bytes are loaded a batch ahead (the first before the query's finish),
+    // so that a batch waits on one round trip, its key rows, not on two in turn.
+    bool vis_next[BATCH];
+    #pragma unroll
+    for (int b = 0; b < BATCH; ++b) {
+        const int n = lo + warp + b * WARPS;
+        vis_next[b] = n < hi && visible[n];
+    }
     __shared__ float q_finished[QFINISH ? D : 1];
     if (QFINISH) {
         __shared__ float scratch[32];
@@ -49,8 +57,9 @@ __device__ void ds4lab_attend_keys(const float* q, const float* keys, const floa
         float kv[BATCH][PER], dot[BATCH];
         #pragma unroll
         for (int b = 0; b < BATCH; ++b) {
-            const int n = n0 + b * WARPS;
-            vis[b] = n < hi && visible[n];
+            const int n = n0 + WARPS * BATCH + b * WARPS;
+            vis[b] = vis_next[b];
+            vis_next[b] = n < hi && visible[n];
         }
         #pragma unroll
         for (int b = 0; b < BATCH; ++b) {

@@ -11,42 +11,50 @@
 // Outputs: q [T, H, DH], w [T, H]. Grid: x = the heads, y = the tokens.
 const int h = blockIdx.x, t = blockIdx.y, n_head = gridDim.x;
 const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, n_warps = blockDim.x >> 5;
-__shared__ float qn[QR];
+__shared__ __align__(16) float qn[QR];
 __shared__ float row[DH];
 __shared__ float scratch[32];
+// Reads are float4 and made into arrays first (QR, E: multiples of 32): written as unrolled
+// scalar sums the compiler kept the kernel to 32 registers, a few 4-byte loads in flight a
+// lane, and its DRAM round trips stood in turn (44 us a launch on the flash shape).
 // The thread's share of the head's weight wp[h] . xa first: its loads are in flight while
 // the norm's sum waits on its own (the block sums them after the rows).
-const float* xt = xa + (size_t)t * E;
-const float* wph = wp + (size_t)h * E;
+const float4* xt4 = reinterpret_cast<const float4*>(xa + (size_t)t * E);
+const float4* wph4 = reinterpret_cast<const float4*>(wp + (size_t)h * E);
 float ws = 0.0f;
-#pragma unroll 8
-for (int i = threadIdx.x; i < E; i += blockDim.x) ws += wph[i] * xt[i];
+for (int i = threadIdx.x; i < E / 4; i += blockDim.x) {
+    const float4 a = wph4[i], b = xt4[i];
+    ws += a.x * b.x;
+    ws += a.y * b.y;
+    ws += a.z * b.z;
+    ws += a.w * b.w;
+}
 const float* qrt = qr + (size_t)t * QR;
 const float inv = ds4lab_rms_inverse(qrt, QR, eps[0], scratch);
 for (int i = threadIdx.x; i < QR; i += blockDim.x) qn[i] = __fmul_rn(__fmul_rn(qrt[i], inv), qnorm[i]);
 __syncthreads();
-// A warp two rows at a time (r and r + n_warps): its lanes read the rows' consecutive floats
-// into arrays first, every load of both rows in flight (written as an unrolled sum, the
-// compiler kept the kernel to 32 registers: each of a warp's 8 rows waited on several DRAM
-// round trips in turn, 44 us a launch). Each row's sum keeps its order.
-constexpr int PER_LANE = (QR + 31) / 32;
+// A warp two rows at a time (r and r + n_warps), every load of both rows in flight; a lane
+// takes float4 j = lane + 32k of each row, its sum in element order.
+constexpr int PER_LANE = (QR / 4 + 31) / 32;
+const float4* qn4 = reinterpret_cast<const float4*>(qn);
 for (int r = warp; r < DH; r += 2 * n_warps) {
     const int r2 = r + n_warps < DH ? r + n_warps : r;
-    const float* wr = wq + ((size_t)h * DH + r) * QR;
-    const float* wr2 = wq + ((size_t)h * DH + r2) * QR;
-    float a[PER_LANE], b[PER_LANE];
+    const float4* wr = reinterpret_cast<const float4*>(wq + ((size_t)h * DH + r) * QR);
+    const float4* wr2 = reinterpret_cast<const float4*>(wq + ((size_t)h * DH + r2) * QR);
+    float4 a[PER_LANE], b[PER_LANE];
 #pragma unroll
     for (int k = 0; k < PER_LANE; ++k) {
-        const int i = lane + 32 * k < QR ? lane + 32 * k : 0;
-        a[k] = wr[i];
-        b[k] = wr2[i];
+        const int j = lane + 32 * k < QR / 4 ? lane + 32 * k : 0;
+        a[k] = wr[j];
+        b[k] = wr2[j];
     }
     float s = 0.0f, s2 = 0.0f;
 #pragma unroll
     for (int k = 0; k < PER_LANE; ++k) {
-        if (lane + 32 * k < QR) {
-            s += a[k] * qn[lane + 32 * k];
-            s2 += b[k] * qn[lane + 32 * k];
+        if (lane + 32 * k < QR / 4) {
+            const float4 x = qn4[lane + 32 * k];
+            s += a[k].x * x.x; s += a[k].y * x.y; s += a[k].z * x.z; s += a[k].w * x.w;
+            s2 += b[k].x * x.x; s2 += b[k].y * x.y; s2 += b[k].z * x.z; s2 += b[k].w * x.w;
         }
     }
     s = ds4lab_warp_sum_all(s);
