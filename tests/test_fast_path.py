@@ -375,7 +375,7 @@ def _expert_matvec(type_name):
         rows, cols, per_out, x_div = t["ROWS"], t["COLS"], t["PAIRS_PER_OUT"], t["X_DIV"]
         assert t["ROW_BYTES"] * rows == t["EXPERT_BYTES"] == raw.shape[1]
         assert grid[1] * per_out == ids.size and x.size == ids.size // x_div * cols
-        assert grid[0] // 32 * 4 >= rows * t["PARTS"]     # PARTS warps per four rows
+        assert grid[0] // 32 * 2 >= rows * t["PARTS"]     # PARTS warps per two rows
         flat = ids.reshape(-1)
         xs = x.reshape(-1, cols)[mx.arange(flat.size) // x_div]
         y = (gather_experts(raw, flat, type_name, rows, cols) @ xs[:, :, None])[..., 0]
@@ -384,7 +384,7 @@ def _expert_matvec(type_name):
 
 
 def _expert_swiglu(type_name):
-    """With SHARED_ROWS also the shared expert's SwiGLU, a warp two rows, grid y's rows after
+    """With SHARED_ROWS also the shared expert's SwiGLU, a warp a row, grid y's rows after
     the pairs one a token."""
     def run(inputs, t, grid, threadgroup):
         raw_gate, raw_up, ids, x, w, clamp, codes_g, scales_g, codes_u, scales_u = inputs[:10]
@@ -393,7 +393,7 @@ def _expert_swiglu(type_name):
         assert t["ROW_BYTES"] * rows == t["EXPERT_BYTES"] == raw_gate.shape[1] == raw_up.shape[1]
         assert grid[1] == ids.size + (tokens if shared_rows else 0) and ids.size == w.size
         assert x.shape == (tokens, cols) and ids.shape[1] == x_div
-        assert grid[0] // 32 * 2 >= max(rows, shared_rows)     # a warp per two rows
+        assert grid[0] // 32 >= max(rows, shared_rows)     # a warp per row
         flat = ids.reshape(-1)
         xs = x[mx.arange(flat.size) // x_div][:, :, None]
         gate, up = ((gather_experts(raw, flat, type_name, rows, cols) @ xs)[..., 0] for raw in (raw_gate, raw_up))

@@ -774,14 +774,14 @@ def expert_matvec(tensor: ExpertBlocks, ids: mx.array, x: mx.array, *, pairs_per
     n_row_bytes = row_bytes(tensor.type_name, cols)
     inputs = [tensor.raw, ids.astype(mx.int32), x.astype(mx.float32), *_tables(tensor.type_name)]
     threads = 32 * _EXPERT_WARPS
-    # Warps sharing 4 rows, each over every parts-th of the pairs summed (expert_matvec.cu).
+    # Warps sharing a row pair, each over every parts-th of the pairs summed (expert_matvec.cu).
     parts = next(k for k in (4, 2, 1) if k <= per_out and _EXPERT_WARPS % k == 0)
     (y,) = _kernel(tensor.type_name)(
         inputs=inputs,
         template=[("ROWS", rows), ("COLS", cols), ("ROW_BYTES", n_row_bytes),
                   ("EXPERT_BYTES", rows * n_row_bytes), ("PAIRS_PER_OUT", per_out),
                   ("X_DIV", pairs_per_input), ("PARTS", parts)],
-        grid=(-(-(-(-rows // 4) * parts) // _EXPERT_WARPS) * threads, ids.size // per_out, 1),
+        grid=(-(-(-(-rows // 2) * parts) // _EXPERT_WARPS) * threads, ids.size // per_out, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(*ids.shape[:-1], rows) if sum_pairs else (*ids.shape, rows)],
         output_dtypes=[mx.float32],
@@ -820,7 +820,7 @@ def expert_swiglu(gate: ExpertBlocks, up: ExpertBlocks, ids: mx.array, x: mx.arr
                 _scalar(clamp), *q8, *_tables(gate.type_name)],
         template=[("ROWS", rows), ("COLS", cols), ("ROW_BYTES", n_row_bytes),
                   ("EXPERT_BYTES", rows * n_row_bytes), ("X_DIV", ids.shape[1]), ("SHARED_ROWS", shared_rows)],
-        grid=(-(-max(rows, shared_rows) // (2 * _EXPERT_WARPS)) * threads, ids.size + (t if shared else 0), 1),
+        grid=(-(-max(rows, shared_rows) // _EXPERT_WARPS) * threads, ids.size + (t if shared else 0), 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(*ids.shape, rows), (t, shared_rows) if shared else (1, 1)], output_dtypes=[mx.float32] * 2)
     return (mid, shared_mid) if shared is not None else mid

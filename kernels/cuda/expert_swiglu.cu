@@ -2,53 +2,39 @@
 // mid[p][row] = swiglu(G[ids[p]][row, :] . x, U[ids[p]][row, :] . x) * w[p], x the input row
 // p / X_DIV (a token's input shared by its X_DIV = n_expert_used pairs), w the route weights
 // (ds4lab_swiglu as the shared expert's; model/moe.py multiplies by the weight after it).
-// One warp per two adjacent output rows of one pair (grid y): those rows of gate and of up in
-// one pass over x, four rows sharing the lane's activation loads (the kernel is bound by the
-// L1 and shared memory pipe, and the activation was half its L1 traffic with two rows; the
-// last warp of an odd ROWS reads its one row twice and writes it once). The format header
-// says how a row's bytes decode (both matrices of one block format).
-// With SHARED_ROWS the launch also makes the shared expert's SwiGLU (q8_swiglu.cu's, a warp
-// two rows): grid y's rows after the pairs are the tokens, whose warps take the shared
-// expert's Q8_0 gate and up rows (codes_g, scales_g, codes_u, scales_u) into shared
-// [T, SHARED_ROWS]; both read the same FFN input, so one launch serves the two.
+// One warp per output row of one pair (grid y): the row of gate and of up in one pass over
+// x; the format header says how a row's bytes decode (both matrices of one block format).
+// With SHARED_ROWS the launch also makes the shared expert's SwiGLU (q8_swiglu.cu's, a warp a
+// row): grid y's rows after the pairs are the tokens, whose warps take the shared expert's
+// Q8_0 gate and up rows (codes_g, scales_g, codes_u, scales_u) into shared [T, SHARED_ROWS];
+// both read the same FFN input, so one launch serves the two.
 // Inputs: raw_gate, raw_up [n_expert, EXPERT_BYTES] uint8 (ROW_BYTES per row), ids (pairs,
 // int32), x [pairs / X_DIV, COLS], w (pairs), clamp [1] (0: none), the shared expert's matrices.
 DS4LAB_DOT_STAGE
 const int lane = threadIdx.x & 31;
-const int row = ((blockIdx.x * blockDim.x + threadIdx.x) >> 5) * 2;
+const int row = (blockIdx.x * blockDim.x + threadIdx.x) >> 5;
 const int p = blockIdx.y;
 if (SHARED_ROWS > 0) {
     const int n_pairs = gridDim.y / (X_DIV + 1) * X_DIV;
     if (p >= n_pairs) {
         const int t = p - n_pairs;
         if (row >= SHARED_ROWS) return;
-        const int next = row + 1 < SHARED_ROWS ? row + 1 : row;
-        const uint4* w2[4];
-        const float* s2[4];
+        const uint4* w2[2];
+        const float* s2[2];
         ds4lab_q8_row<COLS>(codes_g, scales_g, row, w2[0], s2[0]);
         ds4lab_q8_row<COLS>(codes_u, scales_u, row, w2[1], s2[1]);
-        ds4lab_q8_row<COLS>(codes_g, scales_g, next, w2[2], s2[2]);
-        ds4lab_q8_row<COLS>(codes_u, scales_u, next, w2[3], s2[3]);
-        float acc[4];
-        ds4lab_q8_dots<4, COLS>(w2, s2, reinterpret_cast<const float4*>(x + (size_t)t * COLS), lane, acc);
-        ds4lab_q8_totals<4, 1>(acc, 0, lane);
-        if (lane == 0) {
-            shared[(size_t)t * SHARED_ROWS + row] = ds4lab_swiglu(acc[0], acc[1], clamp[0]);
-            if (next != row) shared[(size_t)t * SHARED_ROWS + next] = ds4lab_swiglu(acc[2], acc[3], clamp[0]);
-        }
+        float acc[2];
+        ds4lab_q8_dots<2, COLS>(w2, s2, reinterpret_cast<const float4*>(x + (size_t)t * COLS), lane, acc);
+        ds4lab_q8_totals<2, 1>(acc, 0, lane);
+        if (lane == 0) shared[(size_t)t * SHARED_ROWS + row] = ds4lab_swiglu(acc[0], acc[1], clamp[0]);
         return;
     }
 }
 if (row >= ROWS) return;
-const int next = row + 1 < ROWS ? row + 1 : row;
 const size_t at = (size_t)ids[p] * EXPERT_BYTES + (size_t)row * ROW_BYTES;
-const size_t at2 = (size_t)ids[p] * EXPERT_BYTES + (size_t)next * ROW_BYTES;
-const uint8_t* const rows[4] = {raw_gate + at, raw_up + at, raw_gate + at2, raw_up + at2};
-float gu[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-ds4lab_expert_dot<COLS, 4>(rows, x + (size_t)(p / X_DIV) * COLS, lane, gu DS4LAB_DOT_TABLES);
-#pragma unroll
-for (int i = 0; i < 4; ++i) gu[i] = ds4lab_warp_sum(gu[i]);
-if (lane == 0) {
-    mid[(size_t)p * ROWS + row] = ds4lab_swiglu(gu[0], gu[1], clamp[0]) * w[p];
-    if (next != row) mid[(size_t)p * ROWS + next] = ds4lab_swiglu(gu[2], gu[3], clamp[0]) * w[p];
-}
+const uint8_t* const rows[2] = {raw_gate + at, raw_up + at};
+float gu[2] = {0.0f, 0.0f};
+ds4lab_expert_dot<COLS, 2>(rows, x + (size_t)(p / X_DIV) * COLS, lane, gu DS4LAB_DOT_TABLES);
+const float g = ds4lab_warp_sum(gu[0]);
+const float u = ds4lab_warp_sum(gu[1]);
+if (lane == 0) mid[(size_t)p * ROWS + row] = ds4lab_swiglu(g, u, clamp[0]) * w[p];
