@@ -1,3 +1,6 @@
+// The Q8_0 row dots of the decode step's Q8_0 kernels: two small helpers, then
+// ds4lab_q8_dots (the common loop), ds4lab_q8_dots_normed (q_b's) and ds4lab_q8_totals.
+
 // The lane's 16 inputs of chunk j (xv: the input vector as float4).
 __device__ __forceinline__ void ds4lab_q8_inputs(const float4* xv, int j, float xs[16]) {
 #pragma unroll
