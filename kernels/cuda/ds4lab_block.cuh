@@ -3,6 +3,16 @@
 // Passed as the `header` of every kernel that includes this file's functions.
 #include <cuda_fp16.h>
 
+// acc + a . b over one float4 of each, the products added to acc in element order (x, y, z,
+// w): a float4 read of a row kept as the scalar sum of its four values.
+__device__ __forceinline__ float ds4lab_dot4_add(float acc, float4 a, float4 b) {
+    acc += a.x * b.x;
+    acc += a.y * b.y;
+    acc += a.z * b.z;
+    acc += a.w * b.w;
+    return acc;
+}
+
 __device__ __forceinline__ float ds4lab_warp_sum_all(float v) {
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
     return v;

@@ -22,13 +22,7 @@ __shared__ float scratch[32];
 const float4* xt4 = reinterpret_cast<const float4*>(xa + (size_t)t * E);
 const float4* wph4 = reinterpret_cast<const float4*>(wp + (size_t)h * E);
 float ws = 0.0f;
-for (int i = threadIdx.x; i < E / 4; i += blockDim.x) {
-    const float4 a = wph4[i], b = xt4[i];
-    ws += a.x * b.x;
-    ws += a.y * b.y;
-    ws += a.z * b.z;
-    ws += a.w * b.w;
-}
+for (int i = threadIdx.x; i < E / 4; i += blockDim.x) ws = ds4lab_dot4_add(ws, wph4[i], xt4[i]);
 const float* qrt = qr + (size_t)t * QR;
 const float inv = ds4lab_rms_inverse(qrt, QR, eps[0], scratch);
 for (int i = threadIdx.x; i < QR; i += blockDim.x) qn[i] = __fmul_rn(__fmul_rn(qrt[i], inv), qnorm[i]);
@@ -53,8 +47,8 @@ for (int r = warp; r < DH; r += 2 * n_warps) {
     for (int k = 0; k < PER_LANE; ++k) {
         if (lane + 32 * k < QR / 4) {
             const float4 x = qn4[lane + 32 * k];
-            s += a[k].x * x.x; s += a[k].y * x.y; s += a[k].z * x.z; s += a[k].w * x.w;
-            s2 += b[k].x * x.x; s2 += b[k].y * x.y; s2 += b[k].z * x.z; s2 += b[k].w * x.w;
+            s = ds4lab_dot4_add(s, a[k], x);
+            s2 = ds4lab_dot4_add(s2, b[k], x);
         }
     }
     s = ds4lab_warp_sum_all(s);

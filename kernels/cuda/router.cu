@@ -34,10 +34,7 @@ if (PRODUCT) {
             for (int k = 0; k < BATCH; ++k) wv[k] = wr4[j0 + 32 * k < N / 4 ? j0 + 32 * k : 0];
 #pragma unroll
             for (int k = 0; k < BATCH; ++k) {
-                if (j0 + 32 * k < N / 4) {
-                    const float4 xv = xt4[j0 + 32 * k];
-                    s += wv[k].x * xv.x; s += wv[k].y * xv.y; s += wv[k].z * xv.z; s += wv[k].w * xv.w;
-                }
+                if (j0 + 32 * k < N / 4) s = ds4lab_dot4_add(s, wv[k], xt4[j0 + 32 * k]);
             }
         }
         s = ds4lab_warp_sum_all(s);
