@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import os
+import platform
 import shutil
 from pathlib import Path
 
@@ -31,6 +32,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         module = item.module.__name__ if item.module is not None else ""
         if module in ONE_WORKER_MODULES:
             item.add_marker(pytest.mark.xdist_group(module))
+
+
+@pytest.fixture(scope="session")
+def nvrtc():
+    """NVRTC from the dev extra's wheels, as MLX's CUDA back-end runs it (`kernel_cache.Nvrtc`)."""
+    if (platform.system(), platform.machine()) != ("Linux", "x86_64"):
+        pytest.skip("the NVRTC wheel is for Linux x86_64")
+    from ds4lab.model import kernel_cache
+
+    return kernel_cache.default_nvrtc()
 
 
 REPO_ROOT = Path(__file__).resolve().parent.parent

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import platform
-
 import pytest
 
-from ds4lab.model import kernel_cache
 from ds4lab.model.cubin import CubinError, kernel_resources
 
 _SOURCE = r"""
@@ -26,10 +23,8 @@ extern "C" __global__ void picked(const float* x, const int* at, float* y) {
 
 
 @pytest.fixture(scope="module")
-def cubin() -> bytes:
-    if (platform.system(), platform.machine()) != ("Linux", "x86_64"):
-        pytest.skip("the NVRTC wheel is for Linux x86_64")
-    code, _, log = kernel_cache.default_nvrtc().compile(_SOURCE, "resources.cu", "sm_90a")
+def cubin(nvrtc) -> bytes:
+    code, _, log = nvrtc.compile(_SOURCE, "resources.cu", "sm_90a")
     assert code is not None, log
     return code
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import platform
 from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
@@ -25,13 +24,6 @@ from test_fast_path import STAND_INS, _expert_matvec, _expert_swiglu, _launcher,
 from ds4lab.model import Model, kernel_cache, kernels
 from ds4lab.model.weights import ExpertBlocks, Q8Matrix
 from ds4lab.quants.formats import row_bytes
-
-
-@pytest.fixture(scope="module")
-def nvrtc() -> kernel_cache.Nvrtc:
-    if (platform.system(), platform.machine()) != ("Linux", "x86_64"):
-        pytest.skip("the NVRTC wheel is for Linux x86_64")
-    return kernel_cache.default_nvrtc()
 
 
 def compile_log(nvrtc: kernel_cache.Nvrtc, variant: kernel_cache.KernelVariant) -> str | None:
