@@ -113,3 +113,20 @@ def test_a_recorded_run_lists_the_step_s_kernels_and_leaves_mlx_as_it_was():
 def test_std_hash_covers_bytes_past_a_nul():
     """The hash covers the whole text (its length is passed: a NUL does not end it)."""
     assert kernel_cache.std_hash("ab\0cd") != kernel_cache.std_hash("ab")
+
+
+def test_precompiled_headers_stay_out_of_the_working_directory(tmp_path, monkeypatch):
+    """NVRTC's `-pch` writes `<file name>.pch` as it compiles, by default in the working
+    directory, where compiles of one file name at once (one kernel's variants on a thread
+    pool, test processes side by side) deleted each other's file. Each thread has its own
+    folder now: nothing lands in the working directory, and one name compiles on 4 threads."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    nvrtc = kernel_cache.default_nvrtc()
+    assert nvrtc.precompiled_headers, nvrtc.version
+    monkeypatch.chdir(tmp_path)
+    source = _VARIANT.mlx_source()
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(lambda _: nvrtc.compile(source, "same.cu", "compute_90a"), range(8)))
+    assert all(code is not None for code, _, _ in results), [log for code, _, log in results if code is None]
+    assert list(tmp_path.iterdir()) == []

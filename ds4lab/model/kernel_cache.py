@@ -31,6 +31,7 @@ import contextlib
 import ctypes
 import os
 import tempfile
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -172,7 +173,11 @@ class Nvrtc:
     From NVRTC 12.4 on it also passes `-pch`, NVRTC's automatic precompiled header: the
     headers every kernel includes are parsed once a process instead of once a compile (a
     compile is ~2 s of parsing them on 2 cores; with `-pch` and 4 threads 8 compiles took 2.5
-    s instead of 14.7). The code is the same, PTX byte for byte (tests/test_kernel_cache.py)."""
+    s instead of 14.7). The code is the same, PTX byte for byte (tests/test_kernel_cache.py).
+    NVRTC writes and deletes the header file `<file name>.pch` as it compiles, by default in
+    the working directory: two compiles of one file name at once (the same kernel's variants
+    on a thread pool, or test processes side by side) then delete each other's file and fail.
+    So each thread gets a folder of its own (`--pch-dir`) in this object's temporary one."""
 
     def __init__(self, library: str | os.PathLike[str], include_dirs: list[str | os.PathLike[str]]) -> None:
         self.lib = ctypes.CDLL(str(library))
@@ -181,6 +186,14 @@ class Nvrtc:
         _check(self.lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)), "nvrtcVersion")
         self.version = (major.value, minor.value)
         self.precompiled_headers = self.version >= (12, 4)
+        self._pch_root = tempfile.TemporaryDirectory(prefix="ds4lab-nvrtc-pch-")
+
+    def _pch_options(self) -> list[bytes]:
+        if not self.precompiled_headers:
+            return []
+        folder = Path(self._pch_root.name) / str(threading.get_ident())
+        folder.mkdir(exist_ok=True)
+        return [b"-pch", f"--pch-dir={folder}".encode()]
 
     def compile(self, source: str, file_name: str, arch: str = "sm_90a",
                 name: str | None = None) -> tuple[bytes | None, str | None, str]:
@@ -195,7 +208,7 @@ class Nvrtc:
             if name:
                 _check(lib.nvrtcAddNameExpression(program, name.encode()), "nvrtcAddNameExpression")
             options = [b"--device-as-default-execution-space", f"--gpu-architecture={arch}".encode(), *self.includes,
-                       *([b"-pch"] if self.precompiled_headers else [])]
+                       *self._pch_options()]
             result = lib.nvrtcCompileProgram(program, len(options), (ctypes.c_char_p * len(options))(*options))
             size = ctypes.c_size_t()
             lib.nvrtcGetProgramLogSize(program, ctypes.byref(size))
