@@ -21,6 +21,8 @@ every kernel.
     python bench/kernel_times.py [--layers 4] [--context 128] [--steps 4] [--ncu /usr/local/cuda/bin/ncu]
     python bench/kernel_times.py --details attention_heads [--launches 2]
     python bench/kernel_times.py --sequence      # also the first step's launches in order
+    python bench/kernel_times.py --set _IQ2_GRID_COPIES=1,_EXPERT_SWIGLU_WARPS=4   # a launch variant
+    python bench/kernel_times.py --details expert_swiglu --sections MemoryWorkloadAnalysis_Tables
 
 `--details NAME` prints instead ncu's own report of the first `--launches` launches of the
 kernels whose name contains NAME in those steps: speed of light (the share of the device's
@@ -50,6 +52,7 @@ import time
 from collections import defaultdict
 
 import mlx.core as mx
+from device_time_ab import parse_variant
 from step_costs import decoding_session
 
 from ds4lab.config import preset
@@ -136,7 +139,12 @@ def main() -> None:
     parser.add_argument("--details", metavar="NAME", help="ncu's sections for the kernels whose name contains NAME")
     parser.add_argument("--launches", type=int, default=2, help="launches reported with --details")
     parser.add_argument("--sequence", action="store_true", help="also print the first step's launches in order")
+    parser.add_argument("--set", default="base", metavar="NAME=VALUE,...",
+                        help="integer constants of ds4lab.model.kernels to change first (device_time_ab.py's variants)")
+    parser.add_argument("--sections", nargs="+", default=list(_SECTIONS), help="ncu's sections for --details")
     args = parser.parse_args()
+    for name, value in parse_variant(args.set).items():
+        setattr(kernels, name, value)
     if os.environ.get(_CHILD):
         decode_steps(args.layers, args.context, args.steps, profile=True)
         return
@@ -146,7 +154,7 @@ def main() -> None:
         sys.exit(f"no ncu at {args.ncu} (--ncu PATH)")
     if args.details:
         what = ["--kernel-name", f"regex:{re.escape(args.details)}", "--launch-count", str(args.launches),
-                *(arg for section in _SECTIONS for arg in ("--section", section))]
+                *(arg for section in args.sections for arg in ("--section", section))]
     else:
         what = ["--metrics", _METRIC, "--csv", "--print-units", "base"]
         wall = decode_steps(args.layers, args.context, args.steps, profile=False)

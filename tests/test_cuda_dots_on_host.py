@@ -67,9 +67,9 @@ static void warp_dot(const uint8_t* const* w, const float* x, float* out, const 
 }
 #define ONE(COLS, R) extern "C" void dot_##COLS##_##R(const uint8_t* const* w, const float* x, float* out, \
     const uint2* grid) { warp_dot<COLS, R>(w, x, out, grid); }
-ONE(256, 1) ONE(256, 2) ONE(768, 2) ONE(2048, 1) ONE(2048, 2) ONE(4096, 2)
+ONE(256, 1) ONE(256, 2) ONE(768, 2) ONE(1280, 2) ONE(2048, 1) ONE(2048, 2) ONE(4096, 2)
 """
-_SHAPES = [(256, 1), (256, 2), (768, 2), (2048, 1), (2048, 2), (4096, 2)]
+_SHAPES = [(256, 1), (256, 2), (768, 2), (1280, 2), (2048, 1), (2048, 2), (4096, 2)]
 
 
 @pytest.fixture(scope="module", params=list(kernels._TYPES))
@@ -77,7 +77,9 @@ def host_dots(request, tmp_path_factory):
     """(type name, the compiled library) of one block format's dot header."""
     type_name = request.param
     name = kernels._TYPES[type_name]
-    tables = ", grid" if type_name == "IQ2_XXS" else ""
+    # IQ2_XXS: the grid in the kernels' shared-memory layout, each lane reading its copy.
+    copies = kernels._IQ2_GRID_COPIES
+    tables = f", grid + (lane & {copies - 1}), {copies}" if type_name == "IQ2_XXS" else ""
     return type_name, _host_library(tmp_path_factory.mktemp(f"dots_{name}"), f"#define TABLES {tables}\n{_DRIVER}",
                                     "ds4lab_block.cuh", "expert_matvec_common.cuh", f"expert_dot_{name}.cuh")
 
@@ -96,7 +98,8 @@ def _run(lib, type_name: str, raw: np.ndarray, x: np.ndarray, cols: int, r: int)
     rows = [np.ascontiguousarray(raw[i]) for i in range(r)]
     pointers = (ctypes.c_void_p * r)(*[row.ctypes.data for row in rows])
     out = np.zeros(r, np.float32)
-    grid = np.ascontiguousarray(IQ2XXS_GRID_BYTES, dtype=np.uint8)
+    grid = np.ascontiguousarray(np.repeat(IQ2XXS_GRID_BYTES.reshape(256, 8), kernels._IQ2_GRID_COPIES, axis=0),
+                                dtype=np.uint8)
     getattr(lib, f"dot_{cols}_{r}")(pointers, x.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p),
                                    grid.ctypes.data_as(ctypes.c_void_p))
     return out
@@ -123,7 +126,7 @@ def test_the_host_check_catches_a_wrong_lane(host_dots):
     raw = random_blocks(type_name, 8, rng, d=0.01).reshape(1, row_bytes(type_name, 2048))
     x = rng.standard_normal(2048).astype(np.float32)
     x_missing = x.copy()
-    x_missing[8 * 5: 8 * 6] = 0.0                       # lane 5's share of the first block
+    x_missing[8 * 5: 8 * 6] = 0.0                       # 8 inputs of the first block: a lane's share or half of one
     got = _run(lib, type_name, raw, x_missing, 2048, 1)
     decoded = dequantize(raw.reshape(-1), type_name, (1, 2048)).astype(np.float64)
     scale = np.abs(decoded) @ np.abs(x)

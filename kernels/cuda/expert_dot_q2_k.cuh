@@ -1,42 +1,58 @@
 // ds4lab_expert_dot: one lane's share of R weight rows . x for Q2_K blocks (84 bytes per 256
 // values): 16 scale bytes (low nibble scale, high nibble min, per 16 values), 64 bytes of
-// 2-bit codes, f16 d and dmin; w = d * scale * q - dmin * min. Blocks are 4-byte aligned:
-// the lane reads its 8 code bytes as two 32-bit words.
+// 2-bit codes, f16 d and dmin; w = d * scale * q - dmin * min. Blocks are 4-byte aligned.
+// A warp walks a row two blocks at a time: lanes 0-15 the first, 16-31 the second, each lane
+// the 16 values of one scale byte (16 code bytes at one shift: four 32-bit words), so that
+// d, dmin and the scale are loaded and decoded once per 16 values, not per 8.
 #define DS4LAB_DOT_STAGE
 #define DS4LAB_DOT_TABLES
 template <int COLS, int R>
 __device__ __forceinline__ void ds4lab_expert_dot(const uint8_t* const (&w)[R], const float* xv, int lane,
                                                   float (&acc)[R]) {
-    const int first = lane * 8, half = first >> 7, within = first & 127;
+    const int second = lane >> 4, group = lane & 15;                  // group: the 16 values of scale byte `group`
+    const int first = 16 * group, half = first >> 7, within = first & 127;
     const int shift = 2 * (within >> 5), k0 = within & 31;
-    constexpr int NB = COLS / 256, U = ds4lab_step<NB, R>::U;
+    constexpr int NB = COLS / 256, NP = (NB + 1) / 2, U = ds4lab_step<NP, R>::U;
     float part[R];
     #pragma unroll
     for (int r = 0; r < R; ++r) part[r] = 0.0f;
-    for (int b0 = 0; b0 < NB; b0 += U) {
-        uint32_t dd[U][R], sc[U][R], lo[U][R], hi[U][R];
+    for (int p0 = 0; p0 < NP; p0 += U) {
+        uint32_t dd[U][R], sc[U][R], q[U][R][4];
         #pragma unroll
         for (int u = 0; u < U; ++u) {
+            const int b = 2 * (p0 + u) + second;
             #pragma unroll
             for (int r = 0; r < R; ++r) {
-                const uint8_t* blk = w[r] + (b0 + u) * 84;
-                const uint32_t* q = reinterpret_cast<const uint32_t*>(blk + 16 + 32 * half + k0);
-                dd[u][r] = *reinterpret_cast<const uint32_t*>(blk + 80);
-                sc[u][r] = blk[lane >> 1];
-                lo[u][r] = q[0];
-                hi[u][r] = q[1];
+                dd[u][r] = sc[u][r] = 0u;
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) q[u][r][i] = 0u;
+                if (NB % 2 == 0 || b < NB) {
+                    const uint8_t* blk = w[r] + b * 84;
+                    const uint32_t* codes = reinterpret_cast<const uint32_t*>(blk + 16 + 32 * half + k0);
+                    dd[u][r] = *reinterpret_cast<const uint32_t*>(blk + 80);
+                    sc[u][r] = blk[group];
+                    #pragma unroll
+                    for (int i = 0; i < 4; ++i) q[u][r][i] = codes[i];
+                }
             }
         }
         #pragma unroll
         for (int u = 0; u < U; ++u) {
-            float xs[8];
-            ds4lab_lane_inputs(xv, b0 + u, lane, xs);
-            const float xsum = ds4lab_sum8(xs);
+            const int b = 2 * (p0 + u) + second;
+            if (NB % 2 != 0 && b >= NB) continue;                       // an odd count's last pair: no second block
+            float xs[16];
+            const float* xb = xv + b * 256 + first;
+            ds4lab_load8(xb, xs);
+            ds4lab_load8(xb + 8, xs + 8);
+            const float xsum = ds4lab_sum8(xs) + ds4lab_sum8(xs + 8);
             #pragma unroll
             for (int r = 0; r < R; ++r) {
                 const float dl = ds4lab_f16_bits(dd[u][r]) * (float)(sc[u][r] & 15);
                 const float ml = ds4lab_f16_bits(dd[u][r] >> 16) * (float)(sc[u][r] >> 4);
-                part[r] = ds4lab_kquant_dot8<3>(part[r], dl, ml, lo[u][r], hi[u][r], shift, xs, xsum);
+                float qx = 0.0f;
+                #pragma unroll
+                for (int i = 0; i < 4; ++i) qx = ds4lab_codes4_dot(qx, (q[u][r][i] >> shift) & 0x03030303u, xs + 4 * i);
+                part[r] = fmaf(dl, qx, fmaf(-ml, xsum, part[r]));
             }
         }
     }

@@ -1,15 +1,17 @@
 // Shared helpers of the routed-expert matvec (ds4lab/model/kernels.py `expert_matvec`).
 // Each block format's header (expert_dot_*.cuh) defines ds4lab_expert_dot<COLS, R>: one
 // lane's share of the dot products of R weight rows in that format with one activation,
-// added to acc[R]. Lanes take 8 consecutive values of every 256-value block, decode them
-// from the block bytes and multiply them with the activation; the kernels sum the lanes.
+// added to acc[R]. Lanes take 8 or 16 consecutive values of a 256-value block (the format
+// says which), decode them from the block bytes and multiply them with the activation; the
+// kernels sum the lanes.
 // The R rows share the lane's activation loads: on these shapes the kernels read more bytes
 // of the (cached) activation than of the weights, so a warp takes two rows (expert_matvec)
 // or a row of gate and of up (expert_swiglu) at once. Each row keeps its own sum, in the
 // same order as one row alone.
 // A block gives a lane only a few bytes, far too little to hide the memory latency, so each
-// format walks the rows U blocks at a time: first the loads of all U blocks of every row (in
-// flight together), then their arithmetic.
+// format walks the rows U steps at a time (a step: a block, or two blocks for formats whose
+// lanes take 16 values): first the loads of all U steps of every row (in flight together),
+// then their arithmetic.
 // A format may need lookup tables in shared memory: its DS4LAB_DOT_STAGE copies them there
 // (the whole thread block, before any thread returns) and DS4LAB_DOT_TABLES passes them on.
 __device__ __forceinline__ float ds4lab_warp_sum(float v) {
@@ -17,19 +19,24 @@ __device__ __forceinline__ float ds4lab_warp_sum(float v) {
     return v;
 }
 
-// Blocks per step for R rows: the largest of 8 / R, 4, 2, 1 (at most 8 / R) that divides
-// the row's block count, so that at most 8 blocks' loads are in flight per lane.
+// Steps at a time for R rows: the largest of 8 / R, 4, 2, 1 (at most 8 / R) that divides
+// the row's step count NB, so that at most 8 steps' loads are in flight per lane.
 template <int NB, int R>
 struct ds4lab_step {
     static constexpr int M = 8 / R;
     static constexpr int U = M >= 8 && NB % 8 == 0 ? 8 : M >= 4 && NB % 4 == 0 ? 4 : M >= 2 && NB % 2 == 0 ? 2 : 1;
 };
 
-// The lane's 8 activations of block b.
-__device__ __forceinline__ void ds4lab_lane_inputs(const float* xv, int b, int lane, float xs[8]) {
-    const float4 a = *reinterpret_cast<const float4*>(xv + b * 256 + lane * 8);
-    const float4 c = *reinterpret_cast<const float4*>(xv + b * 256 + lane * 8 + 4);
+// 8 activations from at (16-byte aligned), as two float4 loads.
+__device__ __forceinline__ void ds4lab_load8(const float* at, float xs[8]) {
+    const float4 a = *reinterpret_cast<const float4*>(at);
+    const float4 c = *reinterpret_cast<const float4*>(at + 4);
     xs[0] = a.x; xs[1] = a.y; xs[2] = a.z; xs[3] = a.w; xs[4] = c.x; xs[5] = c.y; xs[6] = c.z; xs[7] = c.w;
+}
+
+// The lane's 8 activations of block b (formats whose lanes take 8 values of every block).
+__device__ __forceinline__ void ds4lab_lane_inputs(const float* xv, int b, int lane, float xs[8]) {
+    ds4lab_load8(xv + b * 256 + lane * 8, xs);
 }
 
 // The sum of the lane's 8 activations (the K-quant formats' min term, shared by its R rows).
@@ -44,6 +51,16 @@ __device__ __forceinline__ float ds4lab_sum8(const float xs[8]) {
 // at 1/8 of the FMA rate, and the expert kernels convert every weight): 2^23 + v is the float
 // whose mantissa bits are v, and subtracting 2^23 is exact.
 __device__ __forceinline__ float ds4lab_small_uint(uint32_t v) { return __uint_as_float(v | 0x4B000000u) - 8388608.0f; }
+
+// acc + sum over k < 4 of byte k of `bytes` times xs[k], the bytes small codes (a K-quant's
+// bits already masked out of their byte): each becomes its float by a byte permute into the
+// mantissa of 2^23 and one exact subtraction, so a value costs three instructions.
+__device__ __forceinline__ float ds4lab_codes4_dot(float acc, uint32_t bytes, const float* xs) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+        acc = fmaf(__uint_as_float(__byte_perm(bytes, 0x4B000000u, 0x7440u | k)) - 8388608.0f, xs[k], acc);
+    return acc;
+}
 
 // acc + sum over the lane's 8 values xs of a block of (dl * q - ml) * x, the K-quant row form
 // (d * scale * q - dmin * min), with q = (byte >> shift) & MASK of the 8 code bytes in lo, hi:
