@@ -41,25 +41,12 @@ import ds4lab  # noqa: F401  (first: OpenBLAS before MLX on Linux)
 import argparse
 
 import mlx.core as mx
+from kernel_variants import parse_variant
 from step_costs import decoding_session, time_step
 
 from ds4lab.config import preset
 from ds4lab.model import kernels
 from ds4lab.model.random_weights import random_weights
-
-
-def parse_variant(text: str) -> dict[str, int]:
-    """{constant: value} of "NAME=VALUE,NAME=VALUE" ("base": none), each NAME one of
-    `kernels`' integer constants."""
-    if text == "base":
-        return {}
-    out = {}
-    for item in text.split(","):
-        name, _, value = item.partition("=")
-        if not isinstance(getattr(kernels, name, None), int) or not value.lstrip("-").isdigit():
-            raise SystemExit(f"device_time_ab: {item!r} is not NAME=INT for an int constant of ds4lab.model.kernels")
-        out[name] = int(value)
-    return out
 
 
 def main() -> None:

@@ -52,7 +52,7 @@ import time
 from collections import defaultdict
 
 import mlx.core as mx
-from device_time_ab import parse_variant
+from kernel_variants import parse_variant
 from step_costs import decoding_session
 
 from ds4lab.config import preset
