@@ -21,7 +21,7 @@ every kernel.
     python bench/kernel_times.py [--layers 4] [--context 128] [--steps 4] [--ncu /usr/local/cuda/bin/ncu]
     python bench/kernel_times.py --details attention_heads [--launches 2]
     python bench/kernel_times.py --sequence      # also the first step's launches in order
-    python bench/kernel_times.py --set _IQ2_GRID_COPIES=1,_EXPERT_SWIGLU_WARPS=4   # a launch variant
+    python bench/kernel_times.py --set _EXPERT_WARPS=8,_ATTENTION_WARPS=8   # a launch variant (kernel_variants.py)
     python bench/kernel_times.py --details expert_swiglu --sections MemoryWorkloadAnalysis_Tables
 
 `--details NAME` prints instead ncu's own report of the first `--launches` launches of the

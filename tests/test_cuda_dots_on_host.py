@@ -77,9 +77,7 @@ def host_dots(request, tmp_path_factory):
     """(type name, the compiled library) of one block format's dot header."""
     type_name = request.param
     name = kernels._TYPES[type_name]
-    # IQ2_XXS: the grid in the kernels' shared-memory layout, each lane reading its copy.
-    copies = kernels._IQ2_GRID_COPIES
-    tables = f", grid + (lane & {copies - 1}), {copies}" if type_name == "IQ2_XXS" else ""
+    tables = ", grid" if type_name == "IQ2_XXS" else ""
     return type_name, _host_library(tmp_path_factory.mktemp(f"dots_{name}"), f"#define TABLES {tables}\n{_DRIVER}",
                                     "ds4lab_block.cuh", "expert_matvec_common.cuh", f"expert_dot_{name}.cuh")
 
@@ -98,8 +96,7 @@ def _run(lib, type_name: str, raw: np.ndarray, x: np.ndarray, cols: int, r: int)
     rows = [np.ascontiguousarray(raw[i]) for i in range(r)]
     pointers = (ctypes.c_void_p * r)(*[row.ctypes.data for row in rows])
     out = np.zeros(r, np.float32)
-    grid = np.ascontiguousarray(np.repeat(IQ2XXS_GRID_BYTES.reshape(256, 8), kernels._IQ2_GRID_COPIES, axis=0),
-                                dtype=np.uint8)
+    grid = np.ascontiguousarray(IQ2XXS_GRID_BYTES, dtype=np.uint8)
     getattr(lib, f"dot_{cols}_{r}")(pointers, x.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p),
                                    grid.ctypes.data_as(ctypes.c_void_p))
     return out

@@ -79,11 +79,7 @@ if TYPE_CHECKING:
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels" / "cuda"
 _TYPES = {"IQ2_XXS": "iq2_xxs", "Q2_K": "q2_k", "Q4_K": "q4_k"}
-_EXPERT_WARPS = 4                        # warps per thread block of expert_matvec
-_EXPERT_SWIGLU_WARPS = 8                 # warps per thread block of expert_swiglu (IQ2_XXS: each block
-                                         # first copies the grid to shared memory, so more rows a block)
-_IQ2_GRID_COPIES = 16                    # interleaved copies of the IQ2_XXS grid in shared memory
-                                         # (expert_dot_iq2_xxs.cuh: 16, a half-warp's lanes on their own banks)
+_EXPERT_WARPS = 4                        # warps per thread block of the expert kernels
 _THREADS = 128                           # threads per block of the row and HC kernels
 _ATTENTION_WARPS = 16                    # warps per (token, head) block of decode attention
 # Decode attention splits a (token, head)'s keys over blocks ("shares", attention_shares)
@@ -764,11 +760,6 @@ def _tables(type_name: str) -> list[mx.array]:
     return [_iq2_grid()] if type_name == "IQ2_XXS" else []
 
 
-def _table_template(type_name: str) -> list[tuple[str, int]]:
-    """The template arguments of a block format's tables (IQ2_XXS: the grid's shared-memory copies)."""
-    return [("GRID_COPIES", _IQ2_GRID_COPIES)] if type_name == "IQ2_XXS" else []
-
-
 def expert_matvec(tensor: ExpertBlocks, ids: mx.array, x: mx.array, *, pairs_per_input: int = 1,
                   sum_pairs: bool = False) -> mx.array:
     """Expert ids[p]'s matrix times an input row, from the block bytes, for each pair p of
@@ -789,7 +780,7 @@ def expert_matvec(tensor: ExpertBlocks, ids: mx.array, x: mx.array, *, pairs_per
         inputs=inputs,
         template=[("ROWS", rows), ("COLS", cols), ("ROW_BYTES", n_row_bytes),
                   ("EXPERT_BYTES", rows * n_row_bytes), ("PAIRS_PER_OUT", per_out),
-                  ("X_DIV", pairs_per_input), ("PARTS", parts), *_table_template(tensor.type_name)],
+                  ("X_DIV", pairs_per_input), ("PARTS", parts)],
         grid=(-(-(-(-rows // 2) * parts) // _EXPERT_WARPS) * threads, ids.size // per_out, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(*ids.shape[:-1], rows) if sum_pairs else (*ids.shape, rows)],
@@ -822,15 +813,14 @@ def expert_swiglu(gate: ExpertBlocks, up: ExpertBlocks, ids: mx.array, x: mx.arr
     none = [_constant((0,), mx.uint32), _scalar(0.0)] * 2                       # no shared expert: typed stand-ins
     q8 = [a for m in shared for a in (m.codes, m.scales)] if shared is not None else none
     n_row_bytes = row_bytes(gate.type_name, cols)
-    threads = 32 * _EXPERT_SWIGLU_WARPS
+    threads = 32 * _EXPERT_WARPS
     t = ids.shape[0]
     mid, shared_mid = _kernel(gate.type_name, True)(
         inputs=[gate.raw, up.raw, ids.astype(mx.int32), x.astype(mx.float32), weights.astype(mx.float32),
                 _scalar(clamp), *q8, *_tables(gate.type_name)],
         template=[("ROWS", rows), ("COLS", cols), ("ROW_BYTES", n_row_bytes),
-                  ("EXPERT_BYTES", rows * n_row_bytes), ("X_DIV", ids.shape[1]), ("SHARED_ROWS", shared_rows),
-                  *_table_template(gate.type_name)],
-        grid=(-(-max(rows, shared_rows) // _EXPERT_SWIGLU_WARPS) * threads, ids.size + (t if shared else 0), 1),
+                  ("EXPERT_BYTES", rows * n_row_bytes), ("X_DIV", ids.shape[1]), ("SHARED_ROWS", shared_rows)],
+        grid=(-(-max(rows, shared_rows) // _EXPERT_WARPS) * threads, ids.size + (t if shared else 0), 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(*ids.shape, rows), (t, shared_rows) if shared else (1, 1)], output_dtypes=[mx.float32] * 2)
     return (mid, shared_mid) if shared is not None else mid

@@ -33,7 +33,7 @@ from ..hooks import ActivationCache, HookFn, HookRegistry, NameFilter, Scope, fl
 from . import attention, cpu_kernels, indexer, kernels, moe
 from .compressor import Compressor, Frontier, decode_pair, row_span
 from .hc import HCControl, hc_collapse, hc_control, hc_expand, hc_expand_q8, hc_fused_input, hc_head_weights
-from .numerics import MODES, Numerics, Schedule, batch_invariant_device, joined
+from .numerics import MODES, Numerics, Schedule, joined
 from .rope import Rotation, yarn_for
 from .state import LayerCache, SessionState
 from .weights import LayerWeights, ModelWeights
@@ -526,43 +526,26 @@ class Model:
         return fire(prefix + "hook_logits", mm.q8(self.weights.output, z))
 
 
-# Masks depend only on positions and sizes: made once per chunk, shared by the layers.
+# Masks depend only on positions and sizes: made on the host once per chunk, shared by the layers.
 @lru_cache(maxsize=16)
 def _window_mask(p0: int, t: int, n_kept: int, n_swa: int) -> mx.array:
     """[T, n_kept + T]: the raw rows (kept window, then the chunk's) each token sees."""
-    return _as_mask(_window_seen(p0, t, n_kept, n_swa))
+    offset = np.arange(p0, p0 + t)[:, None] - np.arange(p0 - n_kept, p0 + t)[None, :]
+    return mx.array((offset >= 0) & (offset < n_swa))
 
 
 @lru_cache(maxsize=16)
 def _visible_rows(p0: int, t: int, n_rows: int, ratio: int) -> tuple[mx.array, np.ndarray]:
     """([T, n_rows] compressed rows each token may see (windows it has completed), their counts)."""
-    seen = _rows_seen(p0, t, n_rows, ratio)
-    return _as_mask(seen), seen.sum(axis=1)
+    seen = np.arange(n_rows)[None, :] < ((np.arange(p0, p0 + t) + 1) // ratio)[:, None]
+    return mx.array(seen), seen.sum(axis=1)
 
 
 @lru_cache(maxsize=16)
 def _window_and_rows_mask(p0: int, t: int, n_kept: int, n_swa: int, n_rows: int, ratio: int) -> mx.array:
     """[T, n_kept + T + n_rows]: `_window_mask` then `_visible_rows`, side by side."""
-    return _as_mask(np.concatenate([_window_seen(p0, t, n_kept, n_swa), _rows_seen(p0, t, n_rows, ratio)], axis=1))
-
-
-def _window_seen(p0: int, t: int, n_kept: int, n_swa: int) -> np.ndarray:
-    offset = np.arange(p0, p0 + t)[:, None] - np.arange(p0 - n_kept, p0 + t)[None, :]
-    return (offset >= 0) & (offset < n_swa)
-
-
-def _rows_seen(p0: int, t: int, n_rows: int, ratio: int) -> np.ndarray:
-    return np.arange(n_rows)[None, :] < ((np.arange(p0, p0 + t) + 1) // ratio)[:, None]
-
-
-def _as_mask(seen: np.ndarray) -> mx.array:
-    """A mask as an MLX array. One that sees everything (a decode token's, as a rule) is made
-    on the device (`mx.ones`), not from the host's bytes: MLX's CUDA backend puts an array
-    made from host data in managed memory, so each step's new masks would have their pages
-    migrate to the GPU when the first kernel reads them (layer 0's attention: 150-260 µs in
-    ncu, against the other layers' 28). On the CPU the host's bytes are read as they are (a
-    lazy array there costs the first native kernel reading it an evaluation)."""
-    return mx.ones(seen.shape, mx.bool_) if seen.all() and not batch_invariant_device() else mx.array(seen)
+    window = np.array(_window_mask(p0, t, n_kept, n_swa))
+    return mx.array(np.concatenate([window, np.array(_visible_rows(p0, t, n_rows, ratio)[0])], axis=1))
 
 
 def _within(h: Scope, suffix: str, mask: mx.array | None, visible: mx.array) -> mx.array | None:
