@@ -33,7 +33,7 @@ from ..hooks import ActivationCache, HookFn, HookRegistry, NameFilter, Scope, fl
 from . import attention, cpu_kernels, indexer, kernels, moe
 from .compressor import Compressor, Frontier, decode_pair, row_span
 from .hc import HCControl, hc_collapse, hc_control, hc_expand, hc_expand_q8, hc_fused_input, hc_head_weights
-from .numerics import MODES, Numerics, Schedule, joined
+from .numerics import MODES, Numerics, Schedule, batch_invariant_device, joined
 from .rope import Rotation, yarn_for
 from .state import LayerCache, SessionState
 from .weights import LayerWeights, ModelWeights
@@ -526,10 +526,12 @@ class Model:
         return fire(prefix + "hook_logits", mm.q8(self.weights.output, z))
 
 
-# Masks depend only on positions and sizes: made on the host once per chunk, shared by the layers.
+# Masks depend only on positions and sizes: made once per chunk, shared by the layers.
 @lru_cache(maxsize=16)
 def _window_mask(p0: int, t: int, n_kept: int, n_swa: int) -> mx.array:
     """[T, n_kept + T]: the raw rows (kept window, then the chunk's) each token sees."""
+    if t == 1:                                   # the columns n_kept - c < n_swa
+        return _span_mask(n_kept + 1, max(0, n_kept + 1 - n_swa), n_kept + 1)
     offset = np.arange(p0, p0 + t)[:, None] - np.arange(p0 - n_kept, p0 + t)[None, :]
     return mx.array((offset >= 0) & (offset < n_swa))
 
@@ -537,6 +539,9 @@ def _window_mask(p0: int, t: int, n_kept: int, n_swa: int) -> mx.array:
 @lru_cache(maxsize=16)
 def _visible_rows(p0: int, t: int, n_rows: int, ratio: int) -> tuple[mx.array, np.ndarray]:
     """([T, n_rows] compressed rows each token may see (windows it has completed), their counts)."""
+    if t == 1:
+        seen = min(n_rows, (p0 + 1) // ratio)
+        return _span_mask(n_rows, 0, seen), np.array([seen])
     seen = np.arange(n_rows)[None, :] < ((np.arange(p0, p0 + t) + 1) // ratio)[:, None]
     return mx.array(seen), seen.sum(axis=1)
 
@@ -544,8 +549,25 @@ def _visible_rows(p0: int, t: int, n_rows: int, ratio: int) -> tuple[mx.array, n
 @lru_cache(maxsize=16)
 def _window_and_rows_mask(p0: int, t: int, n_kept: int, n_swa: int, n_rows: int, ratio: int) -> mx.array:
     """[T, n_kept + T + n_rows]: `_window_mask` then `_visible_rows`, side by side."""
+    if t == 1:                                   # the window's visible columns, then the rows seen: one span
+        return _span_mask(n_kept + 1 + n_rows, max(0, n_kept + 1 - n_swa),
+                          n_kept + 1 + min(n_rows, (p0 + 1) // ratio))
     window = np.array(_window_mask(p0, t, n_kept, n_swa))
     return mx.array(np.concatenate([window, np.array(_visible_rows(p0, t, n_rows, ratio)[0])], axis=1))
+
+
+@lru_cache(maxsize=64)
+def _span_mask(n: int, lo: int, hi: int) -> mx.array:
+    """[1, n], True on columns lo..hi-1: a decode token's masks, each one span of its columns.
+    Kept by its span, not by position, so that the steps of a run share one array until a
+    compressed row is added. On a GPU it is made on the device: MLX's CUDA backend keeps an
+    array made from host bytes in managed memory, whose pages move to the GPU when a kernel
+    first reads them (a fresh mask each step did that in every step). On the CPU the host's
+    bytes are read as they are (a lazy array there costs the first native kernel an evaluation)."""
+    if batch_invariant_device():
+        return mx.array((np.arange(n) >= lo) & (np.arange(n) < hi))[None]
+    columns = mx.arange(n, dtype=mx.int32)
+    return ((columns >= lo) & (columns < hi))[None]
 
 
 def _within(h: Scope, suffix: str, mask: mx.array | None, visible: mx.array) -> mx.array | None:
