@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ds4lab.model.cubin import CubinError, kernel_resources
+from ds4lab.model.cubin import CubinError, kernel_resources, main_loop
 
 _SOURCE = r"""
 extern "C" __global__ void staged(const float* x, float* y) {
@@ -44,3 +44,31 @@ def test_a_cut_or_foreign_file_names_the_offset(cubin, cut):
         kernel_resources(cubin[:cut], "x.ptx")
     with pytest.raises(CubinError, match="not a little-endian ELF64"):
         kernel_resources(b"\x7fELF" + bytes(100), "x.ptx")
+
+
+_LISTING = """
+        .text.k:
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   ISETP.GE.AND P0, PT, R0, 0x4, PT ;
+        /*0020*/               @P0 BRA `(.L_x_3) ;
+.L_x_1:
+        /*0030*/                   LDG.E.128 R4, desc[UR4][R2.64] ;
+        /*0040*/                   FFMA R8, R4, R5, R8 ;
+        /*0050*/              @!P1 FFMA R8, R6, R7, R8 ;
+.L_x_2:
+        /*0060*/                   IADD3 R2, R2, 0x10, RZ ;
+        /*0070*/                   ISETP.NE.AND P1, PT, R2, R9, PT ;
+        /*0080*/               @P1 BRA `(.L_x_1) ;
+        /*0090*/                   FADD R8, R8, 1 ;
+        /*00a0*/               @P2 BRA `(.L_x_2) ;
+.L_x_3:
+        /*00b0*/                   EXIT ;
+"""
+
+
+def test_main_loop_is_the_longest_loops_body_by_opcode():
+    loop = main_loop(_LISTING)
+    assert loop == {"LDG.E.128": 1, "FFMA": 2, "IADD3": 1, "ISETP.NE.AND": 1, "BRA": 1}
+    assert main_loop(_LISTING.replace("@P1 BRA `(.L_x_1)", "@P1 BRA `(.L_x_3)")) == {
+        "IADD3": 1, "ISETP.NE.AND": 1, "BRA": 2, "FADD": 1}          # the other loop, from .L_x_2
+    assert main_loop("") == {}

@@ -1,4 +1,5 @@
-"""What ptxas gave each kernel of a cubin: registers a thread, stack frame, shared memory.
+"""What ptxas gave each kernel of a cubin: registers a thread, stack frame, shared memory;
+and (`main_loop`, from nvdisasm's listing) the instructions of its longest loop.
 
 A decode kernel that keeps few loads in flight is often one the compiler kept to few
 registers: written as an unrolled scalar sum, `hc_pre`, the router and the indexer's
@@ -18,7 +19,9 @@ The frame is local memory a thread: spilled registers and arrays indexed at run 
 
 from __future__ import annotations
 
+import re
 import struct
+from collections import Counter
 from dataclasses import dataclass
 
 _EIFMT_SVAL = 4                  # a record with a 16-bit payload size, then the payload
@@ -104,3 +107,36 @@ def kernel_resources(data: bytes, source: str = "cubin") -> list[KernelResources
               if name.startswith(".nv.shared.") and not name.startswith(".nv.shared.reserved.")}
     kernels = [name.removeprefix(".text.") for name, _ in named if name.startswith(".text.")]
     return [KernelResources(k, registers.get(k, 0), frames.get(k, 0), shared.get(k, 0)) for k in kernels]
+
+
+# nvdisasm's listing: `.L_x_12:` labels, then `/*0a40*/  @!P0 BRA `(.L_x_12) ;` lines.
+_LABEL = re.compile(r"^\s*\.(L_x_\d+):")
+_INSTRUCTION = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
+_BRANCH = re.compile(r"\bBRA\b.*?\.(L_x_\d+)")
+
+
+def main_loop(listing: str) -> Counter[str]:
+    """The opcodes of the longest loop in a kernel's SASS (`nvdisasm -c` of its cubin): the
+    instructions from a label to a branch back to it, counted by opcode with its modifiers
+    (`LDG.E.128`), predicates dropped. A decode kernel's weights loop is its longest; its
+    instructions a weight say how far it is from issue-bound (empty when there is no loop)."""
+    labels: dict[str, int] = {}
+    pending: list[str] = []
+    code: list[tuple[int, str]] = []
+    for line in listing.splitlines():
+        if label := _LABEL.match(line):
+            pending.append(label.group(1))
+        elif found := _INSTRUCTION.match(line):
+            address = int(found.group(1), 16)
+            labels.update(dict.fromkeys(pending, address))
+            pending = []
+            code.append((address, re.sub(r"^@!?U?P\w+\s+", "", found.group(2))))
+    longest: list[str] = []
+    for address, text in code:
+        branch = _BRANCH.search(text)
+        start = labels.get(branch.group(1)) if branch else None
+        if start is not None and start <= address:
+            body = [t.split()[0] for a, t in code if start <= a <= address]
+            if len(body) > len(longest):
+                longest = body
+    return Counter(longest)
