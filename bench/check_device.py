@@ -263,12 +263,16 @@ def check_fused_kernels() -> None:
         _bar(f"compressor_slot/pool width {width}, ratio {ratio}", err <= _KERNEL_BAR)
         print(f"compressor_slot and compressor_pool (width {width}, ratio {ratio}, {cols} inputs) vs "
               f"compress_chunk: max rel err {err:.2e}")
-    # Scores on a coarse grid (many ties), tokens that see more and fewer rows than top-k.
+    # The indexer's choice in the scores' launch: tokens that see more and fewer rows than
+    # top-k, key rows repeated three times (ties in every score); the mask against a stable
+    # sort of the scores the launch returns, which equal the launch without a choice.
     for t, n_rows, top_k, w in ((1, 1024, 512, 129), (4, 3000, 512, 130), (3, 40, 16, 7)):
-        scores = mx.round(mx.random.normal((t, n_rows)) * 4) / 4
+        q, wh = mx.random.normal((t, 64, 128)), mx.random.normal((t, 64))
+        keys = mx.repeat(mx.random.normal((-(-n_rows // 3), 128)), 3, axis=0)[:n_rows]
         n_seen = mx.array(np.linspace(top_k // 2, n_rows, t).astype(np.int32))
         visible = mx.arange(n_rows)[None, :] < n_seen[:, None]
         window = mx.random.uniform(shape=(t, w)) < 0.5
+        scores, mask = kernels.indexer_scores(q, wh, keys, choose=(visible, window, top_k))
         rows = np.array(visible)                # ds4's choice: best first, ties to the lower row
         for i in range(t):
             if rows[i].sum() > top_k:
@@ -276,9 +280,11 @@ def check_fused_kernels() -> None:
                 rows[i] = False
                 rows[i, best] = True
         ref = np.concatenate([np.array(window), rows], axis=1)
-        equal = bool((np.array(kernels.indexer_mask(scores, visible, window, top_k)) == ref).all())
-        _bar(f"indexer_mask {t} tokens, {n_rows} rows", equal)
-        print(f"indexer_mask ({t} tokens, {n_rows} rows, top {top_k}, ties) vs a stable sort: equal {equal}")
+        equal = bool((np.array(mask) == ref).all())
+        same = bool(mx.array_equal(scores, kernels.indexer_scores(q, wh, keys)).item())
+        _bar(f"indexer_scores choosing, {t} tokens, {n_rows} rows", equal and same)
+        print(f"indexer_scores choosing ({t} tokens, {n_rows} rows, top {top_k}, ties) vs a stable sort: "
+              f"equal {equal}; scores the same bits as without the choice {same}")
 
 
 def check_fused_products() -> None:

@@ -194,26 +194,28 @@ def _indexer_queries(inputs, t, grid, threadgroup):
 
 
 def _indexer_scores(inputs, t, grid, threadgroup):
-    q, w, keys, n_keys = inputs
-    n = int(n_keys.item())
+    """The scores; with CHOOSE also the mask of the rows chosen from them (a token's last
+    block choosing: a thread block of whole warps, a counter per token)."""
+    q, w, keys, n_keys, visible, window, counter = inputs
+    n, cols = np.array(n_keys).tolist()
     assert q.shape[1:] == (t["H"], t["DH"]) and keys.shape == (n, t["DH"])
     assert _blocks(grid, threadgroup)[0] * threadgroup[0] // 32 * 4 >= n and grid[1] == q.shape[0]   # 4 keys a warp
-    return [(mx.maximum(q @ keys.T, 0.0) * w[:, :, None]).sum(axis=1)]
+    scores = (mx.maximum(q @ keys.T, 0.0) * w[:, :, None]).sum(axis=1)
+    if not t["CHOOSE"]:
+        return [scores, mx.zeros((1, 1), mx.bool_)]
+    assert threadgroup[0] % 32 == 0 and counter.size >= q.shape[0] and window.shape == (q.shape[0], cols)
+    return [scores, _chosen(np.array(scores), np.array(visible), np.array(window), t["K"])]
 
 
-def _indexer_mask(inputs, t, grid, threadgroup):
-    """Per token: the window's columns, then every visible row when at most K are visible,
-    else the K visible rows of highest score, ties to the lower row (numpy's stable sort)."""
-    scores, visible, window, sizes = (np.array(a) for a in inputs)
-    n, w = sizes.tolist()
-    assert scores.shape[1] == visible.shape[1] == n and window.shape[1] == w and threadgroup[0] == 1024
-    assert _blocks(grid, threadgroup)[0] == scores.shape[0]
+def _chosen(scores: np.ndarray, visible: np.ndarray, window: np.ndarray, k: int) -> mx.array:
+    """Per token: the window's columns, then every visible row when at most k are visible,
+    else the k visible rows of highest score, ties to the lower row (numpy's stable sort)."""
     rows = visible.copy()
-    for i in np.nonzero(visible.sum(axis=1) > t["K"])[0]:
-        best = np.argsort(-np.where(visible[i], scores[i], -np.inf), kind="stable")[:t["K"]]
+    for i in np.nonzero(visible.sum(axis=1) > k)[0]:
+        best = np.argsort(-np.where(visible[i], scores[i], -np.inf), kind="stable")[:k]
         rows[i] = False
         rows[i, best] = True
-    return [mx.array(np.concatenate([window, rows], axis=1))]
+    return mx.array(np.concatenate([window, rows], axis=1))
 
 
 def _compressor_slot(inputs, t, grid, threadgroup):
@@ -365,7 +367,7 @@ STAND_INS = {"q8_matvec": _q8_matvec, "q8_pair": _q8_pair, "q8_swiglu": _q8_swig
              "hc_post": _hc_post, "gemm_split_x": _gemm_split_x,
              "attention_heads": _attention_heads, "attention_shares": _attention_shares,
              "prefill_attention": _prefill_attention,
-             "indexer_queries": _indexer_queries, "indexer_scores": _indexer_scores, "indexer_mask": _indexer_mask,
+             "indexer_queries": _indexer_queries, "indexer_scores": _indexer_scores,
              "compressor_slot": _compressor_slot, "compressor_pool": _compressor_pool}
 
 
@@ -791,9 +793,10 @@ def test_a_decode_step_finishes_q_and_kv_rows_without_launches_of_their_own(smal
 
 def test_a_decode_step_shares_launches_where_parts_read_the_same_input(small_weights, stand_in_kernels):
     """A decode step whose indexer chooses (small: top-4 of 5 ratio-4 rows at position 21; no
-    window completes): each ratio-4 layer's indexer queries in one launch and its two
-    compressors' slots in another, the router's logits in the router's launch, the shared
-    expert's SwiGLU in the routed experts'; no norm launch for the indexer's q_a."""
+    window completes): each ratio-4 layer's indexer queries in one launch, its scores and
+    choice of rows in another and its two compressors' slots in a third, the router's logits
+    in the router's launch, the shared expert's SwiGLU in the routed experts'; no norm launch
+    for the indexer's q_a."""
     cfg = small_weights.config
     model = Model(small_weights)
     session = model.session()
@@ -801,7 +804,7 @@ def test_a_decode_step_shares_launches_where_parts_read_the_same_input(small_wei
     stand_in_kernels.clear()
     mx.eval(session.decode(321))
     ratios = cfg.compress_ratios
-    assert stand_in_kernels["indexer_queries"] == stand_in_kernels["indexer_mask"] == ratios.count(4) == 2
+    assert stand_in_kernels["indexer_queries"] == stand_in_kernels["indexer_scores"] == ratios.count(4) == 2
     assert stand_in_kernels["compressor_slot"] == sum(r > 0 for r in ratios)
     assert "compressor_pool" not in stand_in_kernels
     assert stand_in_kernels["router"] == cfg.n_layer - cfg.n_hash_layer

@@ -26,9 +26,10 @@ reference's steps in the same order, so a Metal port can translate them line by 
   visible key read once for them.
 - `indexer_queries`: a decode token's indexer queries and head weights: q_a's norm, both
   products, the heads' RoPE, Hadamard and FP4 in one launch (a head a block).
-- `indexer_scores`: the lightning indexer's Σ_h w_h·relu(q_h·k) per key row.
-- `indexer_mask`: the indexer's top-k of those rows, written with the window's columns as
-  the attention mask (a radix select of the k-th score, ties ranked by row).
+- `indexer_scores`: the lightning indexer's Σ_h w_h·relu(q_h·k) per key row; for a decode
+  step also its top-k of those rows, written with the window's columns as the attention
+  mask by each token's last thread block (a radix select of the k-th score, ties ranked by
+  row: indexer_topk.cuh).
 - `q8_matvec`: a Q8_0 matrix (the model's 8-bit codes) times a few vectors, each warp a few
   rows with 16-byte loads (on a few thousand rows 4 rows a warp, the block's warps splitting
   the columns: `_rows_per_warp`); rows may come in groups that each read their own vector (the
@@ -124,8 +125,8 @@ _KERNELS = {
     "indexer_queries": ("indexer_queries.cu", ("ds4lab_block.cuh",),
                         ["qr", "qnorm", "eps", "xa", "wq", "wp", "rope_cos", "rope_sin", "hscale", "carry", "wscale"],
                         ["q", "w"]),
-    "indexer_scores": ("indexer_scores.cu", ("ds4lab_block.cuh",), ["q", "w", "keys", "n_keys"], ["scores"]),
-    "indexer_mask": ("indexer_mask.cu", (), ["scores", "visible", "window", "sizes"], ["mask"]),
+    "indexer_scores": ("indexer_scores.cu", ("ds4lab_block.cuh", "indexer_topk.cuh"),
+                       ["q", "w", "keys", "n_keys", "visible", "window", "counter"], ["scores", "mask"]),
     "compressor_slot": ("compressor_slot.cu", (),
                         ["x", "w_kv", "w_gate", "ape", "kv", "score",
                          "w_kv2", "w_gate2", "ape2", "kv2", "score2", "at"],
@@ -402,29 +403,33 @@ def indexer_queries(qr: mx.array, qnorm: mx.array, eps: float, xa: mx.array, wq:
         output_shapes=[(t, n_heads, head_dim), (t, n_heads)], output_dtypes=[mx.float32] * 2))
 
 
-def indexer_scores(q: mx.array, w: mx.array, keys: mx.array) -> mx.array:
-    """Σ_h w[t, h]·relu(q[t, h]·keys[n]): q [T, H, DH], w [T, H], keys [N, DH] -> [T, N]."""
+def indexer_scores(q: mx.array, w: mx.array, keys: mx.array,
+                   choose: tuple[mx.array, mx.array, int] | None = None) -> mx.array | tuple[mx.array, mx.array]:
+    """Σ_h w[t, h]·relu(q[t, h]·keys[n]): q [T, H, DH], w [T, H], keys [N, DH] -> [T, N].
+    With choose = (visible [T, N], window [T, W], top_k) (a decode step: at most
+    MATVEC_MAX_TOKENS tokens) the launch also makes each token's attention mask row in its
+    last thread block: the window's columns, then every visible row when at most top_k are,
+    else the top_k best visible ones, ties to the lower row (`indexer.select_rows`):
+    (scores, mask [T, W + N])."""
     t, h, dh = q.shape
     n = keys.shape[0]
     warps, keys_per_warp = 8, 4                  # indexer_scores.cu's KEYS
-    (scores,) = _fused("indexer_scores")(
-        inputs=[q, w, keys, _scalar(n, mx.int32)], template=[("H", h), ("DH", dh)],
+    if choose is None:
+        visible, window, top_k = _constant((False,), mx.bool_), _constant((False,), mx.bool_), 0
+    else:
+        visible, window, top_k = choose
+        if t > MATVEC_MAX_TOKENS or visible.shape != (t, n) or window.shape[0] != t:
+            raise ValueError(f"indexer_scores: choosing for {t} tokens (at most {MATVEC_MAX_TOKENS}), visible "
+                             f"{tuple(visible.shape)}, window {tuple(window.shape)}, {n} keys")
+    cols = window.shape[1] if choose is not None else 0
+    scores, mask = _fused("indexer_scores")(
+        inputs=[q, w, keys, _constant((n, cols), mx.int32), visible, window,
+                _arrival_counters() if choose is not None else _scalar(0, mx.int32)],
+        template=[("H", h), ("DH", dh), ("CHOOSE", choose is not None), ("K", top_k)],
         grid=(-(-n // (warps * keys_per_warp)) * 32 * warps, t, 1), threadgroup=(32 * warps, 1, 1),
-        output_shapes=[(t, n)], output_dtypes=[mx.float32])
-    return scores
-
-
-def indexer_mask(scores: mx.array, visible: mx.array, window: mx.array, top_k: int) -> mx.array:
-    """The attention mask [T, W + N] of a chunk on a ratio-4 layer: the window's columns
-    (window [T, W]) then the compressed rows the indexer keeps from scores [T, N] (every
-    visible row when at most top_k are, else the top_k best visible ones; `indexer.select_rows`)."""
-    t, n = scores.shape
-    w = window.shape[1]
-    (mask,) = _fused("indexer_mask")(
-        inputs=[scores, visible, window, _constant((n, w), mx.int32)], template=[("K", top_k)],
-        grid=(t * 1024, 1, 1), threadgroup=(1024, 1, 1),
-        output_shapes=[(t, w + n)], output_dtypes=[mx.bool_])
-    return mask
+        output_shapes=[(t, n), (t, cols + n) if choose is not None else (1, 1)],
+        output_dtypes=[mx.float32, mx.bool_])
+    return scores if choose is None else (scores, mask)
 
 
 def compressor_slot(x: mx.array, first: tuple[mx.array, ...], row: int, slot: int, shift: bool = False,
@@ -631,8 +636,9 @@ def router(x: mx.array, bias: mx.array | None, n_used: int, scale: float,
 @cache
 def _arrival_counters() -> mx.array:
     """The zeroed ints in which kernels whose last thread block finishes a launch's work count
-    their blocks (`ds4lab_last_block`): the router a counter per token, decode attention's
-    shares one per (token, head), of which there are fewer than _ATTENTION_MANY_BLOCKS. Each
+    their blocks (`ds4lab_last_block`): the router and the indexer's scores a counter per
+    token, decode attention's shares one per (token, head), of which there are fewer than
+    _ATTENTION_MANY_BLOCKS. Each
     launch leaves them zero; kernels run in stream order, so one set serves every launch."""
     counters = mx.zeros((max(_ATTENTION_MANY_BLOCKS, MATVEC_MAX_TOKENS),), mx.int32)
     mx.eval(counters)

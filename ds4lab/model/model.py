@@ -414,10 +414,12 @@ class Model:
             index_keys = cache.append_index_keys(h("indexer.hook_rows", index_rows))
             cache.index_frontier = self._hook_frontier(h, "indexer.hook_frontier", cache.index_frontier)
             if queries:                          # more rows than the indexer keeps (see `_attention_block`)
+                if mm.fast and t <= kernels.MATVEC_MAX_TOKENS and not any(
+                        h.wants(point) for point in ("indexer.hook_scores", "indexer.hook_selected", "hook_comp_mask")):
+                    # the scores and the rows chosen, written into the mask, in one launch
+                    _, mask = kernels.indexer_scores(*queries, index_keys, choose=(visible, window, cfg.indexer_top_k))
+                    return comp, mask
                 scores = h("indexer.hook_scores", indexer.indexer_scores(*queries, index_keys, mm))
-                if mm.fast and t <= kernels.MATVEC_MAX_TOKENS and not (
-                        h.wants("indexer.hook_selected") or h.wants("hook_comp_mask")):
-                    return comp, kernels.indexer_mask(scores, visible, window, cfg.indexer_top_k)
                 comp_mask = indexer.select_rows(scores, visible, n_visible, cfg.indexer_top_k, mm)
             # A hook may choose other rows, never ones the token cannot see yet.
             comp_mask = _within(h, "indexer.hook_selected", comp_mask, visible)
