@@ -263,6 +263,26 @@ def check_fused_kernels() -> None:
         _bar(f"compressor_slot/pool width {width}, ratio {ratio}", err <= _KERNEL_BAR)
         print(f"compressor_slot and compressor_pool (width {width}, ratio {ratio}, {cols} inputs) vs "
               f"compress_chunk: max rel err {err:.2e}")
+    # F16 matrices (the file's compressors and indexer q_b: `LayerWeights.kernel_dense`), read
+    # as F16 and widened as loaded: the same bits as from their float32 widening.
+    def half(*shape: int) -> mx.array:
+        return (mx.random.normal(shape) * 0.05).astype(mx.float16)
+
+    x, w16 = mx.random.normal((1, 4096)), [half(1024, 4096), half(1024, 4096), half(256, 4096), half(256, 4096)]
+    s1, s2 = ([mx.random.normal((n, r)) for n in (4, 8, 8)] for r in (1024, 256))
+    wide = [w.astype(mx.float32) for w in w16]
+    from16 = kernels.compressor_slot(x, (*w16[:2], *s1), 5, 1, False, second=(*w16[2:], *s2))
+    from32 = kernels.compressor_slot(x, (*wide[:2], *s1), 5, 1, False, second=(*wide[2:], *s2))
+    same_slot = all(mx.array_equal(a, b).item() for a, b in zip(from16, from32, strict=True))
+    qr, xa, wq16 = mx.random.normal((1, 1024)), mx.random.normal((1, 4096)), half(8192, 1024)
+    qnorm, wp = mx.random.uniform(0.5, 1.5, (1024,)), mx.random.normal((64, 4096)) * 0.05
+    rotation = Rotation.at(300, 1, 64, 160000.0, None)
+    q16, q32 = (kernels.indexer_queries(qr, qnorm, 1e-6, xa, wq, wp, (rotation.cos, rotation.sin), 64)
+                for wq in (wq16, wq16.astype(mx.float32)))
+    same_q = all(mx.array_equal(a, b).item() for a, b in zip(q16, q32, strict=True))
+    _bar("F16 weights in compressor_slot and indexer_queries", same_slot and same_q)
+    print(f"F16 weights read as F16 vs their float32 widening: compressor_slot the same bits {same_slot}, "
+          f"indexer_queries {same_q}")
     # The indexer's choice in the scores' launch: tokens that see more and fewer rows than
     # top-k, key rows repeated three times (ties in every score); the mask against a stable
     # sort of the scores the launch returns, which equal the launch without a choice.

@@ -188,7 +188,8 @@ def _indexer_queries(inputs, t, grid, threadgroup):
     assert wp.shape == (heads, t["E"]) and cos.shape == (tokens, n_rot // 2) and carry.shape == (254,)
     assert abs(float(hscale.item()) - 1 / math.sqrt(dh)) < 1e-7
     assert float(wscale.item()) == np.float32(1 / math.sqrt(dh * heads))
-    q = (_rms_weighted(qr, eps, qnorm) @ wq.T).reshape(tokens, heads, dh)
+    assert wq.dtype in (mx.float32, mx.float16)                  # F16 when the file's is (kernel_dense)
+    q = (_rms_weighted(qr, eps, qnorm) @ wq.astype(mx.float32).T).reshape(tokens, heads, dh)
     q = apply_rope_tail(q, cos, sin)
     return [nm.indexer_qat(q) if t["QAT"] else q, (xa @ wp.T) * wscale]
 
@@ -238,7 +239,9 @@ def _compressor_slot(inputs, t, grid, threadgroup):
         assert kv.shape == score.shape == (rows, r) and w_kv.shape == w_gate.shape == (r, t["COLS"]) == (r, x.size)
         assert ape.shape == (ratio, r) and 0 <= row < rows
         assert not t["SHIFT"] or (rows == 2 * ratio and row == rows - 1)
-        assert all(a.dtype == mx.float32 for a in (x, w_kv, w_gate, ape, kv, score))
+        assert all(a.dtype == mx.float32 for a in (x, ape, kv, score))
+        assert w_kv.dtype == w_gate.dtype == both[0].dtype in (mx.float32, mx.float16)   # all four alike
+        w_kv, w_gate = w_kv.astype(mx.float32), w_gate.astype(mx.float32)
         at_row = mx.arange(rows)[:, None] == row
         xr = x.reshape(1, -1)
         pair = [mx.where(at_row, xr @ w_kv.T, kv), mx.where(at_row, xr @ w_gate.T + ape[slot], score)]
@@ -963,3 +966,21 @@ def test_greedy_stream_on_the_fast_path_encodes_on_a_worker_thread(tiny_weights,
     with model.hooks([("blocks.0.hook_resid_pre", lambda act, hook: None)]):
         assert [s.token for s in generation.stream(model, prompt, max_tokens=3)] == expected[:3]
     assert len(workers) == 3 and queued_on and set(queued_on) == {generation.threading.current_thread().name}
+
+
+def test_f16_matrices_reach_the_kernels_as_f16_with_the_files_values(small_weights):
+    """The compressors' and the indexer queries' matrices are F16 in the file: the fast path's
+    kernels read an F16 copy (half the bytes), whose values are the float32 matrix's; a
+    matrix stored otherwise is handed over as it is."""
+    layer = next(block for block in small_weights.layers if block.ratio == 4)
+    roles = ["attn_compressor_kv.weight", "attn_compressor_gate.weight", "indexer_compressor_kv.weight",
+             "indexer.attn_q_b.weight"]
+    for role in roles:
+        assert role in layer.f16_roles
+        half = layer.kernel_dense(role)
+        assert half.dtype == mx.float16 and mx.array_equal(half.astype(mx.float32), layer.dense[role]).item()
+        assert layer.kernel_dense(role) is half                          # made once
+    assert "attn_q_a_norm.weight" not in layer.f16_roles                 # F32 in the file
+    assert layer.kernel_dense("attn_q_a_norm.weight") is layer.dense["attn_q_a_norm.weight"]
+    compressor = Model(small_weights)._compressors[layer.index]["attn"]
+    assert all(w.dtype == mx.float16 for w in compressor.kernel_weights)

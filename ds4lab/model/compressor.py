@@ -79,16 +79,17 @@ class Compressor:
     yarn: YarnParams | None
     n_rot: int
     eps: float
+    kernel_weights: tuple[mx.array, mx.array] | None = None    # (kv, gate) as `compressor_slot` reads them
 
     @classmethod
     def of(cls, layer: LayerWeights, cfg, kind: str) -> Compressor:
         """kind "attn" or "indexer"."""
         d, ratio = layer.dense, layer.ratio
         width = cfg.head_dim if kind == "attn" else cfg.indexer_head_dim
-        return cls(d[f"{kind}_compressor_kv.weight"], d[f"{kind}_compressor_gate.weight"],
-                   d[f"{kind}_compressor_ape.weight"], d[f"{kind}_compressor_norm.weight"], ratio, width,
-                   kind == "attn", kind == "indexer", cfg.rope_base(layer.index), yarn_for(cfg, ratio), cfg.n_rot,
-                   cfg.rms_eps)
+        kv, gate = f"{kind}_compressor_kv.weight", f"{kind}_compressor_gate.weight"
+        return cls(d[kv], d[gate], d[f"{kind}_compressor_ape.weight"], d[f"{kind}_compressor_norm.weight"], ratio,
+                   width, kind == "attn", kind == "indexer", cfg.rope_base(layer.index), yarn_for(cfg, ratio),
+                   cfg.n_rot, cfg.rms_eps, (layer.kernel_dense(kv), layer.kernel_dense(gate)))
 
     def project(self, x: mx.array, p0: int, mm: Schedule) -> tuple[mx.array, mx.array]:
         """Per-token kv and score rows [T, coff·width] of tokens at p0.. (the score with the slot's APE term)."""
@@ -146,7 +147,8 @@ class Compressor:
         return slot, (self.ratio if overlap else 0) + slot, overlap and slot == self.ratio - 1
 
     def _slot_inputs(self, frontier: Frontier) -> tuple[mx.array, ...]:
-        return self.kv_weight, self.gate_weight, self.ape, frontier.kv, frontier.score
+        kv, gate = self.kernel_weights or (self.kv_weight, self.gate_weight)
+        return kv, gate, self.ape, frontier.kv, frontier.score
 
 
 def decode_pair(first: Compressor, second: Compressor, frontiers: tuple[Frontier, Frontier], x: mx.array, p0: int,

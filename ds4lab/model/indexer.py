@@ -28,8 +28,8 @@ def indexer_queries(layer: LayerWeights, xa: mx.array, qr: mx.array, qr_n: mx.ar
     make: its one kernel (`kernels.indexer_queries`) norms qr itself (qr_n None)."""
     if mm.matvec(xa):
         return kernels.indexer_queries(qr, layer.dense["attn_q_a_norm.weight"], eps, xa,
-                                       layer.dense["indexer.attn_q_b.weight"], layer.dense["indexer.proj.weight"],
-                                       (rotation.cos, rotation.sin), n_heads)
+                                       layer.kernel_dense("indexer.attn_q_b.weight"),
+                                       layer.dense["indexer.proj.weight"], (rotation.cos, rotation.sin), n_heads)
     q = mm.linear(qr_n, layer.dense["indexer.attn_q_b.weight"])
     weights = mm.linear(xa, layer.dense["indexer.proj.weight"])
     scale = 1.0 / math.sqrt(head_dim * n_heads)

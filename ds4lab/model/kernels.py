@@ -127,7 +127,7 @@ _KERNELS = {
                         ["q", "w"]),
     "indexer_scores": ("indexer_scores.cu", ("ds4lab_block.cuh", "indexer_topk.cuh"),
                        ["q", "w", "keys", "n_keys", "visible", "window", "counter"], ["scores", "mask"]),
-    "compressor_slot": ("compressor_slot.cu", (),
+    "compressor_slot": ("compressor_slot.cu", ("ds4lab_block.cuh",),
                         ["x", "w_kv", "w_gate", "ape", "kv", "score",
                          "w_kv2", "w_gate2", "ape2", "kv2", "score2", "at"],
                         ["kv_out", "score_out", "kv_out2", "score_out2"]),
@@ -385,7 +385,8 @@ def indexer_queries(qr: mx.array, qnorm: mx.array, eps: float, xa: mx.array, wq:
     """A few tokens' indexer queries from the q_a product qr [T, QR] before its norm (qnorm,
     eps: attn_q_a_norm) and the sublayer input xa [T, E]: (q [T, H, DH] = the heads of
     wq [H * DH, QR] times the normed qr, RoPE'd at rope = (cos, sin) [T, n_rot/2], Hadamard +
-    FP4 unless `qat` is False; w [T, H] = xa times wp [H, E], over sqrt(DH * H))."""
+    FP4 unless `qat` is False; w [T, H] = xa times wp [H, E], over sqrt(DH * H)). wq may be F16
+    (`LayerWeights.kernel_dense`: read as such, widened as loaded, the same bits)."""
     t, qdim = qr.shape
     head_dim = wq.shape[0] // n_heads
     cos, sin = rope
@@ -438,13 +439,19 @@ def compressor_slot(x: mx.array, first: tuple[mx.array, ...], row: int, slot: in
     first = (w_kv, w_gate, ape, kv, score): row `row` replaced by w_kv·x and w_gate·x +
     ape[slot] (model/compressor.py). With `shift` (a ratio-4 window completed) the first half
     of the rows then takes the second half's. `second`: another compressor of the same ratio
-    (a ratio-4 layer's indexer), in the same launch; then its (kv, score) follow."""
+    (a ratio-4 layer's indexer), in the same launch; then its (kv, score) follow. The weights
+    may be F16 (`LayerWeights.kernel_dense`: read as such, widened as loaded), all four alike."""
     rows, r = first[3].shape
     rows2, r2 = (0, 0) if second is None else second[3].shape
     threads = 256
-    unused = (_scalar(0.0),) * 5
+    weights = [*first[:2], *(second[:2] if second is not None else ())]
+    wtype = weights[0].dtype if len({w.dtype for w in weights}) == 1 and weights[0].dtype == mx.float16 else mx.float32
+    unused = (_constant((0.0,), wtype),) * 2 + (_scalar(0.0),) * 3
+    inputs = [x.astype(mx.float32)]
+    for group in (first, second or unused):                           # weights, then ape, kv, score
+        inputs += [w.astype(wtype) for w in group[:2]] + [a.astype(mx.float32) for a in group[2:]]
     outs = _fused("compressor_slot")(
-        inputs=[a.astype(mx.float32) for a in (x, *first, *(second or unused))] + [_constant((row, slot), mx.int32)],
+        inputs=[*inputs, _constant((row, slot), mx.int32)],
         template=[("R", r), ("COLS", x.shape[-1]), ("ROWS", rows), ("R2", r2), ("ROWS2", rows2),
                   ("RATIO", first[2].shape[0]), ("SHIFT", shift)],
         grid=(-(-2 * (r + r2) * 32 // threads) * threads, 1, 1), threadgroup=(threads, 1, 1),

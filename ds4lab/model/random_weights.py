@@ -64,6 +64,8 @@ def random_weights(cfg: ModelConfig, variant: str = "q2", seed: int = 0) -> Mode
             value = 1.0 + 0.1 * mx.random.normal(shape)
         else:
             value = mx.random.normal(shape) * (1.0 / math.sqrt(spec.dims[0]) if len(shape) > 1 else 0.5)
+        if type_name == "F16":                       # values a file could hold (`LayerWeights.kernel_dense`)
+            value = value.astype(mx.float16).astype(mx.float32)
         if spec.layer is None:
             if spec.name == "token_embd.weight":
                 token_embd = value.astype(mx.float16)
@@ -81,5 +83,7 @@ def random_weights(cfg: ModelConfig, variant: str = "q2", seed: int = 0) -> Mode
             layer.tid2eid = value
         else:
             layer.dense[spec.role] = value
+            if type_name == "F16":
+                layer.f16_roles.add(spec.role)
         mx.eval(list(layer.dense.values()))
     return ModelWeights(cfg, token_embd, output, head, layers)

@@ -8,7 +8,9 @@ What each GGUF type becomes, and why:
   decodes only the experts its tokens selected (`gather_experts`). On the CPU they are also
   kept decoded while a budget allows (`keep_decoded`).
 - F16 matrices (HC mixers, compressors, indexer, router) are small (about 1 GiB in Flash)
-  and are widened to float32 once, since ds4 multiplies them with float32 activations.
+  and are widened to float32 once, since ds4 multiplies them with float32 activations. The
+  fast path's compressor and indexer-query kernels read an F16 copy instead (`kernel_dense`:
+  the same values, half the bytes, widened as loaded).
 - F32 vectors stay as they are; the token embedding stays F16 and is gathered by row.
 """
 
@@ -124,7 +126,19 @@ class LayerWeights:
     dense: dict[str, mx.array] = field(default_factory=dict)
     experts: dict[str, ExpertBlocks] = field(default_factory=dict)
     tid2eid: mx.array | None = None
+    f16_roles: set[str] = field(default_factory=set)        # dense roles whose values are F16 (the file's type)
     _transposed: dict[str, mx.array] = field(default_factory=dict, repr=False)
+    _half: dict[str, mx.array] = field(default_factory=dict, repr=False)
+
+    def kernel_dense(self, role: str) -> mx.array:
+        """dense[role] as the fast path's kernels read it: an F16 copy, made once, when the file
+        stored it in F16 (the same values: widening F16 is exact; half the bytes a step),
+        else the float32 array itself."""
+        if role not in self.f16_roles:
+            return self.dense[role]
+        if role not in self._half:
+            self._half[role] = self.dense[role].astype(mx.float16)
+        return self._half[role]
 
     def transposed(self, role: str) -> mx.array:
         """dense[role].T, made once: a view (no copy) that the fast path multiplies by, so that a
@@ -187,6 +201,8 @@ def load_block(model_file: ModelFile, prefix: str, index: int | None, ratio: int
             layer.q8[role] = Q8Matrix.from_blocks(model_file.raw(name), rows, cols)
         else:
             layer.dense[role] = _dense(model_file, name)
+            if info.type_name == "F16":
+                layer.f16_roles.add(role)
     return layer
 
 

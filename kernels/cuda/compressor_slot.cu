@@ -13,7 +13,8 @@
 // The slot comes in as data (`at`), so one compiled kernel serves every position.
 // A ratio-4 layer's two compressors (the attention's and the indexer's: the same ratio,
 // slot and shift, other widths) take one launch: the second's warps follow the first's.
-// Inputs: x [COLS] float32, w_kv / w_gate [R, COLS], ape [RATIO, R], kv / score [ROWS, R],
+// Inputs: x [COLS] float32, w_kv / w_gate [R, COLS] (float32, or F16 widened as loaded:
+// all four matrices alike), ape [RATIO, R], kv / score [ROWS, R],
 // then the second compressor's (R2, ROWS2; R2 = 0: none, and its outputs are not written),
 // at [2] int32 (frontier row, APE row). Outputs: kv_out, score_out, then the second's.
 // Grid: 32 threads per warp, 2·R + 2·R2 warps.
@@ -25,9 +26,9 @@ const int r = second ? R2 : R, rows = second ? ROWS2 : ROWS;
 if (warp >= 2 * r) return;
 const bool is_score = warp >= r;
 const int c = is_score ? warp - r : warp;
-const float* w = (second ? (is_score ? w_gate2 : w_kv2) : (is_score ? w_gate : w_kv)) + (size_t)c * COLS;
+const auto* w = (second ? (is_score ? w_gate2 : w_kv2) : (is_score ? w_gate : w_kv)) + (size_t)c * COLS;
 float acc = 0.0f;
-for (int j = lane; j < COLS; j += 32) acc += w[j] * x[j];
+for (int j = lane; j < COLS; j += 32) acc += ds4lab_widen(w[j]) * x[j];
 #pragma unroll
 for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
 const int row = at[0];

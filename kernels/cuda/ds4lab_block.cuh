@@ -3,6 +3,19 @@
 // Passed as the `header` of every kernel that includes this file's functions.
 #include <cuda_fp16.h>
 
+// A weight as float32: F16 matrices are read as stored (`LayerWeights.kernel_dense`: half
+// the bytes) and widened as loaded, which is exact, so a kernel gives the same bits from
+// either form. ds4lab_load4 reads 4 consecutive weights (16-byte or, F16, 8-byte aligned).
+__device__ __forceinline__ float ds4lab_widen(float w) { return w; }
+__device__ __forceinline__ float ds4lab_widen(__half w) { return __half2float(w); }
+__device__ __forceinline__ float4 ds4lab_load4(const float* w, int j) { return reinterpret_cast<const float4*>(w)[j]; }
+__device__ __forceinline__ float4 ds4lab_load4(const __half* w, int j) {
+    const uint2 bits = reinterpret_cast<const uint2*>(w)[j];
+    const float2 lo = __half22float2(*reinterpret_cast<const __half2*>(&bits.x));
+    const float2 hi = __half22float2(*reinterpret_cast<const __half2*>(&bits.y));
+    return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
+
 // acc + a . b over one float4 of each, the products added to acc in element order (x, y, z,
 // w): a float4 read of a row kept as the scalar sum of its four values.
 __device__ __forceinline__ float ds4lab_dot4_add(float acc, float4 a, float4 b) {

@@ -6,7 +6,8 @@
 //        off only where bench/check_device.py compares the heads before that rounding);
 //   w  = wp[h] . xa * wscale[0]                    (the head's weight in the scores)
 // One launch instead of the norm, two products, the weights' scaling and the rows' finish.
-// Inputs: qr [T, QR], qnorm [QR], eps, xa [T, E], wq [H * DH, QR], wp [H, E], rope_cos /
+// Inputs: qr [T, QR], qnorm [QR], eps, xa [T, E], wq [H * DH, QR] (float32, or F16 widened as
+// loaded: the same bits), wp [H, E], rope_cos /
 // rope_sin [T, NROT/2], hscale (1/sqrt(DH)), carry (FP4's log2 table), wscale.
 // Outputs: q [T, H, DH], w [T, H]. Grid: x = the heads, y = the tokens.
 const int h = blockIdx.x, t = blockIdx.y, n_head = gridDim.x;
@@ -33,14 +34,14 @@ constexpr int PER_LANE = (QR / 4 + 31) / 32;
 const float4* qn4 = reinterpret_cast<const float4*>(qn);
 for (int r = warp; r < DH; r += 2 * n_warps) {
     const int r2 = r + n_warps < DH ? r + n_warps : r;
-    const float4* wr = reinterpret_cast<const float4*>(wq + ((size_t)h * DH + r) * QR);
-    const float4* wr2 = reinterpret_cast<const float4*>(wq + ((size_t)h * DH + r2) * QR);
+    const auto* wr = wq + ((size_t)h * DH + r) * QR;
+    const auto* wr2 = wq + ((size_t)h * DH + r2) * QR;
     float4 a[PER_LANE], b[PER_LANE];
 #pragma unroll
     for (int k = 0; k < PER_LANE; ++k) {
         const int j = lane + 32 * k < QR / 4 ? lane + 32 * k : 0;
-        a[k] = wr[j];
-        b[k] = wr2[j];
+        a[k] = ds4lab_load4(wr, j);
+        b[k] = ds4lab_load4(wr2, j);
     }
     float s = 0.0f, s2 = 0.0f;
 #pragma unroll
