@@ -64,9 +64,13 @@ def bandwidth() -> float:
 
 
 def decode_bytes(w: ModelWeights) -> int:
+    """Bytes a decode step reads: every weight but the unchosen experts and the embedding's
+    other rows; F16 matrices the fast path's kernels read as F16 (`kernel_dense`, made by a
+    step already run) at their F16 size."""
     cfg = w.config
     experts = sum(e.nbytes for layer in w.layers for e in layer.experts.values())
-    rest = w.nbytes - experts - w.token_embd.nbytes
+    halves = sum(h.nbytes for layer in w.layers for h in layer.half_copies.values())
+    rest = w.nbytes - experts - w.token_embd.nbytes - halves
     return int(rest + experts * cfg.n_expert_used / cfg.n_expert + cfg.n_embd * 2)
 
 

@@ -128,7 +128,7 @@ class LayerWeights:
     tid2eid: mx.array | None = None
     f16_roles: set[str] = field(default_factory=set)        # dense roles whose values are F16 (the file's type)
     _transposed: dict[str, mx.array] = field(default_factory=dict, repr=False)
-    _half: dict[str, mx.array] = field(default_factory=dict, repr=False)
+    half_copies: dict[str, mx.array] = field(default_factory=dict, repr=False)   # kernel_dense's, by role
 
     def kernel_dense(self, role: str) -> mx.array:
         """dense[role] as the fast path's kernels read it: an F16 copy, made once, when the file
@@ -136,9 +136,9 @@ class LayerWeights:
         else the float32 array itself."""
         if role not in self.f16_roles:
             return self.dense[role]
-        if role not in self._half:
-            self._half[role] = self.dense[role].astype(mx.float16)
-        return self._half[role]
+        if role not in self.half_copies:
+            self.half_copies[role] = self.dense[role].astype(mx.float16)
+        return self.half_copies[role]
 
     def transposed(self, role: str) -> mx.array:
         """dense[role].T, made once: a view (no copy) that the fast path multiplies by, so that a
