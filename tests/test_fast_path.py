@@ -982,5 +982,6 @@ def test_f16_matrices_reach_the_kernels_as_f16_with_the_files_values(small_weigh
         assert layer.kernel_dense(role) is half                          # made once
     assert "attn_q_a_norm.weight" not in layer.f16_roles                 # F32 in the file
     assert layer.kernel_dense("attn_q_a_norm.weight") is layer.dense["attn_q_a_norm.weight"]
-    compressor = Model(small_weights)._compressors[layer.index]["attn"]
-    assert all(w.dtype == mx.float16 for w in compressor.kernel_weights)
+    comp = Model(small_weights)._compressors[layer.index]["attn"]
+    kv, gate, *_ = comp._slot_inputs(compressor.Frontier.empty(4, comp.width))
+    assert kv.dtype == gate.dtype == mx.float16

@@ -79,17 +79,18 @@ class Compressor:
     yarn: YarnParams | None
     n_rot: int
     eps: float
-    kernel_weights: tuple[mx.array, mx.array] | None = None    # (kv, gate) as `compressor_slot` reads them
+    layer: LayerWeights | None = None        # the block it came from, and its kind: the weights `compressor_slot`
+    kind: str = ""                           # reads (`LayerWeights.kernel_dense`, F16 as in the file)
 
     @classmethod
     def of(cls, layer: LayerWeights, cfg, kind: str) -> Compressor:
         """kind "attn" or "indexer"."""
         d, ratio = layer.dense, layer.ratio
         width = cfg.head_dim if kind == "attn" else cfg.indexer_head_dim
-        kv, gate = f"{kind}_compressor_kv.weight", f"{kind}_compressor_gate.weight"
-        return cls(d[kv], d[gate], d[f"{kind}_compressor_ape.weight"], d[f"{kind}_compressor_norm.weight"], ratio,
-                   width, kind == "attn", kind == "indexer", cfg.rope_base(layer.index), yarn_for(cfg, ratio),
-                   cfg.n_rot, cfg.rms_eps, (layer.kernel_dense(kv), layer.kernel_dense(gate)))
+        return cls(d[f"{kind}_compressor_kv.weight"], d[f"{kind}_compressor_gate.weight"],
+                   d[f"{kind}_compressor_ape.weight"], d[f"{kind}_compressor_norm.weight"], ratio, width,
+                   kind == "attn", kind == "indexer", cfg.rope_base(layer.index), yarn_for(cfg, ratio), cfg.n_rot,
+                   cfg.rms_eps, layer, kind)
 
     def project(self, x: mx.array, p0: int, mm: Schedule) -> tuple[mx.array, mx.array]:
         """Per-token kv and score rows [T, coff·width] of tokens at p0.. (the score with the slot's APE term)."""
@@ -147,7 +148,9 @@ class Compressor:
         return slot, (self.ratio if overlap else 0) + slot, overlap and slot == self.ratio - 1
 
     def _slot_inputs(self, frontier: Frontier) -> tuple[mx.array, ...]:
-        kv, gate = self.kernel_weights or (self.kv_weight, self.gate_weight)
+        """`compressor_slot`'s inputs (a fast-path decode token): the F16 copies of F16 weights."""
+        kv, gate = ((self.kv_weight, self.gate_weight) if self.layer is None else
+                    (self.layer.kernel_dense(f"{self.kind}_compressor_{part}.weight") for part in ("kv", "gate")))
         return kv, gate, self.ape, frontier.kv, frontier.score
 
 
