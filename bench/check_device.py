@@ -263,7 +263,7 @@ def check_fused_kernels() -> None:
         _bar(f"compressor_slot/pool width {width}, ratio {ratio}", err <= _KERNEL_BAR)
         print(f"compressor_slot and compressor_pool (width {width}, ratio {ratio}, {cols} inputs) vs "
               f"compress_chunk: max rel err {err:.2e}")
-    # F16 matrices (the file's compressors and indexer q_b: `LayerWeights.kernel_dense`), read
+    # F16 matrices (the file's compressors, indexer q_b, router: `LayerWeights.kernel_dense`), read
     # as F16 and widened as loaded: the same bits as from their float32 widening.
     def half(*shape: int) -> mx.array:
         return (mx.random.normal(shape) * 0.05).astype(mx.float16)
@@ -280,9 +280,12 @@ def check_fused_kernels() -> None:
     q16, q32 = (kernels.indexer_queries(qr, qnorm, 1e-6, xa, wq, wp, (rotation.cos, rotation.sin), 64)
                 for wq in (wq16, wq16.astype(mx.float32)))
     same_q = all(mx.array_equal(a, b).item() for a, b in zip(q16, q32, strict=True))
-    _bar("F16 weights in compressor_slot and indexer_queries", same_slot and same_q)
+    gate16 = half(256, 4096)
+    r16, r32 = (kernels.router(xa, None, 6, 1.5, weight=g) for g in (gate16, gate16.astype(mx.float32)))
+    same_router = all(mx.array_equal(a, b).item() for a, b in zip(r16, r32, strict=True))
+    _bar("F16 weights in compressor_slot, indexer_queries and router", same_slot and same_q and same_router)
     print(f"F16 weights read as F16 vs their float32 widening: compressor_slot the same bits {same_slot}, "
-          f"indexer_queries {same_q}")
+          f"indexer_queries {same_q}, router {same_router}")
     # The indexer's choice in the scores' launch: tokens that see more and fewer rows than
     # top-k, key rows repeated three times (ties in every score); the mask against a stable
     # sort of the scores the launch returns, which equal the launch without a choice.

@@ -273,7 +273,8 @@ def _router(inputs, t, grid, threadgroup):
         blocks, tokens = _blocks(grid, threadgroup)
         assert x.shape == (tokens, t["N"]) and w.shape == (t["E"], t["N"]) and tokens <= counter.size
         assert blocks * threadgroup[0] // 32 >= t["E"] > (blocks - 1) * threadgroup[0] // 32
-        logits = x @ w.T
+        assert w.dtype in (mx.float32, mx.float16)                   # F16 when the file's is (kernel_dense)
+        logits = x @ w.astype(mx.float32).T
     else:
         logits = x
         assert logits.shape[1] == t["E"] and grid[0] // threadgroup[0] == logits.shape[0] >= 1
@@ -969,12 +970,12 @@ def test_greedy_stream_on_the_fast_path_encodes_on_a_worker_thread(tiny_weights,
 
 
 def test_f16_matrices_reach_the_kernels_as_f16_with_the_files_values(small_weights):
-    """The compressors' and the indexer queries' matrices are F16 in the file: the fast path's
-    kernels read an F16 copy (half the bytes), whose values are the float32 matrix's; a
-    matrix stored otherwise is handed over as it is."""
+    """The compressors', the indexer queries' and the router's matrices are F16 in the file:
+    the fast path's kernels read an F16 copy (half the bytes), whose values are the float32
+    matrix's; a matrix stored otherwise is handed over as it is."""
     layer = next(block for block in small_weights.layers if block.ratio == 4)
     roles = ["attn_compressor_kv.weight", "attn_compressor_gate.weight", "indexer_compressor_kv.weight",
-             "indexer.attn_q_b.weight"]
+             "indexer.attn_q_b.weight", "ffn_gate_inp.weight"]
     for role in roles:
         assert role in layer.f16_roles
         half = layer.kernel_dense(role)

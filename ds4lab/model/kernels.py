@@ -619,7 +619,8 @@ def router(x: mx.array, bias: mx.array | None, n_used: int, scale: float,
     """(probs [T, E], experts [T, n_used] int32 best first, weights [T, n_used]) from the router
     logits x [T, E]: sqrt(softplus), the best n_used of probs + bias, normalised chosen probs x
     scale. With `weight` [E, N] (up to MATVEC_MAX_TOKENS tokens) x is the FFN input [T, N] and
-    the logits x . weight.T are made in the same launch, over a thread block per few experts."""
+    the logits x . weight.T are made in the same launch, over a thread block per few experts
+    (weight float32, or F16 as `LayerWeights.kernel_dense` gives it: widened as loaded)."""
     t = x.shape[0]
     e = x.shape[1] if weight is None else weight.shape[0]
     threads = -(-e // 32) * 32

@@ -62,7 +62,7 @@ def route_fused(layer: LayerWeights, xf: mx.array, n_used: int, scale: float) ->
     logits made inside: (probs, experts, weights)."""
     bias = layer.dense.get("exp_probs_b.bias")
     if xf.shape[0] <= kernels.MATVEC_MAX_TOKENS:
-        return kernels.router(xf, bias, n_used, scale, weight=layer.dense["ffn_gate_inp.weight"])
+        return kernels.router(xf, bias, n_used, scale, weight=layer.kernel_dense("ffn_gate_inp.weight"))
     return kernels.router(xf @ layer.transposed("ffn_gate_inp.weight"), bias, n_used, scale)
 
 

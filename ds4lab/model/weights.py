@@ -116,6 +116,12 @@ class ExpertBlocks:
         return self.raw.nbytes + (self.float32.nbytes if self.float32 is not None else 0)
 
 
+# The F16 matrices the fast path's kernels read as F16 (`LayerWeights.kernel_dense`): the
+# compressors' (compressor_slot), the indexer's q_b (indexer_queries), the router's.
+KERNEL_F16_ROLES = ("attn_compressor_kv.weight", "attn_compressor_gate.weight", "indexer_compressor_kv.weight",
+                    "indexer_compressor_gate.weight", "indexer.attn_q_b.weight", "ffn_gate_inp.weight")
+
+
 @dataclass
 class LayerWeights:
     """One block's tensors, keyed by their GGUF role ('attn_q_a.weight', ...)."""
@@ -149,10 +155,15 @@ class LayerWeights:
 
     def fast_inputs(self) -> list[mx.array]:
         """Every array the fast path reads from this block (the block-format weights' bytes and
-        scales, the float tensors, the transposed router), that view made."""
+        scales, the float tensors, the transposed router, the F16 copies its kernels read),
+        those made. The model evaluates them before it traces a block's compiled parts, so
+        that no copy is first made inside a trace (it would be the trace's placeholder)."""
         if "ffn_gate_inp.weight" in self.dense:
             self.transposed("ffn_gate_inp.weight")
-        return [*self.dense.values(), *self._transposed.values(),
+        for role in KERNEL_F16_ROLES:
+            if role in self.dense:
+                self.kernel_dense(role)
+        return [*self.dense.values(), *self._transposed.values(), *self.half_copies.values(),
                 *(a for m in self.q8.values() for a in (m.codes, m.scales)), *(e.raw for e in self.experts.values()),
                 *([] if self.tid2eid is None else [self.tid2eid])]
 

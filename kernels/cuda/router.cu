@@ -19,19 +19,18 @@ __shared__ int chosen[K];
 if (PRODUCT) {
     const int r = blockIdx.x * n_warps + warp;
     if (r < E) {
-        const float* wr = w + (size_t)r * N;
+        const auto* wr = w + (size_t)r * N;                 // float32, or F16 widened as loaded
         const float* xt = x + (size_t)t * N;
         // The row read as float4 (N: a multiple of 4), 8 a lane made into an array first:
         // written as an unrolled scalar sum the compiler kept the kernel to 30 registers, a few
         // 4-byte loads in flight, and a 4096-wide row took 16 DRAM round trips in turn.
         constexpr int BATCH = 8;
-        const float4* wr4 = reinterpret_cast<const float4*>(wr);
         const float4* xt4 = reinterpret_cast<const float4*>(xt);
         float s = 0.0f;
         for (int j0 = lane; j0 < N / 4; j0 += 32 * BATCH) {
             float4 wv[BATCH];
 #pragma unroll
-            for (int k = 0; k < BATCH; ++k) wv[k] = wr4[j0 + 32 * k < N / 4 ? j0 + 32 * k : 0];
+            for (int k = 0; k < BATCH; ++k) wv[k] = ds4lab_load4(wr, j0 + 32 * k < N / 4 ? j0 + 32 * k : 0);
 #pragma unroll
             for (int k = 0; k < BATCH; ++k) {
                 if (j0 + 32 * k < N / 4) s = ds4lab_dot4_add(s, wv[k], xt4[j0 + 32 * k]);
