@@ -140,7 +140,7 @@ def main() -> None:
     parser.add_argument("--launches", type=int, default=2, help="launches reported with --details")
     parser.add_argument("--sequence", action="store_true", help="also print the first step's launches in order")
     parser.add_argument("--set", default="base", metavar="NAME=VALUE,...",
-                        help="integer constants of ds4lab.model.kernels to change first (device_time_ab.py's variants)")
+                        help="integer constants of ds4lab.model.kernels to change first (kernel_variants.py)")
     parser.add_argument("--sections", nargs="+", default=list(_SECTIONS), help="ncu's sections for --details")
     args = parser.parse_args()
     for name, value in parse_variant(args.set).items():

@@ -79,8 +79,8 @@ class Compressor:
     yarn: YarnParams | None
     n_rot: int
     eps: float
-    layer: LayerWeights | None = None        # the block it came from, and its kind: the weights `compressor_slot`
-    kind: str = ""                           # reads (`LayerWeights.kernel_dense`, F16 as in the file)
+    layer: LayerWeights                      # the block it came from, and its kind: the weights `compressor_slot`
+    kind: str                                # reads (`LayerWeights.kernel_dense`, F16 as in the file)
 
     @classmethod
     def of(cls, layer: LayerWeights, cfg, kind: str) -> Compressor:
@@ -149,8 +149,7 @@ class Compressor:
 
     def _slot_inputs(self, frontier: Frontier) -> tuple[mx.array, ...]:
         """`compressor_slot`'s inputs (a fast-path decode token): the F16 copies of F16 weights."""
-        kv, gate = ((self.kv_weight, self.gate_weight) if self.layer is None else
-                    (self.layer.kernel_dense(f"{self.kind}_compressor_{part}.weight") for part in ("kv", "gate")))
+        kv, gate = (self.layer.kernel_dense(f"{self.kind}_compressor_{part}.weight") for part in ("kv", "gate"))
         return kv, gate, self.ape, frontier.kv, frontier.score
 
 

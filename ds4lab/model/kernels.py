@@ -416,13 +416,13 @@ def indexer_scores(q: mx.array, w: mx.array, keys: mx.array,
     n = keys.shape[0]
     warps, keys_per_warp = 8, 4                  # indexer_scores.cu's KEYS
     if choose is None:
-        visible, window, top_k = _constant((False,), mx.bool_), _constant((False,), mx.bool_), 0
+        visible, window, top_k, cols = _constant((False,), mx.bool_), _constant((False,), mx.bool_), 0, 0
     else:
         visible, window, top_k = choose
+        cols = window.shape[1]
         if t > MATVEC_MAX_TOKENS or visible.shape != (t, n) or window.shape[0] != t:
             raise ValueError(f"indexer_scores: choosing for {t} tokens (at most {MATVEC_MAX_TOKENS}), visible "
                              f"{tuple(visible.shape)}, window {tuple(window.shape)}, {n} keys")
-    cols = window.shape[1] if choose is not None else 0
     scores, mask = _fused("indexer_scores")(
         inputs=[q, w, keys, _constant((n, cols), mx.int32), visible, window,
                 _arrival_counters() if choose is not None else _scalar(0, mx.int32)],
@@ -646,8 +646,8 @@ def _arrival_counters() -> mx.array:
     """The zeroed ints in which kernels whose last thread block finishes a launch's work count
     their blocks (`ds4lab_last_block`): the router and the indexer's scores a counter per
     token, decode attention's shares one per (token, head), of which there are fewer than
-    _ATTENTION_MANY_BLOCKS. Each
-    launch leaves them zero; kernels run in stream order, so one set serves every launch."""
+    _ATTENTION_MANY_BLOCKS. Each launch leaves them zero; kernels run in stream order, so one
+    set serves every launch."""
     counters = mx.zeros((max(_ATTENTION_MANY_BLOCKS, MATVEC_MAX_TOKENS),), mx.int32)
     mx.eval(counters)
     return counters

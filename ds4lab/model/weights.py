@@ -9,8 +9,8 @@ What each GGUF type becomes, and why:
   kept decoded while a budget allows (`keep_decoded`).
 - F16 matrices (HC mixers, compressors, indexer, router) are small (about 1 GiB in Flash)
   and are widened to float32 once, since ds4 multiplies them with float32 activations. The
-  fast path's compressor and indexer-query kernels read an F16 copy instead (`kernel_dense`:
-  the same values, half the bytes, widened as loaded).
+  fast path's compressor, indexer-query and router kernels read an F16 copy instead
+  (`kernel_dense`: the same values, half the bytes, widened as loaded).
 - F32 vectors stay as they are; the token embedding stays F16 and is gathered by row.
 """
 
