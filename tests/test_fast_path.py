@@ -68,6 +68,7 @@ def _hc_pre(inputs, t, grid, threadgroup):
     n, e, tokens = t["N"], t["E"], int(n_tok.item())
     assert streams.shape == (tokens, n, e) and _blocks(grid, threadgroup)[0] == tokens
     assert threadgroup[0] % 32 == 0 and 64 <= threadgroup[0] <= 1024     # warp 0 splits while the rest collapse
+    assert t["COLS_PER"] * (threadgroup[0] - 32) >= e                    # warps 1.. hold every column
     rms_eps, hc_eps = (float(v) for v in eps.tolist())
     flat = streams.reshape(tokens, -1)
     assert mix.shape[0] == tokens and mix.size == tokens * t["PARTS"] * (2 + n) * n   # [T, M, PARTS] ([T, M]: 1)

@@ -92,7 +92,7 @@ _ATTENTION_SHARE_KEYS = 512
 _ATTENTION_MAX_SHARES = 2
 _INDEXER_Q_WARPS = 32                    # warps per (token, head) block of indexer_queries (two rows of wq a warp
                                          # at a time: one block a head, so the more warps the more loads in flight)
-_HC_DECODE_THREADS = 1024                # hc_pre's block for a decode step's token (one block a token)
+_HC_THREADS = 1024                       # hc_pre's block (one block a token; warps 1.. hold the streams)
 _HC_MIX_COLUMNS = 256                    # hc_mix's block: a column of the mixer product a thread
 
 
@@ -262,23 +262,25 @@ def hc_pre(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array, nor
     (2 + N)·N, P] when given (the ones `q8_hc(..., mix=fn)` made with these streams), else
     `hc_mix`'s (a block per 256 columns); a chunk's is one GEMM first."""
     t, n, e = streams.shape
+    if n * n > 32:
+        raise ValueError(f"hc_pre: {n} streams: the split's warp holds one cell a lane (n_hc * n_hc <= 32)")
     if parts is not None:
         if t > MATVEC_MAX_TOKENS or parts.ndim != 3 or parts.shape[0] != t or parts.shape[1] != (2 + n) * n:
             raise ValueError(f"hc_pre: partial mixer sums {tuple(parts.shape)} for {t} tokens of {n} streams")
-        mix, n_parts, threads = parts, parts.shape[2], _HC_DECODE_THREADS
+        mix, n_parts = parts, parts.shape[2]
     elif t <= MATVEC_MAX_TOKENS:
         n_parts = -(-n * e // _HC_MIX_COLUMNS)
         (mix,) = _fused("hc_mix")(
             inputs=[streams, fn], template=[("N", n), ("E", e), ("PARTS", n_parts)],
             grid=(n_parts * _HC_MIX_COLUMNS, t, 1), threadgroup=(_HC_MIX_COLUMNS, 1, 1),
             output_shapes=[(t, (2 + n) * n, n_parts)], output_dtypes=[mx.float32])
-        threads = _HC_DECODE_THREADS
     else:
-        n_parts, mix, threads = 1, streams.reshape(t, -1) @ fn.T, _THREADS
+        n_parts, mix = 1, streams.reshape(t, -1) @ fn.T
     return tuple(_fused("hc_pre")(
         inputs=[streams, mix, scale, base, norm, _constant((rms_eps, hc_eps)), _scalar(t, mx.int32)],
-        template=[("N", n), ("E", e), ("ITERS", sinkhorn_iters), ("PARTS", n_parts)],
-        grid=(t * threads, 1, 1), threadgroup=(threads, 1, 1),
+        template=[("N", n), ("E", e), ("ITERS", sinkhorn_iters), ("PARTS", n_parts),
+                  ("COLS_PER", -(-e // (_HC_THREADS - 32)))],
+        grid=(t * _HC_THREADS, 1, 1), threadgroup=(_HC_THREADS, 1, 1),
         output_shapes=[(t, e), (t, n), (t, n), (t, n, n)], output_dtypes=[mx.float32] * 4))
 
 

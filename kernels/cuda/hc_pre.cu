@@ -7,69 +7,82 @@
 //        block of the product that made the streams); RMSNorm of the flat streams is a
 //        per-token scale, applied here (inv_rms * mix) rather than before the matvec as the
 //        reference does (same value up to float rounding).
-//   eps[0]: the RMS epsilon, eps[1]: the HC epsilon. Templates: N (streams), E (width), ITERS, PARTS.
+//   eps[0]: the RMS epsilon, eps[1]: the HC epsilon. Templates: N (streams), E (width), ITERS, PARTS,
+//   COLS_PER (columns a thread of warps 1.. holds: E over blockDim.x - 32, rounded up).
 // The block's work is a chain of latencies (one token, one thread block), so independent
-// steps overlap: warp 0 runs the Sinkhorn (comb) while the other warps collapse the streams
-// and norm the result, which need only pre (computed from the mixer outputs by each thread,
-// the same expression as the split's: ds4lab_hc_pre_weight).
+// steps overlap and each step's loads are all in flight together: warp 0 runs the Sinkhorn
+// (comb) while the other warps collapse the streams and norm the result, which need only pre
+// (computed from the mixer outputs by each thread, the same expression as the split's:
+// ds4lab_hc_pre_weight). Warps 1.. load their columns of the streams once, into registers
+// (thread j: columns j, j + W, ... for W = blockDim.x - 32, COLS_PER of them), and both the
+// streams' RMS and the collapse read them from there, the collapsed row kept for its norm.
+// That alone left the launch as it was (ncu, base clock: 15.5 µs against 15.1): warp 0's
+// chain (the mixer sums, the block sum, the ~40 normalisations of the split) is the
+// launch's length, and the split's shuffles (hc_split.cuh) took it to 13.5.
 const int t = blockIdx.x;
 if (t >= n_tok[0]) return;
 const float* s = streams + (size_t)t * N * E;
 constexpr int M = (2 + N) * N;
 __shared__ float scratch[32];
 __shared__ float m[M];
-__shared__ float cells[N * N];
-// The loads of each step below are made into arrays first, all in flight together: written
-// as plain unrolled sums, the compiler kept this kernel to 32 registers and a few loads in
-// flight, and each of its chains of L2 round trips stood in turn (ncu: ~18 us a launch).
+const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+const int threads = (int)blockDim.x - 32, id = (int)threadIdx.x - 32;
+float v[COLS_PER][N], w_norm[COLS_PER];
+if (warp > 0) {
+#pragma unroll
+    for (int k = 0; k < COLS_PER; ++k) {
+        const int d = id + k * threads;
+#pragma unroll
+        for (int a = 0; a < N; ++a) v[k][a] = d < E ? s[a * E + d] : 0.0f;
+        w_norm[k] = d < E ? norm[d] : 0.0f;
+    }
+}
 // A warp per mixer output: its lanes take every 32nd partial sum, then the warp's butterfly
 // adds the lanes'. PARTS is ~1000 when q8_hc made them (one a block of its product): one
 // thread adding them in turn would wait on ~1000 dependent loads. The sums are scaled by the
 // streams' RMS once it is known.
-const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 constexpr int PER_LANE = (PARTS + 31) / 32;
 for (int i = warp; i < M; i += (int)(blockDim.x >> 5)) {
     const float* parts = mix + ((size_t)t * M + i) * PARTS;
     float got[PER_LANE];
 #pragma unroll
     for (int k = 0; k < PER_LANE; ++k) got[k] = lane + 32 * k < PARTS ? parts[lane + 32 * k] : 0.0f;
-    float v = 0.0f;
+    float sum = 0.0f;
 #pragma unroll
     for (int k = 0; k < PER_LANE; ++k)
-        if (lane + 32 * k < PARTS) v += got[k];
-    v = ds4lab_warp_sum_all(v);
-    if (lane == 0) m[i] = v;
+        if (lane + 32 * k < PARTS) sum += got[k];
+    sum = ds4lab_warp_sum_all(sum);
+    if (lane == 0) m[i] = sum;
 }
-constexpr int BATCH = 16;
 float ss = 0.0f;
-for (int i0 = threadIdx.x; i0 < N * E; i0 += BATCH * blockDim.x) {
-    float got[BATCH];
+if (warp > 0) {
 #pragma unroll
-    for (int k = 0; k < BATCH; ++k) got[k] = i0 + k * blockDim.x < N * E ? s[i0 + k * blockDim.x] : 0.0f;
+    for (int k = 0; k < COLS_PER; ++k) {
 #pragma unroll
-    for (int k = 0; k < BATCH; ++k) ss += got[k] * got[k];
+        for (int a = 0; a < N; ++a) ss += v[k][a] * v[k][a];
+    }
 }
 ss = ds4lab_block_sum(ss, scratch);            // synchronises: m[] is complete after it
 const float inv = 1.0f / sqrtf(ss / (float)(N * E) + eps[0]);
 if ((int)threadIdx.x < M) m[threadIdx.x] *= inv;
 __syncthreads();
 if (warp == 0) {
-    ds4lab_hc_split<N, ITERS>(m, scale, base, eps[1], pre + t * N, post + t * N, comb + (size_t)t * N * N, cells,
-                              lane);
+    ds4lab_hc_split<N, ITERS>(m, scale, base, eps[1], pre + t * N, post + t * N, comb + (size_t)t * N * N, lane);
     return;
 }
 float weights[N];
 #pragma unroll
 for (int a = 0; a < N; ++a) weights[a] = ds4lab_hc_pre_weight(m, scale, base, eps[1], a);
 // The collapse and its RMSNorm over warps 1.. (barrier 1: warp 0 is in the Sinkhorn).
-const int threads = (int)blockDim.x - 32, id = (int)threadIdx.x - 32;
-float* xt = x + (size_t)t * E;
+float xs[COLS_PER];
 float ss2 = 0.0f;
-for (int d = id; d < E; d += threads) {
-    float v = 0.0f;
-    for (int a = 0; a < N; ++a) v += s[a * E + d] * weights[a];
-    xt[d] = v;
-    ss2 += v * v;
+#pragma unroll
+for (int k = 0; k < COLS_PER; ++k) {
+    float x_d = 0.0f;
+#pragma unroll
+    for (int a = 0; a < N; ++a) x_d += v[k][a] * weights[a];
+    xs[k] = x_d;
+    ss2 += x_d * x_d;
 }
 ss2 = ds4lab_warp_sum_all(ss2);
 if (lane == 0) scratch[warp] = ss2;
@@ -77,4 +90,9 @@ asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory");
 float total = 0.0f;
 for (int w = 1; w < (int)(blockDim.x >> 5); ++w) total += scratch[w];
 const float inv2 = 1.0f / sqrtf(total / (float)E + eps[0]);
-for (int d = id; d < E; d += threads) xt[d] = xt[d] * inv2 * norm[d];
+float* xt = x + (size_t)t * E;
+#pragma unroll
+for (int k = 0; k < COLS_PER; ++k) {
+    const int d = id + k * threads;
+    if (d < E) xt[d] = xs[k] * inv2 * w_norm[k];
+}
