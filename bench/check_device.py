@@ -205,20 +205,27 @@ def check_fused_kernels() -> None:
               f"max rel err {err:.2e}; its FP4 rounding the reference's bit for bit {exact}")
     # The router: a decode step's with its logits made inside (the flash shape; 3 tokens and 16
     # experts), a prefill chunk's from the logits; ties between probabilities are unlikely
-    # enough in random inputs that the chosen experts must be equal.
+    # enough in random inputs that the chosen experts must be equal. Then a hash layer's (the
+    # experts the tokens' rows of its table), decode and chunk.
     from ds4lab.model.weights import LayerWeights
-    for t, n, e, k in ((1, 4096, 256, 6), (3, 200, 16, 2), (40, 4096, 256, 6)):
+    for t, n, e, k, hashed in ((1, 4096, 256, 6, False), (3, 200, 16, 2, False), (40, 4096, 256, 6, False),
+                               (1, 4096, 256, 6, True), (40, 4096, 256, 6, True)):
         xf, gate = mx.random.normal((t, n)), mx.random.normal((e, n)) * 0.05
         layer = LayerWeights(index=3, ratio=0, dense={"ffn_gate_inp.weight": gate,
                                                       "exp_probs_b.bias": mx.random.normal((e,)) * 0.1})
+        tokens = mx.random.randint(0, 1000, (t,)).astype(mx.int32)
+        if hashed:
+            layer.tid2eid = mx.random.randint(0, e, (1000, k)).astype(mx.int32)
         probs = moe.router_probs(layer, xf, ref_mm)
-        experts = moe.select_experts(layer, probs, mx.zeros((t,), mx.int32), k)
-        made = moe.route_fused(layer, xf, k, 1.5)
+        experts = moe.select_experts(layer, probs, tokens, k)
+        made = moe.route_fused(layer, xf, tokens, k, 1.5)
         err = max(_rel(made[0], probs), _rel(made[2], moe.route_weights(probs, experts, 1.5)))
         same = bool(mx.array_equal(made[1], experts).item())
-        _bar(f"router {t} tokens, {e} experts", err <= _KERNEL_BAR and same)
+        kind = "hash layer, " if hashed else ""
+        _bar(f"router {kind}{t} tokens, {e} experts", err <= _KERNEL_BAR and same)
         where = "inside" if t <= kernels.MATVEC_MAX_TOKENS else "given"
-        print(f"router ({t} tokens, {e} experts of {n}; logits {where}) vs probs, top-{k} and weights: "
+        chosen = "hash table rows" if hashed else f"top-{k}"
+        print(f"router ({kind}{t} tokens, {e} experts of {n}; logits {where}) vs probs, {chosen} and weights: "
               f"max rel err {err:.2e}, same experts {same}")
     # A compressor's decode step: the slot write, and when the token completes a window the
     # ratio-4 frontier's shift and the pooled row; ratio 4 (two windows of rows, twice the
@@ -330,15 +337,17 @@ def check_fused_products() -> None:
     apart_s = _seconds(lambda v: [kernels.q8_matvec(q_a, v), kernels.q8_matvec(kv, v)], one)
     print(f"q8_pair (1024 + 512 rows of 4096, 3 tokens) vs quantized_matmul each: max rel err {err:.2e}; "
           f"{pair_s * 1e6:.1f} us vs two q8_matvec {apart_s * 1e6:.1f} us")
-    q_b, norm = _q8_matrix(32768, 1024), mx.random.uniform(0.5, 1.5, (1024,))
-    qr = mx.random.normal((3, 1024)) * 3.0
-    inside = kernels.q8_matvec(q_b, qr, norm=(norm, 1e-6))
-    apart = kernels.q8_matvec(q_b, kernels.row_finish(qr, eps=1e-6, weight=norm))
-    err = _rel(inside, q_b.quantized(ref_mm.rms_norm(qr, norm, 1e-6)))
-    _bar("q8_matvec with the norm inside", err <= _KERNEL_BAR)
-    print(f"q8_matvec with q_a's norm inside (32768 rows of 1024, 3 tokens) vs rms_norm + quantized_matmul: "
-          f"max rel err {err:.2e}; the same bits as row_finish then q8_matvec: "
-          f"{bool(mx.array_equal(inside, apart).item())}")
+    norm = mx.random.uniform(0.5, 1.5, (1024,))
+    for xs, what in ((x, "3 tokens"), (one, "1 token")):
+        ya, yb, ya_n = kernels.q8_pair(q_a, kv, xs, norm_a=(norm, 1e-6))
+        plain = kernels.q8_pair(q_a, kv, xs)
+        same = all(bool(mx.array_equal(a, b).item()) for a, b in zip((ya, yb), plain, strict=True))
+        finished = kernels.row_finish(ya, eps=1e-6, weight=norm)
+        err = _rel(ya_n, ref_mm.rms_norm(q_a.quantized(xs), norm, 1e-6))
+        exact = bool(mx.array_equal(ya_n, finished).item())
+        _bar(f"q8_pair with q_a's norm, {what}", err <= _KERNEL_BAR and exact and same)
+        print(f"q8_pair with q_a's norm (1024 + 512 rows of 4096, {what}) vs rms_norm of quantized_matmul: "
+              f"max rel err {err:.2e}; the same bits as row_finish of its q_a: {exact}; products as without: {same}")
     gate, up = _q8_matrix(2048, 4096), _q8_matrix(2048, 4096)
     for clamp in (0.0, 10.0):
         xs = x * 0.5                           # products of ~10: the clamp bites on some

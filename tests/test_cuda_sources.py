@@ -110,6 +110,7 @@ def test_every_launched_kernel_compiles_with_nvrtc(recorded_launches, nvrtc, tin
     streams, post, comb = mx.ones((1, 4, 4096)), mx.ones((1, 4)), mx.ones((1, 4, 4))
     kernels.q8_matvec(q8, x)
     kernels.q8_pair(q8, q8, x)
+    kernels.q8_pair(q8, q8, x, norm_a=(mx.ones((4096,)), 1e-6))
     kernels.q8_swiglu(q8, q8, x, 0.0)
     kernels.q8_hc(q8, x, streams, post, comb, mix=mx.ones((24, 4 * 4096)))
     # Decode attention over 1152 keys (a ratio-4 layer at 4096 tokens): shares of the keys.
@@ -120,6 +121,8 @@ def test_every_launched_kernel_compiles_with_nvrtc(recorded_launches, nvrtc, tin
         kernels.indexer_queries(mx.ones((1, 1024)), mx.ones((1024,)), 1e-6, mx.ones((1, 4096)),
                                 mx.ones((8192, 1024)), mx.ones((64, 4096)), rope, 64, qat=qat)
     kernels.router(mx.ones((1, 4096)), mx.zeros((256,)), 6, 1.5, weight=mx.ones((256, 4096)))
+    kernels.router(mx.ones((1, 4096)), None, 6, 1.5, weight=mx.ones((256, 4096)),
+                   hashed=(mx.zeros((100, 6), mx.int32), mx.array([7], mx.int32)))
     for eps in (None, 1e-6):
         kernels.attention_heads(q, mx.ones((128, 512)), mx.ones((1, 1152), mx.bool_), mx.zeros((64,)), rope,
                                 mx.ones((1024, 512)), q_eps=eps)

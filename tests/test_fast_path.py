@@ -266,8 +266,9 @@ def _compressor_pool(inputs, t, grid, threadgroup):
 
 def _router(inputs, t, grid, threadgroup):
     """With PRODUCT the logits first: x · w.T, a warp a row of w over grid x's blocks, counted
-    in counter[token] (given zeroed, left zeroed)."""
-    x, w, bias, scale, counter = inputs
+    in counter[token] (given zeroed, left zeroed). With HASH the experts are the tokens' rows
+    of the table."""
+    x, w, bias, scale, counter, table, token_ids = inputs
     assert threadgroup[0] >= t["E"] and threadgroup[0] % 32 == 0
     assert counter.dtype == mx.int32 and not np.array(counter).any()
     if t["PRODUCT"]:
@@ -281,7 +282,12 @@ def _router(inputs, t, grid, threadgroup):
         assert logits.shape[1] == t["E"] and grid[0] // threadgroup[0] == logits.shape[0] >= 1
     sp = mx.where(logits > 20, logits, mx.where(logits < -20, mx.exp(logits), mx.log1p(mx.exp(logits))))
     probs = mx.sqrt(sp)
-    experts = mx.argsort(-(probs + bias if t["HAS_BIAS"] else probs), axis=-1)[:, :t["K"]].astype(mx.int32)
+    if t["HASH"]:
+        assert table.dtype == token_ids.dtype == mx.int32 and table.shape[1] == t["K"]
+        assert token_ids.shape == (probs.shape[0],)
+        experts = table[token_ids]
+    else:
+        experts = mx.argsort(-(probs + bias if t["HAS_BIAS"] else probs), axis=-1)[:, :t["K"]].astype(mx.int32)
     return [probs, experts, moe.route_weights(probs, experts, float(scale.item()))]
 
 
@@ -304,27 +310,29 @@ def _q8_warps(t, grid, rows, n_tok):
 
 
 def _q8_matvec(inputs, t, grid, threadgroup):
-    codes, scales, x, norm_w, eps = inputs
+    codes, scales, x = inputs
     rows, cols, group_rows, r = t["ROWS"], t["COLS"], t["GROUP_ROWS"], t["R"]
     n_tok, groups = grid[1], rows // group_rows
     assert codes.shape == (rows, cols // 4) and x.size == n_tok * groups * cols
     _q8_warps(t, grid, rows, n_tok)
-    assert group_rows % r == 0 and not (t["NORM"] and t["SPLIT"] > 1)
-    if t["NORM"]:                        # one group, x RMS-normed and weighted first, as row_finish does
-        assert groups == 1 and norm_w.shape == (cols,) and threadgroup[0] == kernels._THREADS
-        x = _rms_weighted(x.reshape(n_tok, cols), eps, norm_w)
+    assert group_rows % r == 0
     w = _q8_rows(codes, scales, cols).reshape(-1, group_rows, cols)
     y = (x.reshape(n_tok, groups, 1, cols) * w[None]).sum(axis=-1).reshape(n_tok, rows)
     return [y.reshape(*x.shape[:-1], rows) if groups == 1 else y]
 
 
 def _q8_pair(inputs, t, grid, threadgroup):
-    codes_a, scales_a, codes_b, scales_b, x = inputs
+    codes_a, scales_a, codes_b, scales_b, x, norm_w, eps, counter = inputs
     _q8_warps(t, grid, t["ROWS_A"], x.shape[0])
     _q8_warps(t, grid, t["ROWS_A"] + t["ROWS_B"], x.shape[0])
     a, b = _q8_rows(codes_a, scales_a, t["COLS"]), _q8_rows(codes_b, scales_b, t["COLS"])
     assert a.shape[0] == t["ROWS_A"] and b.shape[0] == t["ROWS_B"]
-    return [_q8_products(a, x), _q8_products(b, x)]
+    ya = _q8_products(a, x)
+    if not t["NORM_A"]:
+        return [ya, _q8_products(b, x), mx.zeros((1, 1))]
+    # q_a's norm sums over the launch's block as row_finish's does (the same bits)
+    assert norm_w.shape == (t["ROWS_A"],) and threadgroup[0] == kernels._THREADS and counter.dtype == mx.int32
+    return [ya, _q8_products(b, x), _rms_weighted(ya, eps, norm_w)]
 
 
 def _q8_swiglu(inputs, t, grid, threadgroup):
@@ -640,7 +648,7 @@ def test_a_kernel_header_keeps_what_its_source_uses_and_blanks_the_rest(tmp_path
         assert name not in kept, name
     assert lines[4] == "__device__ float used_by_source(float v) {"      # still on its own line
     monkeypatch.undo()
-    q8 = kernels.kernel_texts("q8_matvec.cu", "ds4lab_block.cuh", "q8_rows.cuh")["header"]
+    q8 = kernels.kernel_texts("q8_pair.cu", "ds4lab_block.cuh", "q8_rows.cuh")["header"]
     assert "ds4lab_rms_inverse" in q8 and "ds4lab_block_sum" in q8 and "ds4lab_hc_value" not in q8
 
 
@@ -657,7 +665,7 @@ def test_q8_products_of_a_few_thousand_rows_split_their_columns_over_a_block(sta
     """On a few thousand rows a warp takes 4 rows and a block's warps split their columns
     (SPLIT): as many warps as one row a warp, a quarter of the input reads per row. The
     launches keep every row covered (the stand-ins check the geometry) and the values are the
-    products'; with the norm inside (q_a's, row_finish's blocks) nothing is split."""
+    products'."""
     rng = np.random.default_rng(5)
     raw = rng.integers(0, 256, (4096, 2048 // 32, 34), dtype=np.uint8)
     raw[:, :, :2] = np.frombuffer(np.float16(0.01).tobytes(), np.uint8)
@@ -671,7 +679,6 @@ def test_q8_products_of_a_few_thousand_rows_split_their_columns_over_a_block(sta
     assert np.allclose(np.array(new), 1.0 + 0.5 * want[:, None, :], rtol=1e-5, atol=1e-5)
     assert kernels._rows_per_warp(4096, 2048) == (4, kernels._Q8_WARPS)
     assert kernels._rows_per_warp(129280, 4096) == (4, 1)            # the output head: enough warps unsplit
-    assert kernels._rows_per_warp(4096, 2048, split=False) == (1, 1)
 
 
 def test_decode_attention_over_many_keys_takes_shares_of_them_and_adds_them(stand_in_kernels):
@@ -746,23 +753,25 @@ def test_a_hook_off_the_boundaries_sends_only_its_block_to_the_reference(small_w
     assert stand_in_kernels["hc_pre"] == 1 and stand_in_kernels["hc_post"] == 1
 
 
-def test_q_a_norm_runs_inside_the_q_b_product_unless_the_indexer_needs_it(small_weights, stand_in_kernels):
-    """A decode token's q: q_a's RMSNorm inside the q_b matvec (one launch less) when the
-    normed q_a feeds no indexer, the same values as the norm's own launch then the product."""
+def test_q_a_is_normed_by_the_launch_of_its_product(small_weights, stand_in_kernels):
+    """A decode token's q_a norm: made by the q_a and kv launch (its last block), no launch of
+    its own; the q_b product then multiplies it, the same values as the reference's
+    composition (q_a and kv products, rms_norm, q_b)."""
     cfg, layer = small_weights.config, small_weights.layers[2]
     mm = Model(small_weights).numerics.schedule(np.arange(40, 41))
-    assert mm.fast
+    reference = Model(small_weights).numerics.schedule(np.arange(40, 41)).reference()
+    assert mm.fast and not reference.fast
+    xa = mx.random.normal((1, cfg.n_embd), key=mx.random.key(3))
+    qr, kv, qr_n = attention.input_products(layer, xa, cfg.rms_eps, mm)
+    assert stand_in_kernels["q8_pair"] == 1 and stand_in_kernels.get("row_finish", 0) == 0
+    expected = attention.input_products(layer, xa, cfg.rms_eps, reference)
+    for got, want in zip((qr, kv, qr_n), expected, strict=True):
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
     rotation = Rotation.at(40, 1, cfg.n_rot, cfg.rope_base(2), yarn_for(cfg, layer.ratio))
-    qr = mx.random.normal((1, cfg.q_lora_rank), key=mx.random.key(3))
-    args = (layer, qr, rotation, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm)
-    q_apart, qr_n = attention.project_q(*args, keep_normed=True)
-    apart = dict(stand_in_kernels)
-    stand_in_kernels.clear()
-    q_inside, none = attention.project_q(*args, keep_normed=False)
-    assert qr_n is not None and none is None
-    assert stand_in_kernels["row_finish"] == apart["row_finish"] - 1
-    assert stand_in_kernels["q8_matvec"] == apart["q8_matvec"]
-    assert np.array_equal(np.array(q_inside), np.array(q_apart))
+    args = (layer, qr_n, rotation, cfg.n_head, cfg.head_dim, cfg.rms_eps)
+    np.testing.assert_allclose(np.array(attention.project_q(*args, mm)),
+                               np.array(attention.project_q(*args, reference)), rtol=1e-4, atol=1e-5)
+    assert stand_in_kernels["q8_matvec"] == 1
 
 
 def test_kv_rows_are_finished_after_the_window_in_one_launch(small_weights, stand_in_kernels):
@@ -782,7 +791,7 @@ def test_kv_rows_are_finished_after_the_window_in_one_launch(small_weights, stan
 
 def test_a_decode_step_finishes_q_and_kv_rows_without_launches_of_their_own(small_weights, stand_in_kernels):
     """A decode step (no window completed, no indexer) launches row_finish only for the head
-    (its HC weights' and its output norm): q_a's norm is inside the q_b product, and the q
+    (its HC weights' and its output norm): q_a's norm is made by the q_a and kv launch, and the q
     heads and the KV row (written after the window: the keys) are finished by the attention
     kernel. And hc_mix once: every other sublayer's mixer product comes from the q8_hc before it."""
     model = Model(small_weights)
@@ -800,8 +809,8 @@ def test_a_decode_step_shares_launches_where_parts_read_the_same_input(small_wei
     """A decode step whose indexer chooses (small: top-4 of 5 ratio-4 rows at position 21; no
     window completes): each ratio-4 layer's indexer queries in one launch, its scores and
     choice of rows in another and its two compressors' slots in a third, the router's logits
-    in the router's launch, the shared expert's SwiGLU in the routed experts'; no norm launch
-    for the indexer's q_a."""
+    in the router's launch (a hash layer's too), the shared expert's SwiGLU in the routed
+    experts'; no norm launch for the indexer's q_a."""
     cfg = small_weights.config
     model = Model(small_weights)
     session = model.session()
@@ -812,7 +821,7 @@ def test_a_decode_step_shares_launches_where_parts_read_the_same_input(small_wei
     assert stand_in_kernels["indexer_queries"] == stand_in_kernels["indexer_scores"] == ratios.count(4) == 2
     assert stand_in_kernels["compressor_slot"] == sum(r > 0 for r in ratios)
     assert "compressor_pool" not in stand_in_kernels
-    assert stand_in_kernels["router"] == cfg.n_layer - cfg.n_hash_layer
+    assert cfg.n_hash_layer > 0 and stand_in_kernels["router"] == cfg.n_layer     # hash layers' too
     assert stand_in_kernels["expert_swiglu"] == cfg.n_layer and "q8_swiglu" not in stand_in_kernels
     assert stand_in_kernels["row_finish"] == 2
 

@@ -86,7 +86,7 @@ def test_precompiled_headers_change_no_byte_of_the_code():
     assert nvrtc.precompiled_headers, nvrtc.version
     with kernel_cache.recorded_variants() as variants:
         q8 = Q8Matrix(mx.zeros((64, 128), mx.uint32), mx.zeros((64, 16)), mx.zeros((64, 16)), 64, 512)
-        kernels.q8_matvec(q8, mx.ones((1, 512)), norm=(mx.ones((512,)), 1e-6))
+        kernels.q8_pair(q8, q8, mx.ones((1, 512)), norm_a=(mx.ones((64,)), 1e-6))
     source = variants[0].mlx_source()
     first, _, log = nvrtc.compile(source, "k.cu", "compute_90a")
     again, _, _ = nvrtc.compile(source, "k.cu", "compute_90a")        # from the precompiled headers

@@ -20,26 +20,22 @@ from .rope import Rotation
 from .weights import LayerWeights, Q8Matrix
 
 
-def input_products(layer: LayerWeights, xa: mx.array, mm: Schedule) -> tuple[mx.array, mx.array]:
-    """(attn_q_a · xa, attn_kv · xa): the two products of the sublayer input (one kernel on
-    the fast path's matvec)."""
-    return mm.q8_pair(layer.q8["attn_q_a.weight"], layer.q8["attn_kv.weight"], xa)
+def input_products(layer: LayerWeights, xa: mx.array, eps: float,
+                   mm: Schedule) -> tuple[mx.array, mx.array, mx.array]:
+    """(qr = attn_q_a · xa, attn_kv · xa, qr RMS-normed with attn_q_a_norm): the two products
+    of the sublayer input and the norm q_b and the indexer read (one kernel on the fast
+    path's matvec)."""
+    return mm.q8_pair(layer.q8["attn_q_a.weight"], layer.q8["attn_kv.weight"], xa,
+                      norm_a=(layer.dense["attn_q_a_norm.weight"], eps))
 
 
-def project_q(layer: LayerWeights, qr: mx.array, rotation: Rotation, n_head: int, head_dim: int, eps: float,
-              mm: Schedule, keep_normed: bool = True, finish: bool = True) -> tuple[mx.array, mx.array | None]:
-    """From qr = attn_q_a · xa: (q [T, H, D] with per-head weightless RMS, rotated; qr_n
-    [T, q_lora_rank], qr RMS-normed, which also feeds the indexer). Without `keep_normed`
-    qr_n is None: the fast path's matvec then norms qr inside the q_b product. Without
-    `finish` q is the q_b product, its heads not yet normed nor rotated (decode attention on
-    the fast path does both: `attend_heads(q_eps=)`)."""
-    norm, q_b, shape = layer.dense["attn_q_a_norm.weight"], layer.q8["attn_q_b.weight"], (qr.shape[0], n_head, head_dim)
-    if keep_normed:
-        qr_n = mm.rms_norm(qr, norm, eps)
-        q = mm.q8(q_b, qr_n, shape=shape)
-    else:
-        qr_n, q = None, mm.q8_normed(q_b, qr, norm, eps, shape=shape)
-    return (mm.finish_rows(q, eps=eps, rotation=rotation) if finish else q), qr_n
+def project_q(layer: LayerWeights, qr_n: mx.array, rotation: Rotation, n_head: int, head_dim: int, eps: float,
+              mm: Schedule, finish: bool = True) -> mx.array:
+    """From qr_n (q_a's product RMS-normed, `input_products`): q [T, H, D] with per-head
+    weightless RMS, rotated. Without `finish` q is the q_b product, its heads not yet normed
+    nor rotated (decode attention on the fast path does both: `attend_heads(q_eps=)`)."""
+    q = mm.q8(layer.q8["attn_q_b.weight"], qr_n, shape=(qr_n.shape[0], n_head, head_dim))
+    return mm.finish_rows(q, eps=eps, rotation=rotation) if finish else q
 
 
 def kv_row(layer: LayerWeights, kv: mx.array, rotation: Rotation, eps: float, mm: Schedule,

@@ -20,12 +20,12 @@ from .rope import Rotation
 from .weights import LayerWeights
 
 
-def indexer_queries(layer: LayerWeights, xa: mx.array, qr: mx.array, qr_n: mx.array | None, rotation: Rotation,
+def indexer_queries(layer: LayerWeights, xa: mx.array, qr: mx.array, qr_n: mx.array, rotation: Rotation,
                     n_heads: int, head_dim: int, eps: float, mm: Schedule) -> tuple[mx.array, mx.array]:
     """A chunk's indexer queries: (q [T, H, DH] from the q low-rank path, rotated and rounded
     with Hadamard + FP4; per-head weights [T, H] from the layer input, scaled). qr is the q_a
-    product, qr_n its RMSNorm (`attention.project_q`), which the fast path's matvec does not
-    make: its one kernel (`kernels.indexer_queries`) norms qr itself (qr_n None)."""
+    product, qr_n its RMSNorm (`attention.input_products`); the fast path's matvec kernel
+    (`kernels.indexer_queries`) norms qr itself."""
     if mm.matvec(xa):
         return kernels.indexer_queries(qr, layer.dense["attn_q_a_norm.weight"], eps, xa,
                                        layer.kernel_dense("indexer.attn_q_b.weight"),

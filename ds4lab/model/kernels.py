@@ -33,18 +33,19 @@ reference's steps in the same order, so a Metal port can translate them line by 
 - `q8_matvec`: a Q8_0 matrix (the model's 8-bit codes) times a few vectors, each warp a few
   rows with 16-byte loads (on a few thousand rows 4 rows a warp, the block's warps splitting
   the columns: `_rows_per_warp`); rows may come in groups that each read their own vector (the
-  grouped output projection), or the vector RMS-normed inside (q_a's norm in the q_b
-  product). Every Q8_0 product of a decode step goes through its loop (`q8_rows.cuh`), some
-  with the step after them in the same launch: `q8_pair` (two matrices, one input: q_a and
-  kv), `q8_swiglu` (the shared expert's gate, up and SwiGLU), `q8_hc` (a sublayer's last
+  grouped output projection). Every Q8_0 product of a decode step goes through its loop
+  (`q8_rows.cuh`), some with the step after them in the same launch: `q8_pair` (two matrices,
+  one input: q_a and kv, and q_a's norm for q_b made by its last block), `q8_swiglu` (the
+  shared expert's gate, up and SwiGLU), `q8_hc` (a sublayer's last
   product and the HC output step, and the next sublayer's mixer product as partial sums).
 - `quant_gemm`: prefill's products on the tensor cores, exact to float32, from the block
   bytes: Q8_0 matrices (`q8_gemm`) and the routed experts grouped by expert on the device
   (`expert_tiles`, `expert_gemm`: each expert's tile of pairs reads its weights once); its
   input first split into scaled f16 halves by `gemm_split_x`.
-- `router`: router scores, biased top-k selection and route weights of a token in one block;
-  in a decode step the logits too, over many blocks, the last to finish routing
-  (`ds4lab_last_block`, as decode attention's shares are added).
+- `router`: router scores, biased top-k selection (a hash layer: its table's row of the
+  token) and route weights of a token in one block; in a decode step the logits too, over
+  many blocks, the last to finish routing (`ds4lab_last_block`, as decode attention's
+  shares are added).
 - `expert_matvec`: routed-expert matvec on the IQ2_XXS, Q2_K or Q4_K block bytes of the
   selected experts, one warp per two output rows (their activation loads shared); a token's
   input read once for all its experts, and the down projection's weighted outputs summed in
@@ -132,12 +133,11 @@ _KERNELS = {
                          "w_kv2", "w_gate2", "ape2", "kv2", "score2", "at"],
                         ["kv_out", "score_out", "kv_out2", "score_out2"]),
     "compressor_pool": ("compressor_pool.cu", (), ["old_kv", "old_score", "new_kv", "new_score"], ["out"]),
-    "router": ("router.cu", ("ds4lab_block.cuh",), ["x", "w", "bias", "scale", "counter"],
+    "router": ("router.cu", ("ds4lab_block.cuh",), ["x", "w", "bias", "scale", "counter", "table", "tokens"],
                ["probs", "experts", "weights"]),
-    "q8_matvec": ("q8_matvec.cu", ("ds4lab_block.cuh", "q8_rows.cuh"), ["codes", "scales", "x", "norm_w", "eps"],
-                  ["y"]),
+    "q8_matvec": ("q8_matvec.cu", ("ds4lab_block.cuh", "q8_rows.cuh"), ["codes", "scales", "x"], ["y"]),
     "q8_pair": ("q8_pair.cu", ("ds4lab_block.cuh", "q8_rows.cuh"),
-                ["codes_a", "scales_a", "codes_b", "scales_b", "x"], ["ya", "yb"]),
+                ["codes_a", "scales_a", "codes_b", "scales_b", "x", "norm_w", "eps", "counter"], ["ya", "yb", "ya_n"]),
     "q8_swiglu": ("q8_swiglu.cu", ("ds4lab_block.cuh", "q8_rows.cuh"),
                   ["codes_g", "scales_g", "codes_u", "scales_u", "x", "clamp"], ["y"]),
     "q8_hc": ("q8_hc.cu", ("ds4lab_block.cuh", "q8_rows.cuh"),
@@ -479,7 +479,7 @@ def compressor_pool(old: tuple[mx.array, mx.array], new: tuple[mx.array, mx.arra
 # fast path; a prefill chunk is a tensor-core GEMM (`q8_gemm`).
 MATVEC_MAX_TOKENS = 8
 _Q8_WARPS = 4                            # warps per thread block of the Q8_0 matvec (as row_finish's:
-                                         # a norm inside a product sums as row_finish does)
+                                         # q8_pair's norm of q_a sums as row_finish does)
 _Q8_WARPS_WANTED = 4096                  # fewest warps a Q8_0 matvec takes 4 or 2 rows a warp with
 
 
@@ -492,35 +492,27 @@ def _grouped_tokens(name: str, matrix: Q8Matrix, x: mx.array, groups: int) -> in
     return x.size // (groups * cols)
 
 
-def q8_matvec(matrix: Q8Matrix, x: mx.array, groups: int = 1, shape: tuple[int, ...] | None = None,
-              norm: tuple[mx.array, float] | None = None) -> mx.array:
+def q8_matvec(matrix: Q8Matrix, x: mx.array, groups: int = 1, shape: tuple[int, ...] | None = None) -> mx.array:
     """W·x for a few tokens, from x's memory as it is (no reshape: each would be one more
     operation of the step). groups = 1: x [..., cols] -> [..., rows]. groups = G: the rows in
     G equal groups, group g multiplied by its own vector, x [T, ...] holding T·G·cols values
     (token-major, then group) -> [T, rows] (the grouped output projection). `shape`, when
-    given, is the output's shape instead (the same values in order: q heads [T, H, D]).
-    `norm` = (weight [cols], eps), one group: W·`row_finish`(x, eps=eps, weight=weight), the
-    norm inside the product (the same bits as the two launches: the q_b product of q_a)."""
+    given, is the output's shape instead (the same values in order: q heads [T, H, D])."""
     cols = matrix.cols
     t = _grouped_tokens("q8_matvec", matrix, x, groups)
-    if norm is not None and (groups != 1 or norm[0].shape != (cols,)):
-        raise ValueError(f"q8_matvec: a norm of weight {tuple(norm[0].shape)} for {groups} groups of {cols} columns")
     natural = (*x.shape[:-1], matrix.rows) if groups == 1 else (x.shape[0], matrix.rows)
     if shape is not None and int(np.prod(shape)) != t * matrix.rows:    # the kernel writes t·rows values
         raise ValueError(f"q8_matvec: output shape {tuple(shape)} does not hold {t}x{matrix.rows} values")
     group_rows = matrix.rows // groups
-    # With the norm inside, the blocks are row_finish's (the same bits): no split.
-    r, split = _rows_per_warp(matrix.rows, cols, group_rows, split=norm is None)
-    norm_w, eps = (norm[0].astype(mx.float32), norm[1]) if norm is not None else (_scalar(0.0), 0.0)
+    r, split = _rows_per_warp(matrix.rows, cols, group_rows)
     (y,) = _fused("q8_matvec")(
-        inputs=[matrix.codes, matrix.scales, x.astype(mx.float32), norm_w, _scalar(eps)],
-        template=[("ROWS", matrix.rows), ("COLS", cols), ("GROUP_ROWS", group_rows), ("R", r),
-                  ("NORM", norm is not None), ("SPLIT", split)],
+        inputs=[matrix.codes, matrix.scales, x.astype(mx.float32)],
+        template=[("ROWS", matrix.rows), ("COLS", cols), ("GROUP_ROWS", group_rows), ("R", r), ("SPLIT", split)],
         **_q8_launch(matrix.rows, r, split, t), output_shapes=[shape or natural], output_dtypes=[mx.float32])
     return y
 
 
-def _rows_per_warp(rows: int, cols: int, unit: int | None = None, split: bool = True) -> tuple[int, int]:
+def _rows_per_warp(rows: int, cols: int, unit: int | None = None) -> tuple[int, int]:
     """(R, SPLIT) of a Q8_0 matvec over `rows` of `cols`: each warp owns R rows (4, 2 or 1,
     dividing `unit`, default rows: a warp's rows stay in one group or one matrix) and, with
     SPLIT = _Q8_WARPS, the block's warps share those R rows, each over every SPLIT-th 512-byte
@@ -530,7 +522,7 @@ def _rows_per_warp(rows: int, cols: int, unit: int | None = None, split: bool = 
     if it can, else split (each warp a chunk at least: cols >= 512 * SPLIT). A decode
     step's matvec waits on memory latency: the more warps, the more loads in flight (an H200
     holds 132 SMs x 64 warps)."""
-    can_split = split and cols >= 512 * _Q8_WARPS
+    can_split = cols >= 512 * _Q8_WARPS
     for r in (4, 2, 1):
         if (unit or rows) % r:
             continue
@@ -557,16 +549,26 @@ def _one_vector_tokens(name: str, matrices: tuple[Q8Matrix, ...], x: mx.array) -
     return x.shape[0]
 
 
-def q8_pair(a: Q8Matrix, b: Q8Matrix, x: mx.array) -> tuple[mx.array, mx.array]:
+def q8_pair(a: Q8Matrix, b: Q8Matrix, x: mx.array,
+            norm_a: tuple[mx.array, float] | None = None) -> tuple[mx.array, ...]:
     """(A·x, B·x) for x [T, cols] in one launch: two products of one input (the attention's
-    q_a and kv projections), each [T, rows of its matrix]."""
+    q_a and kv projections), each [T, rows of its matrix]. With `norm_a` = (weight [rows of
+    A], eps) also `row_finish`(A·x, eps=eps, weight=weight) (the same bits: q_a normed for
+    q_b), made by the launch's last block."""
     t = _one_vector_tokens("q8_pair", (a, b), x)
+    if norm_a is not None and norm_a[0].shape != (a.rows,):
+        raise ValueError(f"q8_pair: a norm of weight {tuple(norm_a[0].shape)} for {a.rows} rows")
     r, split = _rows_per_warp(a.rows + b.rows, a.cols, math.gcd(a.rows, b.rows))
-    return tuple(_fused("q8_pair")(
-        inputs=[a.codes, a.scales, b.codes, b.scales, x.astype(mx.float32)],
-        template=[("ROWS_A", a.rows), ("ROWS_B", b.rows), ("COLS", a.cols), ("R", r), ("SPLIT", split)],
-        **_q8_launch(a.rows + b.rows, r, split, t), output_shapes=[(t, a.rows), (t, b.rows)],
-        output_dtypes=[mx.float32] * 2))
+    norm_w, eps = (norm_a[0].astype(mx.float32), norm_a[1]) if norm_a is not None else (_scalar(0.0), 0.0)
+    ya, yb, ya_n = _fused("q8_pair")(
+        inputs=[a.codes, a.scales, b.codes, b.scales, x.astype(mx.float32), norm_w, _scalar(eps),
+                _arrival_counters() if norm_a is not None else _scalar(0, mx.int32)],
+        template=[("ROWS_A", a.rows), ("ROWS_B", b.rows), ("COLS", a.cols), ("R", r), ("SPLIT", split),
+                  ("NORM_A", norm_a is not None)],
+        **_q8_launch(a.rows + b.rows, r, split, t),
+        output_shapes=[(t, a.rows), (t, b.rows), (t, a.rows) if norm_a is not None else (1, 1)],
+        output_dtypes=[mx.float32] * 3)
+    return (ya, yb, ya_n) if norm_a is not None else (ya, yb)
 
 
 def q8_swiglu(gate: Q8Matrix, up: Q8Matrix, x: mx.array, clamp: float) -> mx.array:
@@ -616,13 +618,15 @@ def q8_hc(matrix: Q8Matrix, x: mx.array, streams: mx.array, post: mx.array, comb
     return y, part if mix is not None else None
 
 
-def router(x: mx.array, bias: mx.array | None, n_used: int, scale: float,
-           weight: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array]:
+def router(x: mx.array, bias: mx.array | None, n_used: int, scale: float, weight: mx.array | None = None,
+           hashed: tuple[mx.array, mx.array] | None = None) -> tuple[mx.array, mx.array, mx.array]:
     """(probs [T, E], experts [T, n_used] int32 best first, weights [T, n_used]) from the router
     logits x [T, E]: sqrt(softplus), the best n_used of probs + bias, normalised chosen probs x
     scale. With `weight` [E, N] (up to MATVEC_MAX_TOKENS tokens) x is the FFN input [T, N] and
     the logits x . weight.T are made in the same launch, over a thread block per few experts
-    (weight float32, or F16 as `LayerWeights.kernel_dense` gives it: widened as loaded)."""
+    (weight float32, or F16 as `LayerWeights.kernel_dense` gives it: widened as loaded).
+    With `hashed` = (table [vocab, n_used] int32, tokens [T] int32) the experts are the
+    tokens' rows of the table (a hash layer's), not the best."""
     t = x.shape[0]
     e = x.shape[1] if weight is None else weight.shape[0]
     threads = -(-e // 32) * 32
@@ -632,24 +636,34 @@ def router(x: mx.array, bias: mx.array | None, n_used: int, scale: float,
         raise ValueError(f"router: the logits made inside for at most {MATVEC_MAX_TOKENS} tokens, not {t}")
     if weight is not None and weight.shape[1] % 4:
         raise ValueError(f"router: rows of {weight.shape[1]} values (the kernel reads float4: a multiple of 4)")
+    if hashed is not None and (hashed[0].ndim != 2 or hashed[0].shape[1] != n_used or hashed[1].size != t):
+        raise ValueError(f"router: a hash table {tuple(hashed[0].shape)} and {hashed[1].size} tokens for {t} tokens "
+                         f"of {n_used} experts")
+    table, tokens = ((_int32(hashed[0]), _int32(hashed[1].reshape(-1))) if hashed is not None
+                     else (_scalar(0, mx.int32), _scalar(0, mx.int32)))
     blocks = 1 if weight is None else -(-e // (threads // 32))
     return tuple(_fused("router")(
         inputs=[x, _scalar(0.0) if weight is None else weight, _scalar(0.0) if bias is None else bias, _scalar(scale),
-                _arrival_counters()],
+                _arrival_counters(), table, tokens],
         template=[("E", e), ("K", n_used), ("N", x.shape[1]), ("HAS_BIAS", bias is not None),
-                  ("PRODUCT", weight is not None)],
+                  ("PRODUCT", weight is not None), ("HASH", hashed is not None)],
         grid=(blocks * threads, t, 1) if weight is not None else (t * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(t, e), (t, n_used), (t, n_used)], output_dtypes=[mx.float32, mx.int32, mx.float32]))
+
+
+def _int32(a: mx.array) -> mx.array:
+    """a as int32 (itself when it is: no operation added to the step)."""
+    return a if a.dtype == mx.int32 else a.astype(mx.int32)
 
 
 @cache
 def _arrival_counters() -> mx.array:
     """The zeroed ints in which kernels whose last thread block finishes a launch's work count
     their blocks (`ds4lab_last_block`): the router and the indexer's scores a counter per
-    token, decode attention's shares one per (token, head), of which there are fewer than
-    _ATTENTION_MANY_BLOCKS. Each launch leaves them zero; kernels run in stream order, so one
-    set serves every launch."""
+    token, q8_pair's norm of q_a the first, decode attention's shares one per (token, head),
+    of which there are fewer than _ATTENTION_MANY_BLOCKS. Each launch leaves them zero;
+    kernels run in stream order, so one set serves every launch."""
     counters = mx.zeros((max(_ATTENTION_MANY_BLOCKS, MATVEC_MAX_TOKENS),), mx.int32)
     mx.eval(counters)
     return counters

@@ -347,10 +347,8 @@ class Model:
         h = self._hooks.scope(f"{_prefix(layer)}.attn")
         rotation = Rotation(cos, sin)
         xa, control = self._sublayer_input(h, streams, "attn", layer, mm, parts)
-        qr, kv = attention.input_products(layer, xa, mm)
-        # The indexer's queries read qr normed; the fast path's matvec norms it inside both products.
-        q, qr_n = attention.project_q(layer, qr, rotation, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm,
-                                      keep_normed=indexed and not mm.matvec(xa), finish=finish_q)
+        qr, kv, qr_n = attention.input_products(layer, xa, cfg.rms_eps, mm)
+        q = attention.project_q(layer, qr_n, rotation, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm, finish=finish_q)
         if finish_q:
             q = h("hook_q", q)
         if finish_kv:
@@ -482,8 +480,8 @@ class Model:
         cfg = self.config
         h = self._hooks.scope(f"{_prefix(layer)}.ffn")
         xf, control = self._sublayer_input(h, streams, "ffn", layer, mm, parts)
-        if mm.fast and layer.tid2eid is None:
-            probs, chosen, weights = moe.route_fused(layer, xf, cfg.n_expert_used, cfg.expert_weight_scale)
+        if mm.fast:
+            probs, chosen, weights = moe.route_fused(layer, xf, token_ids, cfg.n_expert_used, cfg.expert_weight_scale)
             experts = h("hook_experts", chosen)
             if experts is not chosen:
                 weights = moe.route_weights(probs, experts, cfg.expert_weight_scale)

@@ -56,14 +56,17 @@ def route_weights(probs: mx.array, experts: mx.array, scale: float) -> mx.array:
     return chosen / denom * scale
 
 
-def route_fused(layer: LayerWeights, xf: mx.array, n_used: int, scale: float) -> tuple[mx.array, mx.array, mx.array]:
-    """The fast path's router on biased top-k layers: one kernel for `router_probs`,
-    `select_experts` and `route_weights`, after the logits' GEMM, or in a decode step with the
-    logits made inside: (probs, experts, weights)."""
+def route_fused(layer: LayerWeights, xf: mx.array, tokens: mx.array, n_used: int,
+                scale: float) -> tuple[mx.array, mx.array, mx.array]:
+    """The fast path's router: one kernel for `router_probs`, `select_experts` (the hash table's
+    rows of `tokens` [T] on hash layers) and `route_weights`, after the logits' GEMM, or in a
+    decode step with the logits made inside: (probs, experts, weights)."""
     bias = layer.dense.get("exp_probs_b.bias")
+    hashed = (layer.tid2eid, tokens) if layer.tid2eid is not None else None
     if xf.shape[0] <= kernels.MATVEC_MAX_TOKENS:
-        return kernels.router(xf, bias, n_used, scale, weight=layer.kernel_dense("ffn_gate_inp.weight"))
-    return kernels.router(xf @ layer.transposed("ffn_gate_inp.weight"), bias, n_used, scale)
+        return kernels.router(xf, bias, n_used, scale, weight=layer.kernel_dense("ffn_gate_inp.weight"),
+                              hashed=hashed)
+    return kernels.router(xf @ layer.transposed("ffn_gate_inp.weight"), bias, n_used, scale, hashed=hashed)
 
 
 def swiglu(gate: mx.array, up: mx.array, clamp: float) -> mx.array:

@@ -416,24 +416,19 @@ class Schedule:
         y = self._q8(matrix, x)
         return y if shape is None else y.reshape(shape)
 
-    def q8_normed(self, matrix: Q8Matrix, x: mx.array, weight: mx.array, eps: float,
-                  shape: tuple[int, ...] | None = None) -> mx.array:
-        """`q8`(matrix, `rms_norm`(x, weight, eps), shape) without the normed x: on the fast
-        path's matvec one kernel, the norm inside the product (the same values)."""
-        if self.matvec(x):
-            return kernels.q8_matvec(matrix, x, shape=shape, norm=(weight, eps))
-        return self.q8(matrix, self.rms_norm(x, weight, eps), shape=shape)
-
     def matvec(self, x: mx.array) -> bool:
         """Whether products of x [..., cols] are the fast path's matvec kernels: few tokens
         (decode, MTP verification) on the fast path."""
         return self.fast and x.size // x.shape[-1] <= kernels.MATVEC_MAX_TOKENS
 
-    def q8_pair(self, a: Q8Matrix, b: Q8Matrix, x: mx.array) -> tuple[mx.array, mx.array]:
-        """(`q8`(a, x), `q8`(b, x)): one kernel for both on the fast path's matvec."""
+    def q8_pair(self, a: Q8Matrix, b: Q8Matrix, x: mx.array,
+                norm_a: tuple[mx.array, float] | None = None) -> tuple[mx.array, ...]:
+        """(`q8`(a, x), `q8`(b, x)), and with `norm_a` = (weight, eps) also `rms_norm` of the
+        first: one kernel for all on the fast path's matvec (the same values)."""
         if self.matvec(x):
-            return kernels.q8_pair(a, b, x)
-        return self.q8(a, x), self.q8(b, x)
+            return kernels.q8_pair(a, b, x, norm_a)
+        ya, yb = self.q8(a, x), self.q8(b, x)
+        return (ya, yb) if norm_a is None else (ya, yb, self.rms_norm(ya, *norm_a))
 
     def _q8(self, matrix: Q8Matrix, x: mx.array) -> mx.array:
         if self.numerics.emulate:

@@ -89,11 +89,11 @@ __device__ bool ds4lab_last_block(int* counter, int blocks) {
 }
 
 // RMSNorm's 1 / sqrt(mean(x^2) + eps) of the row xr (D values) over the thread block: each
-// thread sums every blockDim.x-th square, then the block sums. row_finish (NORM) and q8_matvec
-// (NORM: the norm inside the product) share it, so with equal blocks they give the same bits.
+// thread sums every blockDim.x-th square, then the block sums. row_finish (NORM) and q8_pair
+// (NORM_A: q_a's norm) share it, so with equal blocks they give the same bits.
 // A thread's loads go out eight at a time: with D known only at run time the compiler issues
-// a plain loop's loads one after another, each an L2 round trip (the q_b product's SASS: eight
-// of them before its first weight load). The squares are added in the loop's order.
+// a plain loop's loads one after another, each an L2 round trip (a q_b product that normed q_a
+// itself had eight of them before its first weight load). The squares are added in the loop's order.
 __device__ float ds4lab_rms_inverse(const float* xr, int D, float eps, float* scratch) {
     constexpr int LOADS = 8;
     float ss = 0.0f;

@@ -1,5 +1,5 @@
 // The Q8_0 row dots of the decode step's Q8_0 kernels: two small helpers, then
-// ds4lab_q8_dots (the common loop), ds4lab_q8_dots_normed (q_b's) and ds4lab_q8_totals.
+// ds4lab_q8_dots (the common loop) and ds4lab_q8_totals.
 
 // The lane's 16 inputs of chunk j (xv: the input vector as float4).
 __device__ __forceinline__ void ds4lab_q8_inputs(const float4* xv, int j, float xs[16]) {
@@ -39,7 +39,6 @@ __device__ __forceinline__ float ds4lab_q8_dot16(uint4 q, const float xs[16]) {
 // byte of weights, and the L1 becomes the bound (ncu: 88% of its throughput, DRAM 24%, on the
 // 4096 x 8192 q8_hc); 4 rows a warp over a quarter of the columns each keep as many warps and
 // read a quarter of the input per row.
-// ds4lab_q8_dots_normed is the q_b product's form, its input normed inside.
 template <int NR, int COLS, int SPLIT = 1>
 __device__ __forceinline__ void ds4lab_q8_dots(const uint4* const* w, const float* const* s, const float4* xv,
                                                int lane, float* acc, int part = 0) {
@@ -51,53 +50,6 @@ __device__ __forceinline__ void ds4lab_q8_dots(const uint4* const* w, const floa
         ds4lab_q8_inputs(xv, j, xs);
 #pragma unroll
         for (int i = 0; i < NR; ++i) acc[i] += s[i][j >> 1] * ds4lab_q8_dot16(w[i][j], xs);
-    }
-}
-
-// ds4lab_q8_dots (a warp to its rows, no split) on the input RMS-normed and weighted first
-// as row_finish leaves it: x * inv, then times norm_w (two rounded products), with inv =
-// ds4lab_rms_inverse(x; eps), a block-wide sum (every thread of the block calls this).
-// The block writes the normed input once into shared memory (xn, COLS floats), and its warps
-// read it from there: the q_b product ran at a fifth of the DRAM bandwidth, bound by the L1
-// (ncu: 72% of its throughput) with every warp reading x and norm_w itself, norm_w a float
-// at a time. The lane's first code words and scales are loaded before the norm's sum, so
-// that their DRAM latency overlaps its reads and barriers.
-template <int NR, int COLS>
-__device__ __forceinline__ void ds4lab_q8_dots_normed(const uint4* const* w, const float* const* s, const float* x,
-                                                      int lane, float* acc, const float* norm_w, float eps,
-                                                      float* scratch, float* xn) {
-    constexpr int CHUNKS = COLS / 16, STEPS = (CHUNKS + 31) / 32;   // a lane's chunk j: lane + 32k
-    constexpr int EARLY = STEPS * NR <= 8 ? STEPS : (NR < 8 ? 8 / NR : 1);   // loaded before the norm
-    uint4 q[EARLY][NR];
-    float sc[EARLY][NR];
-#pragma unroll
-    for (int k = 0; k < EARLY; ++k) {
-        const int j = lane + 32 * k < CHUNKS ? lane + 32 * k : 0;
-#pragma unroll
-        for (int i = 0; i < NR; ++i) {
-            q[k][i] = w[i][j];
-            sc[k][i] = s[i][j >> 1];
-        }
-    }
-    const float inv = ds4lab_rms_inverse(x, COLS, eps, scratch);
-    for (int i = threadIdx.x; i < COLS; i += blockDim.x) xn[i] = __fmul_rn(__fmul_rn(x[i], inv), norm_w[i]);
-    __syncthreads();
-    const float4* xv = reinterpret_cast<const float4*>(xn);
-#pragma unroll
-    for (int i = 0; i < NR; ++i) acc[i] = 0.0f;
-#pragma unroll
-    for (int k = 0; k < STEPS; ++k) {
-        const int j = lane + 32 * k;
-        if (CHUNKS % 32 != 0 && j >= CHUNKS) break;
-        float xs[16];
-        ds4lab_q8_inputs(xv, j, xs);
-#pragma unroll
-        for (int i = 0; i < NR; ++i) {
-            const bool early = k < EARLY;
-            const uint4 words = early ? q[early ? k : 0][i] : w[i][j];
-            const float scale = early ? sc[early ? k : 0][i] : s[i][j >> 1];
-            acc[i] += scale * ds4lab_q8_dot16(words, xs);
-        }
     }
 }
 

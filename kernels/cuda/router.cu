@@ -5,12 +5,15 @@
 //   experts = the K best of probs + bias (the bias only selects), best first, ties to the
 //             lower expert id;
 //   weights = the chosen probs / max(their sum, 2^-14) * scale[0].
+// With HASH (the first n_hash_layer layers) the experts are instead the token's row of the
+// hash table (`select_experts`: table [vocab, K] int32, tokens [T] int32), in its order; probs
+// and weights as above. Those layers' routing was five MLX operations and their launches.
 // Without PRODUCT x holds the logits [T, E] (a prefill chunk's, from a GEMM): one thread
 // block a token (grid x). With PRODUCT (a decode step) the logits are made here: x is the
 // FFN input [T, N], w the router matrix [E, N], and grid x's blocks each take a warp's row
 // of w; each writes its logits into probs, and the last block of the token to finish
 // (ds4lab_last_block, on counter[t]) reads them back and routes. Templates: E (experts, at
-// most the block size), K, N, HAS_BIAS, PRODUCT.
+// most the block size), K, N, HAS_BIAS, PRODUCT, HASH.
 const int t = PRODUCT ? blockIdx.y : blockIdx.x, e = threadIdx.x;
 const int lane = e & 31, warp = e >> 5, n_warps = blockDim.x >> 5;
 __shared__ float best_v[32];
@@ -49,7 +52,11 @@ if (e < E) {
     probs[(size_t)t * E + e] = p;
     sel = HAS_BIAS ? p + bias[e] : p;
 }
-for (int k = 0; k < K; ++k) {
+if (HASH) {
+    if (e < K) chosen[e] = table[(size_t)tokens[t] * K + e];
+    __syncthreads();
+}
+for (int k = 0; k < (HASH ? 0 : K); ++k) {
     float v = sel;
     int i = e;
     for (int offset = 16; offset > 0; offset >>= 1) {
