@@ -295,8 +295,9 @@ def check_fused_kernels() -> None:
           f"indexer_queries {same_q}, router {same_router}")
     # The indexer's choice in the scores' launch: tokens that see more and fewer rows than
     # top-k, key rows repeated three times (ties in every score); the mask against a stable
-    # sort of the scores the launch returns, which equal the launch without a choice.
-    for t, n_rows, top_k, w in ((1, 1024, 512, 129), (4, 3000, 512, 130), (3, 40, 16, 7)):
+    # sort of the scores the launch returns, which equal the launch without a choice. 6000
+    # rows: past the choice's shared-memory copy of the keys (indexer_topk.cuh's CACHED).
+    for t, n_rows, top_k, w in ((1, 1024, 512, 129), (4, 3000, 512, 130), (3, 40, 16, 7), (2, 6000, 512, 128)):
         q, wh = mx.random.normal((t, 64, 128)), mx.random.normal((t, 64))
         keys = mx.repeat(mx.random.normal((-(-n_rows // 3), 128)), 3, axis=0)[:n_rows]
         n_seen = mx.array(np.linspace(top_k // 2, n_rows, t).astype(np.int32))

@@ -12,19 +12,26 @@
 // key (a bit at a time this took 33 passes of block-wide counting, each three barriers and a
 // contended atomic: 28 us a ratio-4 layer on the flash shape). The rows tied with that key
 // are then ranked by index with a scan.
+// Every pass and the ranking read the keys again: the first CACHED of them are kept in shared
+// memory from the first read on (a ratio-4 layer's rows up to 16k tokens of context; rows
+// past it are read through L2 each time). Read through L2 every time, the passes' reads were
+// a chain of ~20 round trips.
 template <int K>
 __device__ void ds4lab_indexer_choose(const float* sc, const bool* vis, const bool* window, bool* out, int n,
                                       int W) {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     for (int i = threadIdx.x; i < W; i += blockDim.x) out[i] = window[i];
     // A visible row's key grows with its score (-0 and +0 tie); invisible rows are 0, never chosen.
-    auto key_of = [&](int i) -> uint32_t {
+    auto load_key = [&](int i) -> uint32_t {
         if (!vis[i]) return 0u;
         const float s = __ldcg(sc + i);
         const float f = s == 0.0f ? 0.0f : s;
         const uint32_t b = __float_as_uint(f);
         return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
     };
+    constexpr int CACHED = 4096;
+    __shared__ uint32_t cached[CACHED];
+    auto key_of = [&](int i) -> uint32_t { return i < CACHED ? cached[i] : load_key(i); };
     __shared__ int warp_counts[32];
     __shared__ int hist[256];
     __shared__ uint32_t found[2];                            // the key's bytes so far; keys above it
@@ -39,8 +46,12 @@ __device__ void ds4lab_indexer_choose(const float* sc, const bool* vis, const bo
         return total;
     };
     int visible_here = 0;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) visible_here += key_of(i) >= 1u;
-    if (block_total(visible_here) <= K) {
+    for (int i = threadIdx.x; i < n; i += blockDim.x) {
+        const uint32_t k = load_key(i);
+        if (i < CACHED) cached[i] = k;
+        visible_here += k >= 1u;
+    }
+    if (block_total(visible_here) <= K) {                   // (its barriers publish cached[])
         for (int i = threadIdx.x; i < n; i += blockDim.x) out[W + i] = vis[i];
         return;
     }
