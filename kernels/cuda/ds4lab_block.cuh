@@ -31,6 +31,26 @@ __device__ __forceinline__ float ds4lab_warp_sum_all(float v) {
     return v;
 }
 
+// The warp's totals of the 32 values each lane holds in v, lane l getting value l's (returned;
+// v is spent): each step a lane keeps half of its values, adds its partner's of that half and
+// sends the other, so 31 shuffles make the 32 totals where 32 butterflies take 160. A
+// total's terms are added in the butterfly's tree (lanes 16 apart, then 8, ...), so it has
+// ds4lab_warp_sum_all's bits.
+__device__ __forceinline__ float ds4lab_transpose_sum32(float (&v)[32], int lane) {
+#pragma unroll
+    for (int n = 32; n > 1; n >>= 1) {
+        const int half = n / 2;
+        const bool upper = lane & half;
+#pragma unroll
+        for (int i = 0; i < half; ++i) {
+            const float send = upper ? v[i] : v[i + half];
+            const float keep = upper ? v[i + half] : v[i];
+            v[i] = keep + __shfl_xor_sync(0xffffffffu, send, half);
+        }
+    }
+    return v[0];
+}
+
 __device__ __forceinline__ float ds4lab_warp_max_all(float v) {
     for (int offset = 16; offset > 0; offset >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
     return v;
