@@ -35,19 +35,25 @@ __device__ __forceinline__ float ds4lab_warp_sum_all(float v) {
 // v is spent): each step a lane keeps half of its values, adds its partner's of that half and
 // sends the other, so 31 shuffles make the 32 totals where 32 butterflies take 160. A
 // total's terms are added in the butterfly's tree (lanes 16 apart, then 8, ...), so it has
-// ds4lab_warp_sum_all's bits.
-__device__ __forceinline__ float ds4lab_transpose_sum32(float (&v)[32], int lane) {
+// ds4lab_warp_sum_all's bits. Each step is a template of its own so that every index into v
+// is a constant: as one loop over the steps NVRTC kept v in local memory.
+template <int HALF>
+__device__ __forceinline__ void ds4lab_transpose_step(float (&v)[32], int lane) {
+    const bool upper = lane & HALF;
 #pragma unroll
-    for (int n = 32; n > 1; n >>= 1) {
-        const int half = n / 2;
-        const bool upper = lane & half;
-#pragma unroll
-        for (int i = 0; i < half; ++i) {
-            const float send = upper ? v[i] : v[i + half];
-            const float keep = upper ? v[i + half] : v[i];
-            v[i] = keep + __shfl_xor_sync(0xffffffffu, send, half);
-        }
+    for (int i = 0; i < HALF; ++i) {
+        const float send = upper ? v[i] : v[i + HALF];
+        const float keep = upper ? v[i + HALF] : v[i];
+        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, HALF);
     }
+}
+
+__device__ __forceinline__ float ds4lab_transpose_sum32(float (&v)[32], int lane) {
+    ds4lab_transpose_step<16>(v, lane);
+    ds4lab_transpose_step<8>(v, lane);
+    ds4lab_transpose_step<4>(v, lane);
+    ds4lab_transpose_step<2>(v, lane);
+    ds4lab_transpose_step<1>(v, lane);
     return v[0];
 }
 

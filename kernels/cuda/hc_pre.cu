@@ -27,14 +27,13 @@ __shared__ float scratch[32];
 __shared__ float m[M];
 const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 const int threads = (int)blockDim.x - 32, id = (int)threadIdx.x - 32;
-float v[COLS_PER][N], w_norm[COLS_PER];
+float v[COLS_PER][N];
 if (warp > 0) {
 #pragma unroll
     for (int k = 0; k < COLS_PER; ++k) {
         const int d = id + k * threads;
 #pragma unroll
         for (int a = 0; a < N; ++a) v[k][a] = d < E ? s[a * E + d] : 0.0f;
-        w_norm[k] = d < E ? norm[d] : 0.0f;
     }
 }
 // A warp per mixer output: its lanes take every 32nd partial sum, then the warp's butterfly
@@ -94,5 +93,5 @@ float* xt = x + (size_t)t * E;
 #pragma unroll
 for (int k = 0; k < COLS_PER; ++k) {
     const int d = id + k * threads;
-    if (d < E) xt[d] = xs[k] * inv2 * w_norm[k];
+    if (d < E) xt[d] = xs[k] * inv2 * norm[d];
 }
