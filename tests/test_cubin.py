@@ -77,7 +77,8 @@ def test_main_loop_is_the_longest_loops_body_by_opcode():
 def test_kernels_of_big_blocks_fit_them_and_keep_their_arrays_in_registers(nvrtc):
     """MLX's kernels carry no launch bounds, so ptxas may give a thread more registers than a
     1024-thread block can have (64: 65,536 a block): `hc_pre`'s block, whose threads hold their
-    stream columns in registers, at the Flash and Pro widths (its launch fails otherwise). And
+    stream columns in registers, and `indexer_queries`' (32 warps a head), at the Flash and Pro
+    widths (a launch fails otherwise). And
     `indexer_scores`' step of 32 dots stays in registers on the real 64 heads (a frame: local
     memory around every shuffle)."""
     import mlx.core as mx
@@ -85,16 +86,19 @@ def test_kernels_of_big_blocks_fit_them_and_keep_their_arrays_in_registers(nvrtc
     from ds4lab.model import kernel_cache, kernels
 
     with kernel_cache.recorded_variants() as variants:
-        for e in (4096, 7168):
+        for e, q_lora in ((4096, 1024), (7168, 1536)):
             kernels.hc_pre(mx.ones((1, 4, e)), mx.ones((24, 4 * e)), mx.ones((3,)), mx.ones((24,)), mx.ones((e,)),
                            20, 1e-6, 1e-6, parts=mx.ones((1, 24, 1024)))
+            kernels.indexer_queries(mx.ones((1, q_lora)), mx.ones((q_lora,)), 1e-6, mx.ones((1, e)),
+                                    mx.ones((8192, q_lora), mx.float16), mx.ones((64, e)),
+                                    (mx.ones((1, 32)), mx.zeros((1, 32))), 64)
         kernels.indexer_scores(mx.ones((1, 64, 128)), mx.ones((1, 64)), mx.ones((1024, 128)),
                                choose=(mx.ones((1, 1024), mx.bool_), mx.ones((1, 129), mx.bool_), 512))
-    assert len(variants) == 3
+    assert len(variants) == 5
     for variant in variants:
         code, _, log = nvrtc.compile(variant.mlx_source(), f"{variant.kernel_name}.cu", "sm_90a")
         assert code is not None, log
         (found,) = kernel_resources(code)
         assert found.frame_bytes == 0, (variant.kernel_name, found)
-        if "hc_pre" in variant.kernel_name:
+        if "hc_pre" in variant.kernel_name or "indexer_queries" in variant.kernel_name:
             assert found.registers <= 64, (variant.kernel_name, found)
