@@ -78,9 +78,8 @@ def test_kernels_of_big_blocks_fit_them_and_keep_their_arrays_in_registers(nvrtc
     """MLX's kernels carry no launch bounds, so ptxas may give a thread more registers than a
     1024-thread block can have (64: 65,536 a block): `hc_pre`'s block, whose threads hold their
     stream columns in registers, and `indexer_queries`' (32 warps a head), at the Flash and Pro
-    widths (a launch fails otherwise). And
-    `indexer_scores`' step of 32 dots stays in registers on the real 64 heads (a frame: local
-    memory around every shuffle)."""
+    widths (a launch fails otherwise). And `indexer_scores`' step of 32 dots stays in
+    registers on the real 64 heads (a frame: local memory around every shuffle)."""
     import mlx.core as mx
 
     from ds4lab.model import kernel_cache, kernels
