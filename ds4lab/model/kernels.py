@@ -639,7 +639,8 @@ def router(x: mx.array, bias: mx.array | None, n_used: int, scale: float, weight
     if hashed is not None and (hashed[0].ndim != 2 or hashed[0].shape[1] != n_used or hashed[1].size != t):
         raise ValueError(f"router: a hash table {tuple(hashed[0].shape)} and {hashed[1].size} tokens for {t} tokens "
                          f"of {n_used} experts")
-    table, tokens = ((_int32(hashed[0]), _int32(hashed[1].reshape(-1))) if hashed is not None
+    # astype is no operation on the int32 arrays the model passes (a reshape would be one a step)
+    table, tokens = ((hashed[0].astype(mx.int32), hashed[1].astype(mx.int32)) if hashed is not None
                      else (_scalar(0, mx.int32), _scalar(0, mx.int32)))
     blocks = 1 if weight is None else -(-e // (threads // 32))
     return tuple(_fused("router")(
@@ -650,11 +651,6 @@ def router(x: mx.array, bias: mx.array | None, n_used: int, scale: float, weight
         grid=(blocks * threads, t, 1) if weight is not None else (t * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(t, e), (t, n_used), (t, n_used)], output_dtypes=[mx.float32, mx.int32, mx.float32]))
-
-
-def _int32(a: mx.array) -> mx.array:
-    """a as int32 (itself when it is: no operation added to the step)."""
-    return a if a.dtype == mx.int32 else a.astype(mx.int32)
 
 
 @cache
