@@ -371,20 +371,21 @@ def check_fused_products() -> None:
         _bar("q8_hc", err <= _KERNEL_BAR)
         print(f"q8_hc (4096 x 2048, {n} streams, 3 tokens{', with add' if extra is not None else ''}) vs "
               f"product + hc_expand: max rel err {err:.2e}")
-    # With the next sublayer's mixer: the same streams, and its product of them in partial
-    # sums, which hc_pre then takes instead of hc_mix's.
+    # With the next sublayer's input made by the launch's last block: the same streams, and
+    # that input as hc_pre makes it of them (3 tokens: the last block's loop over them; 1).
     fn = mx.random.normal(((2 + n) * n, n * 4096)) * 0.01
-    mixed, parts = kernels.q8_hc(down, h, streams, control.post, control.comb, add, mix=fn)
-    err_streams = _rel(mixed, kernels.q8_hc(down, h, streams, control.post, control.comb, add)[0])
-    err_parts = _rel(parts.sum(axis=2), mixed.reshape(3, -1) @ fn.T)
     scale, base = mx.random.uniform(0.5, 2.0, (3,)), mx.random.normal(((2 + n) * n,))
     norm = mx.random.uniform(0.5, 1.5, (4096,))
-    given = kernels.hc_pre(mixed, fn, scale, base, norm, 20, 1e-6, 1e-6, parts=parts)
-    own = kernels.hc_pre(mixed, fn, scale, base, norm, 20, 1e-6, 1e-6)
-    err_pre = max(_rel(a, b) for a, b in zip(given, own, strict=True))
-    _bar("q8_hc with the next mixer", max(err_streams, err_parts, err_pre) <= _KERNEL_BAR)
-    print(f"q8_hc with the next mixer ({parts.shape[2]} partial sums): streams vs without {err_streams:.2e}, "
-          f"summed partials vs the mixer product {err_parts:.2e}; hc_pre given them vs with hc_mix {err_pre:.2e}")
+    nxt = kernels.HCInput(fn, scale, base, norm, 20, 1e-6, 1e-6)
+    for tokens in (3, 1):
+        args = (down, h[:tokens], streams[:tokens], control.post[:tokens], control.comb[:tokens], add[:tokens])
+        mixed, made = kernels.q8_hc(*args, next_input=nxt)
+        err_streams = _rel(mixed, kernels.q8_hc(*args)[0])
+        own = kernels.hc_pre(mixed, fn, scale, base, norm, 20, 1e-6, 1e-6)
+        err_input = max(_rel(a, b) for a, b in zip(made, own, strict=True))
+        _bar(f"q8_hc with the next sublayer's input, {tokens} tokens", max(err_streams, err_input) <= _KERNEL_BAR)
+        print(f"q8_hc with the next sublayer's input (4096 x 2048, {tokens} tokens): streams vs without "
+              f"{err_streams:.2e}; x, pre, post, comb vs hc_pre of them {err_input:.2e}")
     ids = mx.array([[3, 15, 0, 9, 7, 12], [1, 3, 5, 15, 2, 8]], dtype=mx.int32)
     weights = mx.random.uniform(0.1, 1.0, ids.shape)
     one_ids, one_w = ids[:1], weights[:1]

@@ -87,13 +87,13 @@ def test_kernels_of_big_blocks_fit_them_and_keep_their_arrays_in_registers(nvrtc
     with kernel_cache.recorded_variants() as variants:
         for e, q_lora in ((4096, 1024), (7168, 1536)):
             kernels.hc_pre(mx.ones((1, 4, e)), mx.ones((24, 4 * e)), mx.ones((3,)), mx.ones((24,)), mx.ones((e,)),
-                           20, 1e-6, 1e-6, parts=mx.ones((1, 24, 1024)))
+                           20, 1e-6, 1e-6)
             kernels.indexer_queries(mx.ones((1, q_lora)), mx.ones((q_lora,)), 1e-6, mx.ones((1, e)),
                                     mx.ones((8192, q_lora), mx.float16), mx.ones((64, e)),
                                     (mx.ones((1, 32)), mx.zeros((1, 32))), 64)
         kernels.indexer_scores(mx.ones((1, 64, 128)), mx.ones((1, 64)), mx.ones((1024, 128)),
                                choose=(mx.ones((1, 1024), mx.bool_), mx.ones((1, 129), mx.bool_), 512))
-    assert len(variants) == 5
+    assert len(variants) == 7                      # hc_pre launches hc_mix first
     for variant in variants:
         code, _, log = nvrtc.compile(variant.mlx_source(), f"{variant.kernel_name}.cu", "sm_90a")
         assert code is not None, log
@@ -101,3 +101,35 @@ def test_kernels_of_big_blocks_fit_them_and_keep_their_arrays_in_registers(nvrtc
         assert found.frame_bytes == 0, (variant.kernel_name, found)
         if "hc_pre" in variant.kernel_name or "indexer_queries" in variant.kernel_name:
             assert found.registers <= 64, (variant.kernel_name, found)
+
+
+def test_the_next_sublayers_input_costs_the_hc_product_no_registers(nvrtc):
+    """`q8_hc` with the next sublayer's input made by its last block (NEXT): a tail that one
+    block of ~1000 runs must not raise the registers of every thread of the product (its
+    occupancy). Inlined, the HC split took the kernel from 72 to 96-127; as a call it adds none.
+    The shared expert's down product (2048 columns) and the attention's output (8192), at the
+    Flash and Pro widths."""
+    import mlx.core as mx
+
+    from ds4lab.model import kernel_cache, kernels
+    from ds4lab.model.weights import Q8Matrix
+
+    registers = {}
+    for e in (4096, 7168):
+        for cols in (2048, 8192):
+            q8 = Q8Matrix(mx.zeros((e, cols // 4), mx.uint32), mx.zeros((e, cols // 32)), mx.zeros((e, cols // 32)),
+                          e, cols)
+            args = (q8, mx.ones((1, cols)), mx.ones((1, 4, e)), mx.ones((1, 4)), mx.ones((1, 4, 4)), mx.ones((1, e)))
+            nxt = kernels.HCInput(mx.ones((24, 4 * e)), mx.ones((3,)), mx.ones((24,)), mx.ones((e,)), 20, 1e-6, 1e-6)
+            for with_next in (False, True):
+                with kernel_cache.recorded_variants() as variants:
+                    kernels.q8_hc(*args, next_input=nxt if with_next else None)
+                (variant,) = variants
+                code, _, log = nvrtc.compile(variant.mlx_source(), f"{variant.kernel_name}.cu", "sm_90a")
+                assert code is not None, log
+                (found,) = kernel_resources(code)
+                assert found.frame_bytes == 0, (variant.kernel_name, found)
+                registers[e, cols, with_next] = found.registers
+    for (e, cols, with_next), n in registers.items():
+        if with_next:
+            assert n <= max(registers[e, cols, False], 72), (e, cols, registers)

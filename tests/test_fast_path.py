@@ -344,21 +344,26 @@ def _q8_swiglu(inputs, t, grid, threadgroup):
 
 
 def _q8_hc(inputs, t, grid, threadgroup):
-    codes, scales, x, add, streams, post, comb, mix = inputs
+    codes, scales, x, add, streams, post, comb, mix, next_scale, next_base, next_norm, eps, counter = inputs
     _q8_warps(t, grid, t["E"], x.shape[0])
     w = _q8_rows(codes, scales, t["COLS"])
     n, e = t["N"], t["E"]
     assert w.shape[0] == e and streams.shape == (x.shape[0], n, e)
     (y,) = _hc_post([_q8_products(w, x), add, streams, post, comb, mx.array(x.shape[0])], t, (streams.size,), None)
-    if not t["MIX"]:
-        return [y, mx.zeros((1,))]
-    # Block b's partial: its rows d (R a warp, threadgroup / 32 warps) over every stream.
-    m, (parts, _) = (2 + n) * n, _blocks(grid, threadgroup)
-    rows = threadgroup[0] // 32 // t["SPLIT"] * t["R"]
-    assert mix.shape == (m, n * e) and parts * rows >= e > (parts - 1) * rows
-    by_row = mx.einsum("jcd,tcd->tjd", mix.reshape(m, n, e), y)                  # [T, M, E]
-    by_row = mx.pad(by_row, [(0, 0), (0, 0), (0, parts * rows - e)])
-    return [y, by_row.reshape(y.shape[0], m, parts, rows).sum(axis=-1)]
+    unused = [mx.zeros((1,))] * 5
+    if not t["NEXT"]:
+        return [y, *unused]
+    # The next sublayer's input, as hc_pre makes it (its last block: warp 0 splits while the
+    # others collapse), from the mixer's product of the new streams summed over the blocks.
+    assert counter.dtype == mx.int32 and threadgroup[0] >= 64 and _blocks(grid, threadgroup)[0] == t["PARTS"]
+    m = (2 + n) * n
+    assert mix.shape == (m, n * e) and next_norm.shape == (e,)
+    summed = (y.reshape(y.shape[0], -1) @ mix.T)[:, :, None]
+    tokens = mx.array(y.shape[0])
+    x_next, pre, post_next, comb_next = _hc_pre([y, summed, next_scale, next_base, next_norm, eps, tokens],
+                                                {"N": n, "E": e, "ITERS": t["ITERS"], "PARTS": 1, "COLS_PER": e},
+                                                (y.shape[0] * 64, 1, 1), (64, 1, 1))
+    return [y, mx.zeros((y.shape[0], m + 1, t["PARTS"])), x_next, pre, post_next, comb_next]
 
 
 def _gemm_split_x(inputs, t, grid, threadgroup):
@@ -737,8 +742,10 @@ def test_a_hook_off_the_boundaries_sends_only_its_block_to_the_reference(small_w
     assert plan.hooks[1] == "blocks.1.attn.hook_q"
     # block 2's boundary hook keeps it fast, its FFN as written (a decode step's FFN not compiled)
     assert list(plan.compiled) == ["attn, ffn", "", "attn", "attn, ffn", "attn, ffn"]
-    # one block of five on the reference: its two HC inputs and outputs leave the kernels
-    assert stand_in_kernels["hc_pre"] == fast_calls["hc_pre"] - 2
+    # unhooked, only the first sublayer makes its HC input (each other's comes from the launch
+    # before); with block 1 on the reference, so do block 2's attention (after a reference
+    # block) and block 3's (after block 2's FFN, whose HC step is apart)
+    assert fast_calls["hc_pre"] == 1 and stand_in_kernels["hc_pre"] == 3
     # unhooked, each sublayer's last product and HC step are one kernel; block 2's FFN (its
     # hook_out replaceable) keeps the HC step apart
     assert "hc_post" not in fast_calls and stand_in_kernels["hc_post"] == 1
@@ -750,7 +757,7 @@ def test_a_hook_off_the_boundaries_sends_only_its_block_to_the_reference(small_w
     stand_in_kernels.clear()
     with model.hooks([(name, lambda act, hook: None) for name in ("blocks.1.attn.hook_q", "blocks.2.ffn.hook_out")]):
         model(tokens)
-    assert stand_in_kernels["hc_pre"] == 1 and stand_in_kernels["hc_post"] == 1
+    assert "hc_pre" not in stand_in_kernels and stand_in_kernels["hc_post"] == 1
 
 
 def test_q_a_is_normed_by_the_launch_of_its_product(small_weights, stand_in_kernels):
@@ -793,7 +800,8 @@ def test_a_decode_step_finishes_q_and_kv_rows_without_launches_of_their_own(smal
     """A decode step (no window completed, no indexer) launches row_finish only for the head
     (its HC weights' and its output norm): q_a's norm is made by the q_a and kv launch, and the q
     heads and the KV row (written after the window: the keys) are finished by the attention
-    kernel. And hc_mix once: every other sublayer's mixer product comes from the q8_hc before it."""
+    kernel. And hc_pre (with its hc_mix) once: every other sublayer's HC input is made by the
+    q8_hc before it, and q8_hc runs twice a layer."""
     model = Model(small_weights)
     session = model.session()
     session.prefill([(37 * i + 11) % 1000 + 100 for i in range(10)])
@@ -802,7 +810,8 @@ def test_a_decode_step_finishes_q_and_kv_rows_without_launches_of_their_own(smal
     n_layer = small_weights.config.n_layer
     assert stand_in_kernels["row_finish"] == 2
     assert stand_in_kernels["attention_heads"] == stand_in_kernels["q8_pair"] == n_layer
-    assert stand_in_kernels["hc_pre"] == 2 * n_layer and stand_in_kernels["hc_mix"] == 1
+    assert stand_in_kernels["hc_pre"] == stand_in_kernels["hc_mix"] == 1
+    assert stand_in_kernels["q8_hc"] == 2 * n_layer
 
 
 def test_a_decode_step_shares_launches_where_parts_read_the_same_input(small_weights, stand_in_kernels):
@@ -826,10 +835,10 @@ def test_a_decode_step_shares_launches_where_parts_read_the_same_input(small_wei
     assert stand_in_kernels["row_finish"] == 2
 
 
-def test_mixer_sums_made_before_a_replaced_residual_are_not_used(small_weights, stand_in_kernels):
-    """A hook that replaces the streams at a residual point drops the mixer's partial sums the
-    sublayer before made of the old streams: the next sublayer runs its own hc_mix, and the
-    fast path's logits stay the reference path's."""
+def test_an_hc_input_made_before_a_replaced_residual_is_not_used(small_weights, stand_in_kernels):
+    """A hook that replaces the streams at a residual point drops the HC input the launch
+    before made of the old streams: the next sublayer runs its own hc_pre (and hc_mix), and
+    the fast path's logits stay the reference path's."""
     for name in ("blocks.2.hook_resid_mid", "blocks.1.hook_resid_post"):
         model = Model(small_weights)            # its sublayers traced afresh: every launch counted
         session = model.session()
@@ -838,7 +847,7 @@ def test_mixer_sums_made_before_a_replaced_residual_are_not_used(small_weights, 
             stand_in_kernels.clear()
             state = session.state
             fast = np.array(session.decode(9))
-            assert stand_in_kernels["hc_mix"] == 2, name
+            assert stand_in_kernels["hc_mix"] == stand_in_kernels["hc_pre"] == 2, name
             session.state = state
             model.numerics.allow_fast = False
             reference = np.array(session.decode(9))

@@ -52,14 +52,13 @@ def hc_control(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array,
 
 
 def hc_fused_input(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array, norm: mx.array,
-                   sinkhorn_iters: int, rms_eps: float, hc_eps: float,
-                   parts: mx.array | None = None) -> tuple[mx.array, HCControl]:
+                   sinkhorn_iters: int, rms_eps: float, hc_eps: float) -> tuple[mx.array, HCControl]:
     """The fast path's `hc_control` + `hc_collapse` + the sublayer's RMSNorm in one kernel
-    (`kernels/cuda/hc_pre.cu`, the split of a token as ds4's `hc_split_sinkhorn`). A decode
-    step's mixer product comes as partial sums: `parts`, when the sublayer before made them
-    with these streams (`hc_expand_q8(..., next_fn=fn)`), else `hc_mix.cu`'s. Returns
-    (sublayer input [T, n_embd], control)."""
-    x, pre, post, comb = kernels.hc_pre(streams, fn, scale, base, norm, sinkhorn_iters, rms_eps, hc_eps, parts)
+    (`kernels/cuda/hc_pre.cu`, the split of a token as ds4's `hc_split_sinkhorn`; a decode
+    step's mixer product from `hc_mix.cu`). A decode step mostly makes this in the launch
+    before instead (`hc_expand_q8(..., next_input=)`). Returns (sublayer input [T, n_embd],
+    control)."""
+    x, pre, post, comb = kernels.hc_pre(streams, fn, scale, base, norm, sinkhorn_iters, rms_eps, hc_eps)
     return x, HCControl(pre, post, comb)
 
 
@@ -112,14 +111,15 @@ def hc_expand(out: mx.array, streams: mx.array, control: HCControl, mm: Schedule
 
 
 def hc_expand_q8(matrix: Q8Matrix, x: mx.array, streams: mx.array, control: HCControl, mm: Schedule,
-                 add: mx.array | None = None, next_fn: mx.array | None = None) -> tuple[mx.array, mx.array | None]:
+                 add: mx.array | None = None,
+                 next_input: kernels.HCInput | None = None) -> tuple[mx.array, tuple[mx.array, ...] | None]:
     """`hc_expand`(matrix · x, ...): a sublayer's last product and the new streams, one kernel
     on the fast path's matvec (`kernels.q8_hc`, up to its HC_MAX_STREAMS); `add` is added
-    to the product first. With `next_fn` (the next sublayer's HC mixer) that kernel also
-    makes the mixer's partial sums for the next `hc_fused_input`. Returns (new streams,
-    partial sums or None: the other paths make none)."""
+    to the product first. With `next_input` (the next sublayer's HC input weights) that kernel
+    also makes the next sublayer's input, as `hc_fused_input` would. Returns (new streams,
+    that input as (x, pre, post, comb), or None: the other paths make none)."""
     if mm.matvec(x) and streams.shape[1] <= kernels.HC_MAX_STREAMS:
-        return kernels.q8_hc(matrix, x, streams, control.post, control.comb, add, next_fn)
+        return kernels.q8_hc(matrix, x, streams, control.post, control.comb, add, next_input)
     return hc_expand(mm.q8(matrix, x), streams, control, mm, add=add), None
 
 

@@ -67,7 +67,7 @@ import re
 from dataclasses import dataclass
 from functools import cache, lru_cache
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -140,8 +140,10 @@ _KERNELS = {
                 ["codes_a", "scales_a", "codes_b", "scales_b", "x", "norm_w", "eps", "counter"], ["ya", "yb", "ya_n"]),
     "q8_swiglu": ("q8_swiglu.cu", ("ds4lab_block.cuh", "q8_rows.cuh"),
                   ["codes_g", "scales_g", "codes_u", "scales_u", "x", "clamp"], ["y"]),
-    "q8_hc": ("q8_hc.cu", ("ds4lab_block.cuh", "q8_rows.cuh"),
-              ["codes", "scales", "x", "add", "streams", "post", "comb", "mix"], ["y", "part"]),
+    "q8_hc": ("q8_hc.cu", ("ds4lab_block.cuh", "q8_rows.cuh", "hc_split.cuh"),
+              ["codes", "scales", "x", "add", "streams", "post", "comb", "mix", "next_scale", "next_base", "next_norm",
+               "eps", "counter"],
+              ["y", "part", "x_next", "pre", "post_next", "comb_next"]),
     "gemm_split_x": ("gemm_split_x.cu", ("ds4lab_block.cuh", "gemm_common.cuh"), ["x"], ["xh", "xl", "xsum", "xexp"]),
 }
 
@@ -254,21 +256,16 @@ def _scalar(value, dtype=mx.float32) -> mx.array:
 
 
 def hc_pre(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array, norm: mx.array, sinkhorn_iters: int,
-           rms_eps: float, hc_eps: float,
-           parts: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+           rms_eps: float, hc_eps: float) -> tuple[mx.array, mx.array, mx.array, mx.array]:
     """(x [T, E], pre [T, N], post [T, N], comb [T, N, N]) from the streams [T, N, E] and the
     mixer matrix fn [(2 + N)·N, N·E]. Up to MATVEC_MAX_TOKENS tokens the mixer product is
-    partial sums that hc_pre adds (in a fixed order, a warp an output): `parts` [T,
-    (2 + N)·N, P] when given (the ones `q8_hc(..., mix=fn)` made with these streams), else
-    `hc_mix`'s (a block per 256 columns); a chunk's is one GEMM first."""
+    `hc_mix`'s partial sums (a block per 256 columns) that hc_pre adds in a fixed order, a
+    warp an output; a chunk's is one GEMM first. (A decode step's sublayers mostly get their
+    input from the launch before: `q8_hc(..., next_input=)`.)"""
     t, n, e = streams.shape
     if n * n > 32:
         raise ValueError(f"hc_pre: {n} streams: the split's warp holds one cell a lane (n_hc * n_hc <= 32)")
-    if parts is not None:
-        if t > MATVEC_MAX_TOKENS or parts.ndim != 3 or parts.shape[0] != t or parts.shape[1] != (2 + n) * n:
-            raise ValueError(f"hc_pre: partial mixer sums {tuple(parts.shape)} for {t} tokens of {n} streams")
-        mix, n_parts = parts, parts.shape[2]
-    elif t <= MATVEC_MAX_TOKENS:
+    if t <= MATVEC_MAX_TOKENS:
         n_parts = -(-n * e // _HC_MIX_COLUMNS)
         (mix,) = _fused("hc_mix")(
             inputs=[streams, fn], template=[("N", n), ("E", e), ("PARTS", n_parts)],
@@ -589,33 +586,56 @@ def q8_swiglu(gate: Q8Matrix, up: Q8Matrix, x: mx.array, clamp: float) -> mx.arr
 HC_MAX_STREAMS = 32
 
 
+class HCInput(NamedTuple):
+    """What a sublayer's HC input is made of (hc_pre's weights and constants): its mixer
+    [(2 + N)·N, N·E], scale [3], base [(2 + N)·N], the norm after the collapse [E]."""
+
+    fn: mx.array
+    scale: mx.array
+    base: mx.array
+    norm: mx.array
+    sinkhorn_iters: int
+    rms_eps: float
+    hc_eps: float
+
+
 def q8_hc(matrix: Q8Matrix, x: mx.array, streams: mx.array, post: mx.array, comb: mx.array,
-          add: mx.array | None = None, mix: mx.array | None = None) -> tuple[mx.array, mx.array | None]:
+          add: mx.array | None = None,
+          next_input: HCInput | None = None) -> tuple[mx.array, tuple[mx.array, ...] | None]:
     """`hc_post`(W·x, ...) in one launch: a sublayer's last product (x [T, cols], W with
     n_embd rows) and the new streams [T, N, E] from it; `add` [T, E] is added to W·x first
-    (the FFN's routed output beside the shared expert's). With `mix`, the next sublayer's
-    HC mixer [(2 + N)·N, N·E], also that mixer's product of the new streams as partial sums
-    [T, (2 + N)·N, parts] for `hc_pre(..., parts=)` (no `hc_mix` launch). Returns (new
-    streams, the partial sums or None)."""
+    (the FFN's routed output beside the shared expert's). With `next_input`, the same launch
+    also makes the next sublayer's input from the new streams, as `hc_pre` would (its last
+    block, from partial sums the others made): (x [T, E], pre [T, N], post [T, N], comb [T,
+    N, N]). Returns (new streams, that input or None)."""
     t = _one_vector_tokens("q8_hc", (matrix,), x)
     n, e = streams.shape[1:]
     m = (2 + n) * n
     if streams.shape != (t, n, matrix.rows) or post.shape != (t, n) or comb.shape != (t, n, n) or n > HC_MAX_STREAMS:
         raise ValueError(f"q8_hc: streams {tuple(streams.shape)}, post {tuple(post.shape)}, comb {tuple(comb.shape)} "
                          f"for {t} tokens of a {matrix.rows}-row product")
-    if mix is not None and mix.shape != (m, n * e):
-        raise ValueError(f"q8_hc: a mixer {tuple(mix.shape)} for {n} streams of {e}, not ({m}, {n * e})")
+    if next_input is not None and (next_input.fn.shape != (m, n * e) or next_input.norm.shape != (e,)):
+        raise ValueError(f"q8_hc: a next mixer {tuple(next_input.fn.shape)} and norm {tuple(next_input.norm.shape)} "
+                         f"for {n} streams of {e}, not ({m}, {n * e}) and ({e},)")
+    if next_input is not None and n * n > 32:
+        raise ValueError(f"q8_hc: {n} streams: the split's warp holds one cell a lane (n_hc * n_hc <= 32)")
     r, split = _rows_per_warp(e, matrix.cols)
     launch = _q8_launch(e, r, split, t)
     parts = launch["grid"][0] // launch["threadgroup"][0]
-    y, part = _fused("q8_hc")(
-        inputs=[matrix.codes, matrix.scales, x.astype(mx.float32), _scalar(0.0) if add is None else add,
-                streams, post, comb, _scalar(0.0) if mix is None else mix],
+    nxt = next_input is not None
+    unused = _scalar(0.0)
+    weights = ([next_input.fn, next_input.scale, next_input.base, next_input.norm,
+                _constant((next_input.rms_eps, next_input.hc_eps)), _arrival_counters()] if nxt
+               else [unused] * 5 + [_scalar(0, mx.int32)])
+    y, _, *made = _fused("q8_hc")(
+        inputs=[matrix.codes, matrix.scales, x.astype(mx.float32), unused if add is None else add,
+                streams, post, comb, *weights],
         template=[("E", e), ("COLS", matrix.cols), ("R", r), ("SPLIT", split), ("N", n), ("ADD", add is not None),
-                  ("MIX", mix is not None)],
-        **launch, output_shapes=[streams.shape, (t, m, parts) if mix is not None else (1,)],
-        output_dtypes=[mx.float32, mx.float32])
-    return y, part if mix is not None else None
+                  ("NEXT", nxt), ("PARTS", parts), ("ITERS", next_input.sinkhorn_iters if nxt else 1)],
+        **launch,
+        output_shapes=[streams.shape] + ([(t, m + 1, parts), (t, e), (t, n), (t, n), (t, n, n)] if nxt else [(1,)] * 5),
+        output_dtypes=[mx.float32] * 6)
+    return y, tuple(made) if nxt else None
 
 
 def router(x: mx.array, bias: mx.array | None, n_used: int, scale: float, weight: mx.array | None = None,
@@ -657,9 +677,13 @@ def router(x: mx.array, bias: mx.array | None, n_used: int, scale: float, weight
 def _arrival_counters() -> mx.array:
     """The zeroed ints in which kernels whose last thread block finishes a launch's work count
     their blocks (`ds4lab_last_block`): the router and the indexer's scores a counter per
-    token, q8_pair's norm of q_a the first, decode attention's shares one per (token, head),
-    of which there are fewer than _ATTENTION_MANY_BLOCKS. Each launch leaves them zero;
-    kernels run in stream order, so one set serves every launch."""
+    token, q8_pair's norm of q_a and q8_hc's next input the first, decode attention's shares
+    one per (token, head), of which there are fewer than _ATTENTION_MANY_BLOCKS. Each launch
+    leaves them zero, so one set serves launches that run one after the other. In a CUDA
+    graph MLX orders two launches only through a buffer one writes and the other reads (the
+    counters are an input of both), so launches that count must be ordered by their data, as
+    a step's are (each reads what one before it made): independent ones could run at once
+    and share a count."""
     counters = mx.zeros((max(_ATTENTION_MANY_BLOCKS, MATVEC_MAX_TOKENS),), mx.int32)
     mx.eval(counters)
     return counters

@@ -33,6 +33,7 @@ from ..hooks import ActivationCache, HookFn, HookRegistry, NameFilter, Scope, fl
 from . import attention, cpu_kernels, indexer, kernels, moe
 from .compressor import Compressor, Frontier, decode_pair, row_span
 from .hc import HCControl, hc_collapse, hc_control, hc_expand, hc_expand_q8, hc_fused_input, hc_head_weights
+from .kernels import HCInput
 from .numerics import MODES, Numerics, Schedule, batch_invariant_device, joined
 from .rope import Rotation, yarn_for
 from .state import LayerCache, SessionState
@@ -245,14 +246,17 @@ class Model:
         new = state.copy()
         experts = []
         rotations: dict[tuple, Rotation] = {}
-        layers, parts = self.weights.layers, None
+        layers, ready, slow = self.weights.layers, None, self._reference_blocks()
         for il, layer in enumerate(layers):
             kind = (cfg.rope_base(il), yarn_for(cfg, layer.ratio))
             if kind not in rotations:
                 rotations[kind] = Rotation.at(p0, len(tokens), cfg.n_rot, *kind)
-            next_fn = layers[il + 1].dense["hc_attn_fn.weight"] if il + 1 < len(layers) else None
-            streams, chosen, parts = self.block(layer, new.layers[il], streams, p0, rotations[kind], token_ids, mm,
-                                                parts, next_fn)
+            # the next block's attention input is made by this block's last launch, unless
+            # that block runs on the reference composition (which makes its own)
+            next_input = (self._hc_input(layers[il + 1], "attn")
+                          if il + 1 < len(layers) and _prefix(layers[il + 1]) not in slow else None)
+            streams, chosen, ready = self.block(layer, new.layers[il], streams, p0, rotations[kind], token_ids, mm,
+                                                ready, next_input)
             if len(tokens) > 1:
                 # Bounds a prefill chunk's graph (a decode step stays one graph). The fast path
                 # only starts the layer and goes on building the next while the device runs it.
@@ -268,33 +272,40 @@ class Model:
         return ChunkResult(logits, experts, new, hidden)
 
     def block(self, layer: LayerWeights, cache: LayerCache, streams: mx.array, p0: int, rotation: Rotation,
-              token_ids: mx.array, mm: Schedule, parts: mx.array | None = None,
-              next_fn: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array | None]:
+              token_ids: mx.array, mm: Schedule, ready: tuple[mx.array, ...] | None = None,
+              next_input: HCInput | None = None) -> tuple[mx.array, mx.array, tuple[mx.array, ...] | None]:
         """One block (a layer, or the MTP head's) over a chunk: attention, then FFN, with the
         residual points around them; on the reference composition when its hooks need it.
         Returns the new streams, the experts used and, on the fast path's decode steps with
-        `next_fn` (the next block's attention HC mixer), that mixer's partial sums of the new
-        streams (None elsewhere); extends `cache`. `parts`: those of `streams`, made by the
-        block before. Partial sums made before a hook that replaces the streams are dropped."""
+        `next_input` (the next block's attention HC input weights), that sublayer's input made
+        of the new streams, (x, pre, post, comb) (None elsewhere); extends `cache`. `ready`:
+        this block's attention input, made by the block before. An input made before a hook
+        that replaces the streams is dropped (the sublayer makes its own of the new ones)."""
         prefix = _prefix(layer)
         if mm.fast and prefix in self._reference_blocks():
             mm = mm.reference()
         h = self._hooks.scope(prefix)
-        parts, streams = _kept(parts, streams, h("hook_resid_pre", streams))
-        streams, parts = self._attention_block(layer, cache, streams, p0, rotation, mm, parts)
-        parts, streams = _kept(parts, streams, h("hook_resid_mid", streams))
-        streams, experts, parts = self._sublayer("ffn", layer, mm, self._ffn_block, streams, token_ids,
-                                                 *([parts] if parts is not None else []), next_fn=next_fn)
-        parts, streams = _kept(parts, streams, h("hook_resid_post", streams))
-        return streams, experts, parts
+        ready, streams = _kept(ready, streams, h("hook_resid_pre", streams))
+        streams, ready = self._attention_block(layer, cache, streams, p0, rotation, mm, ready)
+        ready, streams = _kept(ready, streams, h("hook_resid_mid", streams))
+        streams, experts, ready = self._sublayer("ffn", layer, mm, self._ffn_block, streams, token_ids,
+                                                 *(ready or ()), next_input=next_input)
+        ready, streams = _kept(ready, streams, h("hook_resid_post", streams))
+        return streams, experts, ready
+
+    def _hc_input(self, layer: LayerWeights, sub: str) -> HCInput:
+        """The weights and constants of a sublayer's HC input ("attn" or "ffn")."""
+        cfg, d = self.config, layer.dense
+        return HCInput(d[f"hc_{sub}_fn.weight"], d[f"hc_{sub}_scale.weight"], d[f"hc_{sub}_base.weight"],
+                       d[f"{sub}_norm.weight"], cfg.hc_sinkhorn_iter, cfg.rms_eps, cfg.hc_eps)
 
     def _attention_block(self, layer: LayerWeights, cache: LayerCache, streams: mx.array, p0: int,
                          rotation: Rotation, mm: Schedule,
-                         parts: mx.array | None = None) -> tuple[mx.array, mx.array | None]:
+                         ready: tuple[mx.array, ...] | None = None) -> tuple[mx.array, tuple[mx.array, ...] | None]:
         """Attention of the chunk's tokens (positions p0..) over the raw window and the
         compressed rows; extends `cache`. Masks are built on the host: positions are known.
-        `parts`: the HC mixer's partial sums of `streams` (see `block`). Returns the new
-        streams and, on the fast path's decode steps, the FFN mixer's partial sums of them."""
+        `ready`: the sublayer's input made by the launch before (see `block`). Returns the new
+        streams and, on the fast path's decode steps, the FFN's input made of them."""
         cfg, d = self.config, layer.dense
         h = self._hooks.scope(f"{_prefix(layer)}.attn")
         # The indexer scores once more rows are visible than it keeps: its queries are then
@@ -308,7 +319,7 @@ class Model:
         xa, pre, post, comb, q, kv, *queries = self._sublayer(
             "attn_in+indexer" if indexed else "attn_in", layer, mm,
             partial(self._attention_inputs, indexed=indexed, finish_kv=not mm.fast, finish_q=not q_in_attention),
-            streams, rotation.cos, rotation.sin, *([parts] if parts is not None else []))
+            streams, rotation.cos, rotation.sin, *(ready or ()))
         t, n_kept = kv.shape[0], cache.raw.shape[0]
         row_in_attention = q_in_attention and t == 1
         if row_in_attention:
@@ -337,7 +348,7 @@ class Model:
         return self._sublayer("attn_out", layer, mm, self._attention_output, heads, streams, pre, post, comb)
 
     def _attention_inputs(self, layer: LayerWeights, mm: Schedule, streams: mx.array, cos: mx.array,
-                          sin: mx.array, parts: mx.array | None = None, *, indexed: bool, finish_kv: bool,
+                          sin: mx.array, *ready: mx.array, indexed: bool, finish_kv: bool,
                           finish_q: bool) -> tuple[mx.array, ...]:
         """The attention sublayer before the cache: (xa, pre, post, comb, q, kv), hooked, then
         with `indexed` the indexer's queries and head weights (`indexer.indexer_queries`);
@@ -346,7 +357,7 @@ class Model:
         cfg = self.config
         h = self._hooks.scope(f"{_prefix(layer)}.attn")
         rotation = Rotation(cos, sin)
-        xa, control = self._sublayer_input(h, streams, "attn", layer, mm, parts)
+        xa, control = self._sublayer_input(h, streams, "attn", layer, mm, ready)
         qr, kv, qr_n = attention.input_products(layer, xa, cfg.rms_eps, mm)
         q = attention.project_q(layer, qr_n, rotation, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm, finish=finish_q)
         if finish_q:
@@ -358,16 +369,17 @@ class Model:
         return xa, control.pre, control.post, control.comb, q, kv, *queries
 
     def _attention_output(self, layer: LayerWeights, mm: Schedule, heads: mx.array, streams: mx.array,
-                          pre: mx.array, post: mx.array, comb: mx.array) -> tuple[mx.array, mx.array | None]:
+                          pre: mx.array, post: mx.array,
+                          comb: mx.array) -> tuple[mx.array, tuple[mx.array, ...] | None]:
         """The heads through the grouped output projection (`hook_out`) into new streams (the
         last product and the HC step one kernel on the fast path's matvec, unless hooked,
-        which also makes the FFN mixer's partial sums of them: see `block`)."""
+        which also makes the FFN's input of them: see `block`)."""
         h = self._hooks.scope(f"{_prefix(layer)}.attn")
         low = attention.grouped_low(layer, heads, self.config.n_out_group, mm)
         out_b, control = layer.q8["attn_output_b.weight"], HCControl(pre, post, comb)
         if h.wants("hook_out"):
             return hc_expand(h("hook_out", mm.q8(out_b, low)), streams, control, mm), None
-        return hc_expand_q8(out_b, low, streams, control, mm, next_fn=layer.dense["hc_ffn_fn.weight"])
+        return hc_expand_q8(out_b, low, streams, control, mm, next_input=self._hc_input(layer, "ffn"))
 
     def _sublayer(self, part: str, layer: LayerWeights, mm: Schedule, fn: Callable, *arrays: mx.array,
                   **weights: mx.array | None):
@@ -449,15 +461,17 @@ class Model:
         h("hook_key_span", mx.where((index >= 0)[..., None], span, -1))
 
     def _sublayer_input(self, h: Scope, streams: mx.array, sub: str, layer: LayerWeights,
-                        mm: Schedule, parts: mx.array | None = None) -> tuple[mx.array, HCControl]:
+                        mm: Schedule, ready: tuple[mx.array, ...] = ()) -> tuple[mx.array, HCControl]:
         """A sublayer's HC control (pre, post, comb; hooked) and its input: the streams collapsed
-        by `pre` and RMS-normed (`hook_in`). One kernel on the fast path, which takes the
-        mixer's partial sums `parts` when the sublayer before made them."""
+        by `pre` and RMS-normed (`hook_in`). One kernel on the fast path, or none: `ready`,
+        (x, pre, post, comb) when the launch before made them (`hc_expand_q8`)."""
         cfg, d = self.config, layer.dense
         scale, base, norm = d[f"hc_{sub}_scale.weight"], d[f"hc_{sub}_base.weight"], d[f"{sub}_norm.weight"]
-        if mm.fast:
+        if mm.fast and ready:
+            x, control = ready[0], HCControl(*ready[1:])
+        elif mm.fast:
             x, control = hc_fused_input(streams, d[f"hc_{sub}_fn.weight"], scale, base, norm,
-                                        cfg.hc_sinkhorn_iter, cfg.rms_eps, cfg.hc_eps, parts)
+                                        cfg.hc_sinkhorn_iter, cfg.rms_eps, cfg.hc_eps)
         elif mm.native:
             c = HCControl(*cpu_kernels.hc_control(streams, d[f"hc_{sub}_fn.weight"], scale, base,
                                                   cfg.hc_sinkhorn_iter, cfg.rms_eps, cfg.hc_eps))
@@ -471,15 +485,15 @@ class Model:
         return h("hook_in", x), control
 
     def _ffn_block(self, layer: LayerWeights, mm: Schedule, streams: mx.array, token_ids: mx.array,
-                   parts: mx.array | None = None,
-                   next_fn: mx.array | None = None) -> tuple[mx.array, mx.array, mx.array | None]:
+                   *ready: mx.array,
+                   next_input: HCInput | None = None) -> tuple[mx.array, mx.array, tuple[mx.array, ...] | None]:
         """Router (probs -> experts -> weights, each hooked, each replacement used by the next
         step), routed and shared experts; returns the new streams, the experts used and, with
-        `next_fn` on the fast path's decode steps, that mixer's partial sums of the new
-        streams (see `block`). `parts`: this sublayer's mixer's partial sums of `streams`."""
+        `next_input` on the fast path's decode steps, the next sublayer's input made of the
+        new streams (see `block`). `ready`: this sublayer's, made by the launch before."""
         cfg = self.config
         h = self._hooks.scope(f"{_prefix(layer)}.ffn")
-        xf, control = self._sublayer_input(h, streams, "ffn", layer, mm, parts)
+        xf, control = self._sublayer_input(h, streams, "ffn", layer, mm, ready)
         if mm.fast:
             probs, chosen, weights = moe.route_fused(layer, xf, token_ids, cfg.n_expert_used, cfg.expert_weight_scale)
             experts = h("hook_experts", chosen)
@@ -506,9 +520,9 @@ class Model:
         on_mid = (lambda mid: h("hook_routed_mid", mid)) if h.wants("hook_routed_mid") else None
         if not (h.wants("hook_shared_out") or h.wants("hook_out")):     # the down product and HC: one kernel
             routed, mid = moe.routed_and_shared_mid(layer, xf, experts, weights, clamp, mm, on_mid)
-            streams, parts = hc_expand_q8(layer.q8["ffn_down_shexp.weight"], mid, streams, control, mm,
-                                          add=h("hook_routed_out", routed), next_fn=next_fn)
-            return streams, experts, parts
+            streams, ready = hc_expand_q8(layer.q8["ffn_down_shexp.weight"], mid, streams, control, mm,
+                                          add=h("hook_routed_out", routed), next_input=next_input)
+            return streams, experts, ready
         routed = h("hook_routed_out", moe.routed_experts(layer, xf, experts, weights, clamp, mm, on_mid))
         shared = h("hook_shared_out", moe.shared_expert(layer, xf, clamp, mm))
         if h.wants("hook_out"):
@@ -578,10 +592,11 @@ def _within(h: Scope, suffix: str, mask: mx.array | None, visible: mx.array) -> 
     return h(suffix, visible if mask is None else mask) & visible
 
 
-def _kept(parts: mx.array | None, before: mx.array, after: mx.array) -> tuple[mx.array | None, mx.array]:
-    """(partial mixer sums, streams) past a residual point: the sums of `before` stay only if
-    no hook replaced the streams there (`after is before`)."""
-    return (parts if after is before else None), after
+def _kept(ready: tuple[mx.array, ...] | None, before: mx.array,
+          after: mx.array) -> tuple[tuple[mx.array, ...] | None, mx.array]:
+    """(next sublayer's input, streams) past a residual point: the input made of `before`
+    stays only if no hook replaced the streams there (`after is before`)."""
+    return (ready if after is before else None), after
 
 
 def _prefix(layer: LayerWeights) -> str:

@@ -3,8 +3,7 @@
 // Replaces model/hc.py `hc_control` + `hc_collapse` + the sublayer norm (some 20 MLX ops).
 //   mix: the mixer matvec of the raw flattened streams in PARTS partial sums, [T, M, PARTS
 //        (M = (2 + N) * N)], added here by a warp an output (a chunk's GEMM: PARTS = 1; in a
-//        decode step hc_mix.cu's, one per 256 columns, or q8_hc.cu's with MIX, one per
-//        block of the product that made the streams); RMSNorm of the flat streams is a
+//        decode step hc_mix.cu's, one per 256 columns); RMSNorm of the flat streams is a
 //        per-token scale, applied here (inv_rms * mix) rather than before the matvec as the
 //        reference does (same value up to float rounding).
 //   eps[0]: the RMS epsilon, eps[1]: the HC epsilon. Templates: N (streams), E (width), ITERS, PARTS,
@@ -36,21 +35,10 @@ if (warp > 0) {
         for (int a = 0; a < N; ++a) v[k][a] = d < E ? s[a * E + d] : 0.0f;
     }
 }
-// A warp per mixer output: its lanes take every 32nd partial sum, then the warp's butterfly
-// adds the lanes'. PARTS is ~1000 when q8_hc made them (one a block of its product): one
-// thread adding them in turn would wait on ~1000 dependent loads. The sums are scaled by the
-// streams' RMS once it is known.
-constexpr int PER_LANE = (PARTS + 31) / 32;
+// A warp per mixer output (ds4lab_hc_parts_sum); the sums are scaled by the streams' RMS
+// once it is known.
 for (int i = warp; i < M; i += (int)(blockDim.x >> 5)) {
-    const float* parts = mix + ((size_t)t * M + i) * PARTS;
-    float got[PER_LANE];
-#pragma unroll
-    for (int k = 0; k < PER_LANE; ++k) got[k] = lane + 32 * k < PARTS ? parts[lane + 32 * k] : 0.0f;
-    float sum = 0.0f;
-#pragma unroll
-    for (int k = 0; k < PER_LANE; ++k)
-        if (lane + 32 * k < PARTS) sum += got[k];
-    sum = ds4lab_warp_sum_all(sum);
+    const float sum = ds4lab_hc_parts_sum<PARTS>(mix + ((size_t)t * M + i) * PARTS, lane);
     if (lane == 0) m[i] = sum;
 }
 float ss = 0.0f;

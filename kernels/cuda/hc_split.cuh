@@ -34,8 +34,36 @@ __device__ __forceinline__ float ds4lab_hc_pre_weight(const float* m, const floa
     return 1.0f / (1.0f + expf(-(m[i] * scale[0] + base[i]))) + eps;
 }
 
+// The sum of a mixer output's PARTS partial sums (from the blocks of the product that made
+// the streams: hc_mix.cu's, or q8_hc.cu's NEXT), by a warp: lane l adds partials l, l + 32,
+// ... in that order, then the warp's butterfly adds the lanes'. A lane's loads go out BATCH at
+// a time (one thread adding ~1000 in turn would wait on each load; all at once, q8_hc's
+// ~1000 partials took 32 registers a thread, and the product's blocks are its occupancy). Loads
+// bypass L1 (__ldcg): q8_hc's last block reads partials the other blocks of its launch wrote.
+template <int PARTS>
+__device__ __forceinline__ float ds4lab_hc_parts_sum(const float* parts, int lane) {
+    constexpr int PER_LANE = (PARTS + 31) / 32, BATCH = 8;
+    float sum = 0.0f;
+#pragma unroll 1
+    for (int k0 = 0; k0 < PER_LANE; k0 += BATCH) {
+        float got[BATCH];
+#pragma unroll
+        for (int k = 0; k < BATCH; ++k) {
+            const int i = lane + 32 * (k0 + k);
+            got[k] = k0 + k < PER_LANE && i < PARTS ? __ldcg(parts + i) : 0.0f;
+        }
+#pragma unroll
+        for (int k = 0; k < BATCH; ++k)
+            if (k0 + k < PER_LANE && lane + 32 * (k0 + k) < PARTS) sum += got[k];
+    }
+    return ds4lab_warp_sum_all(sum);
+}
+
+// Not inlined: inlined into q8_hc.cu's last-block tail (NEXT), ptxas gave that whole product
+// kernel 96-127 registers a thread (72 without the split), and so fewer of its ~1000 blocks
+// resident at once; as a call it stays at 72 (NVRTC, sm_90a; tests/test_cubin.py).
 template <int N, int ITERS>
-__device__ void ds4lab_hc_split(const float* m, const float* scale, const float* base, float eps, float* pre,
+__device__ __noinline__ void ds4lab_hc_split(const float* m, const float* scale, const float* base, float eps, float* pre,
                                 float* post, float* comb, int lane) {
     static_assert(N * N <= 32, "ds4lab_hc_split: a lane a cell");
     for (int i = lane; i < N; i += 32) {

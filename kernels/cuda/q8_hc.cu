@@ -3,23 +3,32 @@
 // beside the shared expert's), then stream c of the new residual gets
 // post[c] * out + sum_a comb[a][c] * streams[a] (ds4lab_hc_value, as hc_post.cu).
 // Each warp owns R rows (R output dims); lanes c < N write stream c of them.
-// MIX: the next sublayer's HC mixer product of these new streams, as this block's partial
-// sums: part[t, j, block] = sum over the block's rows d and streams c of
-// mix[j, c * E + d] * y[t, c, d] (mix [M, N * E], M = (2 + N) * N), each lane c < N summing
-// its rows, then the warps in order; hc_pre.cu adds the blocks' partials in order. So the
-// next hc_pre needs no hc_mix launch of its own: its 1.6 MB mixer is read here, spread over
-// this product's blocks, while the streams are still in registers.
+// NEXT: the launch also makes the next sublayer's input from these new streams, as hc_pre.cu
+// does (its HC control pre, post, comb and x = RMSNorm(sum_a pre[a] * streams[a]) * norm),
+// so a decode step launches no hc_pre: two launches fewer a layer, each ~15 µs of the host's
+// encoding. Each block sums, while its streams are still in registers, its share of the
+// next mixer's product (mix [M, N * E], M = (2 + N) * N) and of the streams' squares (the
+// RMS the product is scaled by): part[t, j, block] for j < M, and j = M the squares; each
+// lane c < N its rows, then the warps in order (ds4lab_block_sums). The last block to finish
+// (ds4lab_last_block) then does what hc_pre does with them: each sum's PARTS partials added
+// by a warp (ds4lab_hc_parts_sum, hc_pre's order), warp 0 runs the split (ds4lab_hc_split)
+// while warps 1.. collapse the streams and norm the result. The streams are read back
+// through L2, a few columns a thread in flight; the collapsed row is written unnormed, then
+// scaled once its norm is known (the thread reads back its own values).
 // Inputs: codes [E, COLS / 4], scales [E, COLS / 32], x [T, COLS], add [T, E] (or one unused
-// value), streams [T, N, E], post [T, N], comb [T, N, N], mix (or one unused value).
-// Outputs: y [T, N, E], part [T, M, gridDim.x] (one unused value without MIX).
+// value), streams [T, N, E], post [T, N], comb [T, N, N]; with NEXT the next sublayer's mixer
+// and its weights: mix, next_scale [3], next_base [M], next_norm [E], eps [2] (RMS, HC), and
+// counter (an arrival counter), else one unused value each.
+// Outputs: y [T, N, E]; with NEXT part [T, M + 1, PARTS], x_next [T, E], pre [T, N],
+// post_next [T, N], comb_next [T, N, N] (one unused value each without).
 // Grid: x = 32 threads per warp, R rows per warp (per block with SPLIT: its warps split the
-// columns, q8_rows.cuh; the first writes); y = the token.
+// columns, q8_rows.cuh; the first writes), PARTS blocks; y = the token.
 constexpr int M = (2 + N) * N;
 const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 const int r0 = (SPLIT > 1 ? blockIdx.x : blockIdx.x * (blockDim.x >> 5) + warp) * R;
 const int cols_part = SPLIT > 1 ? warp : 0;
 const int t = blockIdx.y;
-float mixed[MIX ? M : 1] = {};
+float mixed[NEXT ? M + 1 : 1] = {};
 if (r0 < E) {
     const float4* xv = reinterpret_cast<const float4*>(x + (size_t)t * COLS);
     const uint4* w[R];
@@ -37,14 +46,69 @@ if (r0 < E) {
             const float o = ADD ? total + add[(size_t)t * E + d] : total;
             const float v = ds4lab_hc_value<N, E>(o, streams, post, comb, t, lane, d);
             y[((size_t)t * N + lane) * E + d] = v;
-            if (MIX) {
+            if (NEXT) {
 #pragma unroll
                 for (int j = 0; j < M; ++j) mixed[j] += mix[((size_t)j * N + lane) * E + d] * v;
+                mixed[M] += v * v;
             }
         }
     }
 }
-if (MIX) {
-    __shared__ float warp_mixed[32 * M];
-    ds4lab_block_sums<M>(mixed, warp_mixed, part + (size_t)t * M * gridDim.x + blockIdx.x, gridDim.x);
+if (NEXT) {
+    __shared__ float warp_mixed[32 * (M + 1)];
+    ds4lab_block_sums<M + 1>(mixed, warp_mixed, part + (size_t)t * (M + 1) * PARTS + blockIdx.x, PARTS);
+    __shared__ float m[M + 1];
+    __shared__ float scratch[32];
+    if (!ds4lab_last_block(const_cast<int*>(counter), gridDim.x * gridDim.y)) return;
+    const int threads = (int)blockDim.x - 32, id = (int)threadIdx.x - 32;
+    constexpr int COLS_IN_FLIGHT = 4;
+    for (int tt = 0; tt < (int)gridDim.y; ++tt) {
+        for (int i = warp; i <= M; i += (int)(blockDim.x >> 5)) {
+            const float sum = ds4lab_hc_parts_sum<PARTS>(part + ((size_t)tt * (M + 1) + i) * PARTS, lane);
+            if (lane == 0) m[i] = sum;
+        }
+        __syncthreads();
+        const float inv = 1.0f / sqrtf(m[M] / (float)(N * E) + eps[0]);
+        if ((int)threadIdx.x < M) m[threadIdx.x] *= inv;
+        __syncthreads();
+        if (warp == 0) {
+            ds4lab_hc_split<N, ITERS>(m, next_scale, next_base, eps[1], pre + tt * N, post_next + tt * N,
+                                      comb_next + (size_t)tt * N * N, lane);
+        } else {
+            float weights[N];
+#pragma unroll
+            for (int a = 0; a < N; ++a) weights[a] = ds4lab_hc_pre_weight(m, next_scale, next_base, eps[1], a);
+            const float* s = y + (size_t)tt * N * E;
+            float* xt = x_next + (size_t)tt * E;
+            float ss = 0.0f;
+            for (int d0 = id; d0 < E; d0 += COLS_IN_FLIGHT * threads) {
+                float v[COLS_IN_FLIGHT][N];
+#pragma unroll
+                for (int k = 0; k < COLS_IN_FLIGHT; ++k) {
+                    const int d = d0 + k * threads;
+#pragma unroll
+                    for (int a = 0; a < N; ++a) v[k][a] = d < E ? __ldcg(s + a * E + d) : 0.0f;
+                }
+#pragma unroll
+                for (int k = 0; k < COLS_IN_FLIGHT; ++k) {
+                    const int d = d0 + k * threads;
+                    float x_d = 0.0f;
+#pragma unroll
+                    for (int a = 0; a < N; ++a) x_d += v[k][a] * weights[a];
+                    if (d < E) {
+                        xt[d] = x_d;
+                        ss += x_d * x_d;
+                    }
+                }
+            }
+            ss = ds4lab_warp_sum_all(ss);
+            if (lane == 0) scratch[warp] = ss;
+            asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory");
+            float total = 0.0f;
+            for (int w = 1; w < (int)(blockDim.x >> 5); ++w) total += scratch[w];
+            const float inv2 = 1.0f / sqrtf(total / (float)E + eps[0]);
+            for (int d = id; d < E; d += threads) xt[d] = xt[d] * inv2 * next_norm[d];
+        }
+        __syncthreads();
+    }
 }
