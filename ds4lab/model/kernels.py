@@ -8,8 +8,8 @@ reference's steps in the same order, so a Metal port can translate them line by 
 - `hc_pre`: the hyper-connection split (pre, post, Sinkhorn comb; one warp per token, each
   lane a cell, bit for bit ds4's one-thread `hc_split_sinkhorn`), the collapse of the
   streams and the sublayer's RMSNorm; for a few tokens (decode) the mixer product before it
-  is partial sums over the whole GPU that hc_pre adds in order: those `q8_hc` made with the
-  streams (the sublayer before), else `hc_mix`'s.
+  is partial sums over the whole GPU (`hc_mix`) that hc_pre adds in order. A decode step
+  runs it once: every later sublayer's input is made by `q8_hc` (below).
 - `hc_post`: the new streams from the sublayer output (`hc.hc_expand`), optionally the sum
   of two outputs (the FFN's routed and shared experts).
 - `row_finish`: per-row RMSNorm, weight, RoPE (or its inverse), Hadamard + FP4, FP8 and f16
@@ -37,7 +37,9 @@ reference's steps in the same order, so a Metal port can translate them line by 
   (`q8_rows.cuh`), some with the step after them in the same launch: `q8_pair` (two matrices,
   one input: q_a and kv, and q_a's norm for q_b made by its last block), `q8_swiglu` (the
   shared expert's gate, up and SwiGLU), `q8_hc` (a sublayer's last
-  product and the HC output step, and the next sublayer's mixer product as partial sums).
+  product and the HC output step, then the next sublayer's HC input as hc_pre makes it: the
+  blocks' partial sums of the next mixer's product, added, split and collapsed by the
+  launch's last block).
 - `quant_gemm`: prefill's products on the tensor cores, exact to float32, from the block
   bytes: Q8_0 matrices (`q8_gemm`) and the routed experts grouped by expert on the device
   (`expert_tiles`, `expert_gemm`: each expert's tile of pairs reads its weights once); its

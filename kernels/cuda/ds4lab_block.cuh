@@ -77,8 +77,8 @@ __device__ float ds4lab_block_sum(float v, float* scratch) {
 
 // A thread block's sums of M values each thread holds (acc[0..M)), in a fixed order: each
 // warp's butterfly, then the warps in turn; out[j * stride] for j < M. scratch: 32 * M floats
-// of shared memory. Mixer partial sums (hc_mix.cu, q8_hc.cu's MIX) are made with it, a
-// block's M sums `stride` apart (output-major: hc_pre's warp per output reads its partials
+// of shared memory. Mixer partial sums (hc_mix.cu, q8_hc.cu's NEXT) are made with it, a
+// block's M sums `stride` apart (output-major: a warp per output reads its partials
 // contiguously).
 template <int M>
 __device__ __forceinline__ void ds4lab_block_sums(const float* acc, float* scratch, float* out, int stride = 1) {
