@@ -619,8 +619,9 @@ def q8_hc(matrix: Q8Matrix, x: mx.array, streams: mx.array, post: mx.array, comb
     if next_input is not None and (next_input.fn.shape != (m, n * e) or next_input.norm.shape != (e,)):
         raise ValueError(f"q8_hc: a next mixer {tuple(next_input.fn.shape)} and norm {tuple(next_input.norm.shape)} "
                          f"for {n} streams of {e}, not ({m}, {n * e}) and ({e},)")
-    if next_input is not None and n * n > 32:
-        raise ValueError(f"q8_hc: {n} streams: the split's warp holds one cell a lane (n_hc * n_hc <= 32)")
+    if next_input is not None and (n * n > 32 or e % 4):
+        raise ValueError(f"q8_hc: {n} streams of {e}: the next input's split holds one cell a lane (n_hc * n_hc "
+                         f"<= 32) and its collapse reads 4 columns at once (a multiple of 4)")
     r, split = _rows_per_warp(e, matrix.cols)
     launch = _q8_launch(e, r, split, t)
     parts = launch["grid"][0] // launch["threadgroup"][0]

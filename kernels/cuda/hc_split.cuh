@@ -35,26 +35,46 @@ __device__ __forceinline__ float ds4lab_hc_pre_weight(const float* m, const floa
 }
 
 // The sum of a mixer output's PARTS partial sums (from the blocks of the product that made
-// the streams: hc_mix.cu's, or q8_hc.cu's NEXT), by a warp: lane l adds partials l, l + 32,
-// ... in that order, then the warp's butterfly adds the lanes'. A lane's loads go out BATCH at
-// a time (one thread adding ~1000 in turn would wait on each load; all at once, q8_hc's
-// ~1000 partials took 32 registers a thread, and the product's blocks are its occupancy). Loads
-// bypass L1 (__ldcg): q8_hc's last block reads partials the other blocks of its launch wrote.
+// the streams: hc_mix.cu's, or q8_hc.cu's NEXT), by a warp: lane l adds partials 4l..4l+3,
+// 128 + 4l.., ... (16-byte loads, BATCH of them in flight at once), then the warp's butterfly
+// adds the lanes'. q8_hc's last block adds ~1000 partials for each of 25 sums, 7 a warp: with
+// one float a load, 8 in flight, that was 28 round trips to L2 a warp (the launch's tail ran
+// ~20 µs longer than hc_pre, measured as the device's step time); now one a sum. All of a
+// lane's at once took 32 registers (every thread of the product pays the tail's registers).
+// Loads bypass L1 (__ldcg): q8_hc's last block reads partials the other blocks of its launch
+// wrote. A row of partials starts 16-byte aligned when PARTS is a multiple of 4 (else one
+// float a load).
 template <int PARTS>
 __device__ __forceinline__ float ds4lab_hc_parts_sum(const float* parts, int lane) {
-    constexpr int PER_LANE = (PARTS + 31) / 32, BATCH = 8;
+    constexpr int BATCH = 8;
     float sum = 0.0f;
+    if constexpr (PARTS % 4 == 0) {
+        constexpr int QUADS = PARTS / 4, PER_LANE = (QUADS + 31) / 32;
+        const float4* quads = reinterpret_cast<const float4*>(parts);
 #pragma unroll 1
-    for (int k0 = 0; k0 < PER_LANE; k0 += BATCH) {
-        float got[BATCH];
+        for (int k0 = 0; k0 < PER_LANE; k0 += BATCH) {
+            float4 got[BATCH];
 #pragma unroll
-        for (int k = 0; k < BATCH; ++k) {
-            const int i = lane + 32 * (k0 + k);
-            got[k] = k0 + k < PER_LANE && i < PARTS ? __ldcg(parts + i) : 0.0f;
+            for (int k = 0; k < BATCH; ++k) {
+                const int i = lane + 32 * (k0 + k);
+                got[k] = k0 + k < PER_LANE && i < QUADS ? __ldcg(quads + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
+#pragma unroll
+            for (int k = 0; k < BATCH; ++k) sum += (got[k].x + got[k].y) + (got[k].z + got[k].w);
         }
+    } else {
+        constexpr int PER_LANE = (PARTS + 31) / 32;
+#pragma unroll 1
+        for (int k0 = 0; k0 < PER_LANE; k0 += BATCH) {
+            float got[BATCH];
 #pragma unroll
-        for (int k = 0; k < BATCH; ++k)
-            if (k0 + k < PER_LANE && lane + 32 * (k0 + k) < PARTS) sum += got[k];
+            for (int k = 0; k < BATCH; ++k) {
+                const int i = lane + 32 * (k0 + k);
+                got[k] = k0 + k < PER_LANE && i < PARTS ? __ldcg(parts + i) : 0.0f;
+            }
+#pragma unroll
+            for (int k = 0; k < BATCH; ++k) sum += got[k];
+        }
     }
     return ds4lab_warp_sum_all(sum);
 }

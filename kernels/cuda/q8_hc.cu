@@ -11,10 +11,11 @@
 // RMS the product is scaled by): part[t, j, block] for j < M, and j = M the squares; each
 // lane c < N its rows, then the warps in order (ds4lab_block_sums). The last block to finish
 // (ds4lab_last_block) then does what hc_pre does with them: each sum's PARTS partials added
-// by a warp (ds4lab_hc_parts_sum, hc_pre's order), warp 0 runs the split (ds4lab_hc_split)
-// while warps 1.. collapse the streams and norm the result. The streams are read back
-// through L2, a few columns a thread in flight; the collapsed row is written unnormed, then
-// scaled once its norm is known (the thread reads back its own values).
+// by a warp (ds4lab_hc_parts_sum, as hc_pre adds its own), warp 0 runs the split
+// (ds4lab_hc_split) while warps 1.. collapse the streams and norm the result. The streams are
+// read back through L2, four columns a thread in flight; the collapsed row is written
+// unnormed, then scaled once its norm is known (the thread reads back its own values). E is
+// a multiple of 4 (16-byte loads).
 // Inputs: codes [E, COLS / 4], scales [E, COLS / 32], x [T, COLS], add [T, E] (or one unused
 // value), streams [T, N, E], post [T, N], comb [T, N, N]; with NEXT the next sublayer's mixer
 // and its weights: mix, next_scale [3], next_base [M], next_norm [E], eps [2] (RMS, HC), and
@@ -61,7 +62,6 @@ if (NEXT) {
     __shared__ float scratch[32];
     if (!ds4lab_last_block(const_cast<int*>(counter), gridDim.x * gridDim.y)) return;
     const int threads = (int)blockDim.x - 32, id = (int)threadIdx.x - 32;
-    constexpr int COLS_IN_FLIGHT = 4;
     for (int tt = 0; tt < (int)gridDim.y; ++tt) {
         for (int i = warp; i <= M; i += (int)(blockDim.x >> 5)) {
             const float sum = ds4lab_hc_parts_sum<PARTS>(part + ((size_t)tt * (M + 1) + i) * PARTS, lane);
@@ -78,26 +78,35 @@ if (NEXT) {
             float weights[N];
 #pragma unroll
             for (int a = 0; a < N; ++a) weights[a] = ds4lab_hc_pre_weight(m, next_scale, next_base, eps[1], a);
-            const float* s = y + (size_t)tt * N * E;
-            float* xt = x_next + (size_t)tt * E;
+            // Four columns a thread a step (a 16-byte load of each stream); more steps in flight
+            // took the product kernel from 72 to 95 registers.
+            const float4* s = reinterpret_cast<const float4*>(y + (size_t)tt * N * E);
+            float4* xt = reinterpret_cast<float4*>(x_next + (size_t)tt * E);
+            constexpr int QUADS = E / 4, IN_FLIGHT = 1;
             float ss = 0.0f;
-            for (int d0 = id; d0 < E; d0 += COLS_IN_FLIGHT * threads) {
-                float v[COLS_IN_FLIGHT][N];
+            for (int q0 = id; q0 < QUADS; q0 += IN_FLIGHT * threads) {
+                float4 v[IN_FLIGHT][N];
 #pragma unroll
-                for (int k = 0; k < COLS_IN_FLIGHT; ++k) {
-                    const int d = d0 + k * threads;
+                for (int k = 0; k < IN_FLIGHT; ++k) {
+                    const int q = q0 + k * threads;
 #pragma unroll
-                    for (int a = 0; a < N; ++a) v[k][a] = d < E ? __ldcg(s + a * E + d) : 0.0f;
+                    for (int a = 0; a < N; ++a)
+                        v[k][a] = q < QUADS ? __ldcg(s + a * QUADS + q) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                 }
 #pragma unroll
-                for (int k = 0; k < COLS_IN_FLIGHT; ++k) {
-                    const int d = d0 + k * threads;
-                    float x_d = 0.0f;
+                for (int k = 0; k < IN_FLIGHT; ++k) {
+                    const int q = q0 + k * threads;
+                    float4 x_q = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-                    for (int a = 0; a < N; ++a) x_d += v[k][a] * weights[a];
-                    if (d < E) {
-                        xt[d] = x_d;
-                        ss += x_d * x_d;
+                    for (int a = 0; a < N; ++a) {
+                        x_q.x += v[k][a].x * weights[a];
+                        x_q.y += v[k][a].y * weights[a];
+                        x_q.z += v[k][a].z * weights[a];
+                        x_q.w += v[k][a].w * weights[a];
+                    }
+                    if (q < QUADS) {
+                        xt[q] = x_q;
+                        ss += x_q.x * x_q.x + x_q.y * x_q.y + x_q.z * x_q.z + x_q.w * x_q.w;
                     }
                 }
             }
@@ -107,7 +116,11 @@ if (NEXT) {
             float total = 0.0f;
             for (int w = 1; w < (int)(blockDim.x >> 5); ++w) total += scratch[w];
             const float inv2 = 1.0f / sqrtf(total / (float)E + eps[0]);
-            for (int d = id; d < E; d += threads) xt[d] = xt[d] * inv2 * next_norm[d];
+            const float4* nw = reinterpret_cast<const float4*>(next_norm);
+            for (int q = id; q < QUADS; q += threads) {
+                const float4 xq = xt[q], w4 = nw[q];
+                xt[q] = make_float4(xq.x * inv2 * w4.x, xq.y * inv2 * w4.y, xq.z * inv2 * w4.z, xq.w * inv2 * w4.w);
+            }
         }
         __syncthreads();
     }
