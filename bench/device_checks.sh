@@ -4,7 +4,7 @@
 #
 #   bash bench/device_checks.sh checks   # check_device (kernels, experts, fused, paths; TF32 off) (~7 min)
 #   bash bench/device_checks.sh speed    # kernel_times (ncu, 4 layers), 43-layer decode at 128 and 4096,
-#                                        # the stream's phases at 4096, research (~9 min)
+#                                        # the stream's phases at 4096, an A/B of the HC input, research (~12 min)
 #   bash bench/device_checks.sh split    # a 43-layer step's device time apart from its host encoding (one
 #                                        # CUDA graph a step), the stream's host threads sampled, then ncu's
 #                                        # sections for the slowest kernels (~20 min, over several calls:
@@ -44,6 +44,7 @@ speed() {
     step kernel_times 150 python3 bench/kernel_times.py --layers 4 --steps 2
     step decode43 200 python3 bench/bench_model.py --in-memory --layers 43 --prompt 128 4096 --steps 16
     step stream_phases 150 python3 bench/stream_phases.py --layers 43 --context 4096 --steps 32
+    step stream_ab 200 python3 bench/stream_ab.py --layers 43 --context 4096 --steps 16 --rounds 5
     step research 150 python3 bench/check_device_research.py
 }
 

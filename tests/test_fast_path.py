@@ -812,6 +812,14 @@ def test_a_decode_step_finishes_q_and_kv_rows_without_launches_of_their_own(smal
     assert stand_in_kernels["attention_heads"] == stand_in_kernels["q8_pair"] == n_layer
     assert stand_in_kernels["hc_pre"] == stand_in_kernels["hc_mix"] == 1
     assert stand_in_kernels["q8_hc"] == 2 * n_layer
+    # made apart (for measuring the two): each sublayer's own hc_mix and hc_pre, the same logits
+    state, logits = session.state, np.array(session.decode(321))
+    model.hc_input_in_product = False
+    stand_in_kernels.clear()
+    session.state = state
+    apart = np.array(session.decode(321))
+    assert stand_in_kernels["hc_pre"] == stand_in_kernels["hc_mix"] == 2 * n_layer
+    assert np.abs(apart - logits).max() < 1e-5 * logits.std()
 
 
 def test_a_decode_step_shares_launches_where_parts_read_the_same_input(small_weights, stand_in_kernels):

@@ -83,7 +83,12 @@ class Model:
             {kind: Compressor.of(layer, self.config, kind) for kind in ("attn", "indexer")
              if layer.ratio and (kind == "attn" or has_indexer(layer.ratio))}
             for layer in weights.layers]
-        self._compiled: dict[tuple[int | None, str], Callable] = {}   # see `_sublayer`
+        self._compiled: dict[tuple, Callable] = {}   # see `_sublayer`
+        # On the fast path a decode step's sublayer input (HC control, collapse, norm) is made
+        # by the last launch of the sublayer before (`hc_expand_q8(..., next_input=)`); False
+        # makes it apart (hc_mix + hc_pre), the same values: for measuring the two in one
+        # process (`bench/stream_ab.py`).
+        self.hc_input_in_product = True
 
     # ---- public entry points --------------------------------------------------------
     def __call__(self, tokens, experts=None) -> mx.array:
@@ -253,8 +258,8 @@ class Model:
                 rotations[kind] = Rotation.at(p0, len(tokens), cfg.n_rot, *kind)
             # the next block's attention input is made by this block's last launch, unless
             # that block runs on the reference composition (which makes its own)
-            next_input = (self._hc_input(layers[il + 1], "attn")
-                          if il + 1 < len(layers) and _prefix(layers[il + 1]) not in slow else None)
+            next_input = (self._hc_input(layers[il + 1], "attn") if il + 1 < len(layers)
+                          and _prefix(layers[il + 1]) not in slow and self.hc_input_in_product else None)
             streams, chosen, ready = self.block(layer, new.layers[il], streams, p0, rotations[kind], token_ids, mm,
                                                 ready, next_input)
             if len(tokens) > 1:
@@ -379,7 +384,8 @@ class Model:
         out_b, control = layer.q8["attn_output_b.weight"], HCControl(pre, post, comb)
         if h.wants("hook_out"):
             return hc_expand(h("hook_out", mm.q8(out_b, low)), streams, control, mm), None
-        return hc_expand_q8(out_b, low, streams, control, mm, next_input=self._hc_input(layer, "ffn"))
+        return hc_expand_q8(out_b, low, streams, control, mm,
+                            next_input=self._hc_input(layer, "ffn") if self.hc_input_in_product else None)
 
     def _sublayer(self, part: str, layer: LayerWeights, mm: Schedule, fn: Callable, *arrays: mx.array,
                   **weights: mx.array | None):
@@ -393,7 +399,8 @@ class Model:
         hooked = self._sublayer_hooked(_prefix(layer), "ffn" if part == "ffn" else "attn")
         if hooked or not mm.fast or arrays[0].shape[0] > kernels.MATVEC_MAX_TOKENS:
             return fn(layer, mm, *arrays, **weights)
-        key = (layer.index, part, len(arrays), tuple(name for name, w in weights.items() if w is not None))
+        key = (layer.index, part, len(arrays), tuple(name for name, w in weights.items() if w is not None),
+               self.hc_input_in_product)
         if key not in self._compiled:
             # Weights enter the traced graph as constants: evaluated first, so that none of
             # them brings its own graph (a lazy view) into every call.

@@ -1,0 +1,83 @@
+"""Two variants of the fast path's decode step, timed in one process: the greedy stream's tok/s
+for each, in alternating rounds from the same prompt.
+
+A 43-layer decode step on the H200 is bound by the host's encoding and the device in about
+equal parts, and the host's speed moves ~10-20% between machines and even between calls an
+hour apart (the same code read 70.4 and 56.8 tok/s at 4096 tokens): a change measured in two
+runs is lost in that spread. Here both variants run on the same host, in rounds A B A B ...
+(`--rounds` of `--steps` steps each, from one snapshot of the prompt's state, so every round
+decodes the same tokens), and the medians are compared.
+
+Variants (`--variant`):
+- `hc_input`: the sublayer's HC input made by the last launch of the sublayer before (A, the
+  default: `q8_hc`'s last block) or apart (B: `hc_mix` + `hc_pre`, two launches a sublayer).
+
+    python bench/stream_ab.py [--layers 43] [--context 4096] [--steps 16] [--rounds 5] [--variant hc_input]
+
+On a CUDA device (elsewhere both variants are the same computation, the reference path's).
+"""
+
+from __future__ import annotations
+
+import ds4lab  # noqa: F401  (first: OpenBLAS before MLX on Linux)
+
+# isort: split
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import mlx.core as mx
+from bench_model import WARM_STEPS
+
+from ds4lab.config import preset
+from ds4lab.generation import stream
+from ds4lab.model import Model
+from ds4lab.model.random_weights import random_weights
+
+
+def _hc_input(model: Model, a: bool) -> None:
+    model.hc_input_in_product = a
+
+
+# name -> (what A and B are, the setter: variant A when given True)
+VARIANTS: dict[str, tuple[str, str, Callable[[Model, bool], None]]] = {
+    "hc_input": ("HC input in the product's last block", "HC input apart (hc_mix + hc_pre)", _hc_input),
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=43)
+    parser.add_argument("--context", type=int, default=4096)
+    parser.add_argument("--steps", type=int, default=16, help="greedy steps a round")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds of each variant, alternating")
+    parser.add_argument("--variant", choices=list(VARIANTS), default="hc_input")
+    args = parser.parse_args()
+    name_a, name_b, choose = VARIANTS[args.variant]
+    model = Model(random_weights(preset("flash-dims", args.layers), "q2"))
+    session = model.session()
+    mx.eval(session.prefill([1000 + i % 50000 for i in range(args.context)]))
+    start = session.snapshot()
+    rates: dict[bool, list[float]] = {True: [], False: []}
+    for warm in (True, False):                    # each variant's kernels and traces first
+        choose(model, warm)
+        session.restore(start)
+        for _ in stream(model, [], max_tokens=WARM_STEPS, session=session):
+            pass
+    for _ in range(args.rounds):
+        for a in (True, False):
+            choose(model, a)
+            session.restore(start)
+            t = time.perf_counter()
+            n = sum(1 for _ in stream(model, [], max_tokens=args.steps, session=session))
+            rates[a].append(n / (time.perf_counter() - t))
+    for a, label in ((True, f"A: {name_a}"), (False, f"B: {name_b}")):
+        print(f"{label:45s} {statistics.median(rates[a]):7.2f} tok/s (median of {args.rounds} rounds of "
+              f"{args.steps} steps; rounds: {', '.join(f'{r:.1f}' for r in rates[a])})")
+    print(f"A / B: {statistics.median(rates[True]) / statistics.median(rates[False]):.3f} "
+          f"({args.layers} layers, {args.context} tokens of context, greedy stream)")
+
+
+if __name__ == "__main__":
+    main()
