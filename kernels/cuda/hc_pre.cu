@@ -71,11 +71,7 @@ for (int k = 0; k < COLS_PER; ++k) {
     xs[k] = x_d;
     ss2 += x_d * x_d;
 }
-ss2 = ds4lab_warp_sum_all(ss2);
-if (lane == 0) scratch[warp] = ss2;
-asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory");
-float total = 0.0f;
-for (int w = 1; w < (int)(blockDim.x >> 5); ++w) total += scratch[w];
+const float total = ds4lab_collapse_sum(ss2, scratch, threads);
 const float inv2 = 1.0f / sqrtf(total / (float)E + eps[0]);
 float* xt = x + (size_t)t * E;
 #pragma unroll

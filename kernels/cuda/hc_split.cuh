@@ -43,40 +43,42 @@ __device__ __forceinline__ float ds4lab_hc_pre_weight(const float* m, const floa
 // lane's at once took 32 registers (every thread of the product pays the tail's registers).
 // Loads bypass L1 (__ldcg): q8_hc's last block reads partials the other blocks of its launch
 // wrote. A row of partials starts 16-byte aligned when PARTS is a multiple of 4 (else one
-// float a load).
+// float a load, the others zero: the same sums).
+template <int WIDTH>
+__device__ __forceinline__ float4 ds4lab_hc_parts_load(const float* parts, int i) {
+    if constexpr (WIDTH == 4) return __ldcg(reinterpret_cast<const float4*>(parts) + i);
+    else return make_float4(__ldcg(parts + i), 0.0f, 0.0f, 0.0f);
+}
+
 template <int PARTS>
 __device__ __forceinline__ float ds4lab_hc_parts_sum(const float* parts, int lane) {
-    constexpr int BATCH = 8;
+    constexpr int WIDTH = PARTS % 4 == 0 ? 4 : 1, UNITS = PARTS / WIDTH, PER_LANE = (UNITS + 31) / 32, BATCH = 8;
     float sum = 0.0f;
-    if constexpr (PARTS % 4 == 0) {
-        constexpr int QUADS = PARTS / 4, PER_LANE = (QUADS + 31) / 32;
-        const float4* quads = reinterpret_cast<const float4*>(parts);
 #pragma unroll 1
-        for (int k0 = 0; k0 < PER_LANE; k0 += BATCH) {
-            float4 got[BATCH];
+    for (int k0 = 0; k0 < PER_LANE; k0 += BATCH) {
+        float4 got[BATCH];
 #pragma unroll
-            for (int k = 0; k < BATCH; ++k) {
-                const int i = lane + 32 * (k0 + k);
-                got[k] = k0 + k < PER_LANE && i < QUADS ? __ldcg(quads + i) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-            }
-#pragma unroll
-            for (int k = 0; k < BATCH; ++k) sum += (got[k].x + got[k].y) + (got[k].z + got[k].w);
+        for (int k = 0; k < BATCH; ++k) {
+            const int i = lane + 32 * (k0 + k);
+            got[k] = k0 + k < PER_LANE && i < UNITS ? ds4lab_hc_parts_load<WIDTH>(parts, i)
+                                                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         }
-    } else {
-        constexpr int PER_LANE = (PARTS + 31) / 32;
-#pragma unroll 1
-        for (int k0 = 0; k0 < PER_LANE; k0 += BATCH) {
-            float got[BATCH];
 #pragma unroll
-            for (int k = 0; k < BATCH; ++k) {
-                const int i = lane + 32 * (k0 + k);
-                got[k] = k0 + k < PER_LANE && i < PARTS ? __ldcg(parts + i) : 0.0f;
-            }
-#pragma unroll
-            for (int k = 0; k < BATCH; ++k) sum += got[k];
-        }
+        for (int k = 0; k < BATCH; ++k) sum += (got[k].x + got[k].y) + (got[k].z + got[k].w);
     }
     return ds4lab_warp_sum_all(sum);
+}
+
+// The sum over warps 1.. of each thread's v (warp 0 runs the split meanwhile), on barrier 1
+// (those warps' threads only: `threads` of them); each of them gets the total, the warps
+// added in order. hc_pre's and q8_hc's collapse take their norm's sum of squares with it.
+__device__ __forceinline__ float ds4lab_collapse_sum(float v, float* scratch, int threads) {
+    v = ds4lab_warp_sum_all(v);
+    if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = v;
+    asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory");
+    float total = 0.0f;
+    for (int w = 1; w < (int)(blockDim.x >> 5); ++w) total += scratch[w];
+    return total;
 }
 
 // Not inlined: inlined into q8_hc.cu's last-block tail (NEXT), ptxas gave that whole product

@@ -110,11 +110,7 @@ if (NEXT) {
                     }
                 }
             }
-            ss = ds4lab_warp_sum_all(ss);
-            if (lane == 0) scratch[warp] = ss;
-            asm volatile("bar.sync 1, %0;" ::"r"(threads) : "memory");
-            float total = 0.0f;
-            for (int w = 1; w < (int)(blockDim.x >> 5); ++w) total += scratch[w];
+            const float total = ds4lab_collapse_sum(ss, scratch, threads);
             const float inv2 = 1.0f / sqrtf(total / (float)E + eps[0]);
             const float4* nw = reinterpret_cast<const float4*>(next_norm);
             for (int q = id; q < QUADS; q += threads) {
