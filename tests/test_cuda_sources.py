@@ -112,6 +112,7 @@ def test_every_launched_kernel_compiles_with_nvrtc(recorded_launches, nvrtc, tin
     kernels.q8_pair(q8, q8, x)
     kernels.q8_pair(q8, q8, x, norm_a=(mx.ones((4096,)), 1e-6))
     kernels.q8_swiglu(q8, q8, x, 0.0)
+    kernels.q8_hc(q8, x, mx.ones((1, 6, 4096)), mx.ones((1, 6)), mx.ones((1, 6, 6)))   # more streams than a split
     kernels.q8_hc(q8, x, streams, post, comb, next_input=kernels.HCInput(
         mx.ones((24, 4 * 4096)), mx.ones((3,)), mx.ones((24,)), mx.ones((4096,)), 20, 1e-6, 1e-6))
     # Decode attention over 1152 keys (a ratio-4 layer at 4096 tokens): shares of the keys.

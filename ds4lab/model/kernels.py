@@ -616,9 +616,11 @@ def q8_hc(matrix: Q8Matrix, x: mx.array, streams: mx.array, post: mx.array, comb
     if streams.shape != (t, n, matrix.rows) or post.shape != (t, n) or comb.shape != (t, n, n) or n > HC_MAX_STREAMS:
         raise ValueError(f"q8_hc: streams {tuple(streams.shape)}, post {tuple(post.shape)}, comb {tuple(comb.shape)} "
                          f"for {t} tokens of a {matrix.rows}-row product")
-    if next_input is not None and (next_input.fn.shape != (m, n * e) or next_input.norm.shape != (e,)):
-        raise ValueError(f"q8_hc: a next mixer {tuple(next_input.fn.shape)} and norm {tuple(next_input.norm.shape)} "
-                         f"for {n} streams of {e}, not ({m}, {n * e}) and ({e},)")
+    if next_input is not None and (
+            [tuple(a.shape) for a in next_input[:4]] != [(m, n * e), (3,), (m,), (e,)]
+            or any(a.dtype != mx.float32 for a in next_input[:4])):
+        raise ValueError(f"q8_hc: next input weights {[(tuple(a.shape), a.dtype) for a in next_input[:4]]} for {n} "
+                         f"streams of {e}, not float32 ({m}, {n * e}), (3,), ({m},), ({e},)")
     if next_input is not None and (n * n > 32 or e % 4):
         raise ValueError(f"q8_hc: {n} streams of {e}: the next input's split holds one cell a lane (n_hc * n_hc "
                          f"<= 32) and its collapse reads 4 columns at once (a multiple of 4)")

@@ -55,10 +55,12 @@ if (r0 < E) {
         }
     }
 }
+// (MLX's kernel is no template: the branch below is compiled without NEXT too, so what it
+// instantiates must hold for any N: the split's a-lane-a-cell warp is for N * N <= 32.)
 if (NEXT) {
-    __shared__ float warp_mixed[32 * (M + 1)];
+    __shared__ float warp_mixed[NEXT ? 32 * (M + 1) : 1];
     ds4lab_block_sums<M + 1>(mixed, warp_mixed, part + (size_t)t * (M + 1) * PARTS + blockIdx.x, PARTS);
-    __shared__ float m[M + 1];
+    __shared__ float m[NEXT ? M + 1 : 1];
     __shared__ float scratch[32];
     if (!ds4lab_last_block(const_cast<int*>(counter), gridDim.x * gridDim.y)) return;
     const int threads = (int)blockDim.x - 32, id = (int)threadIdx.x - 32;
@@ -69,10 +71,10 @@ if (NEXT) {
         }
         __syncthreads();
         const float inv = 1.0f / sqrtf(m[M] / (float)(N * E) + eps[0]);
-        if ((int)threadIdx.x < M) m[threadIdx.x] *= inv;
+        for (int i = threadIdx.x; i < M; i += blockDim.x) m[i] *= inv;
         __syncthreads();
         if (warp == 0) {
-            ds4lab_hc_split<N, ITERS>(m, next_scale, next_base, eps[1], pre + tt * N, post_next + tt * N,
+            ds4lab_hc_split<NEXT ? N : 1, ITERS>(m, next_scale, next_base, eps[1], pre + tt * N, post_next + tt * N,
                                       comb_next + (size_t)tt * N * N, lane);
         } else {
             float weights[N];
