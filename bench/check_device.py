@@ -121,7 +121,7 @@ def check_fused_kernels() -> None:
         fn = mx.random.normal(((2 + n) * n, n * e)) * 0.01
         scale, base = mx.random.uniform(0.5, 2.0, (3,)), mx.random.normal(((2 + n) * n,))
         norm = mx.random.uniform(0.5, 1.5, (e,))
-        x, control = hc.hc_fused_input(streams, fn, scale, base, norm, 20, 1e-6, 1e-6)
+        x, control = hc.hc_fused_input(streams, kernels.HCInput(fn, scale, base, norm, 20, 1e-6, 1e-6))
         ref_control = hc.hc_control(streams, fn, scale, base, 20, 1e-6, 1e-6, ref_mm)
         ref_x = ref_mm.rms_norm(hc.hc_collapse(streams, ref_control.pre), norm, 1e-6)
         err = max(_rel(a, b) for a, b in zip((x, control.pre, control.post, control.comb),

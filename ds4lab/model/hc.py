@@ -51,14 +51,13 @@ def hc_control(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array,
     return HCControl(pre, post, mx.array(_sinkhorn(np.array(comb), sinkhorn_iters, hc_eps)))
 
 
-def hc_fused_input(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array, norm: mx.array,
-                   sinkhorn_iters: int, rms_eps: float, hc_eps: float) -> tuple[mx.array, HCControl]:
+def hc_fused_input(streams: mx.array, weights: kernels.HCInput) -> tuple[mx.array, HCControl]:
     """The fast path's `hc_control` + `hc_collapse` + the sublayer's RMSNorm in one kernel
     (`kernels/cuda/hc_pre.cu`, the split of a token as ds4's `hc_split_sinkhorn`; a decode
-    step's mixer product from `hc_mix.cu`). A decode step mostly makes this in the launch
-    before instead (`hc_expand_q8(..., next_input=)`). Returns (sublayer input [T, n_embd],
-    control)."""
-    x, pre, post, comb = kernels.hc_pre(streams, fn, scale, base, norm, sinkhorn_iters, rms_eps, hc_eps)
+    step's mixer product from `hc_mix.cu`), from the sublayer's HC input weights. A decode
+    step mostly makes this in the launch before instead (`hc_expand_q8(..., next_input=)`).
+    Returns (sublayer input [T, n_embd], control)."""
+    x, pre, post, comb = kernels.hc_pre(streams, *weights)
     return x, HCControl(pre, post, comb)
 
 

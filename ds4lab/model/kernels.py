@@ -589,8 +589,9 @@ HC_MAX_STREAMS = 32
 
 
 class HCInput(NamedTuple):
-    """What a sublayer's HC input is made of (hc_pre's weights and constants): its mixer
-    [(2 + N)·N, N·E], scale [3], base [(2 + N)·N], the norm after the collapse [E]."""
+    """What a sublayer's HC input is made of (hc_pre's weights and constants, in the order of
+    its arguments after the streams): its mixer [(2 + N)·N, N·E], scale [3], base [(2 + N)·N],
+    the norm after the collapse [E]."""
 
     fn: mx.array
     scale: mx.array

@@ -477,8 +477,7 @@ class Model:
         if mm.fast and ready:
             x, control = ready[0], HCControl(*ready[1:])
         elif mm.fast:
-            x, control = hc_fused_input(streams, d[f"hc_{sub}_fn.weight"], scale, base, norm,
-                                        cfg.hc_sinkhorn_iter, cfg.rms_eps, cfg.hc_eps)
+            x, control = hc_fused_input(streams, self._hc_input(layer, sub))
         elif mm.native:
             c = HCControl(*cpu_kernels.hc_control(streams, d[f"hc_{sub}_fn.weight"], scale, base,
                                                   cfg.hc_sinkhorn_iter, cfg.rms_eps, cfg.hc_eps))

@@ -80,37 +80,26 @@ if (NEXT) {
             float weights[N];
 #pragma unroll
             for (int a = 0; a < N; ++a) weights[a] = ds4lab_hc_pre_weight(m, next_scale, next_base, eps[1], a);
-            // Four columns a thread a step (a 16-byte load of each stream); more steps in flight
+            // Four columns a thread a step (a 16-byte load of each stream); two steps in flight
             // took the product kernel from 72 to 95 registers.
             const float4* s = reinterpret_cast<const float4*>(y + (size_t)tt * N * E);
             float4* xt = reinterpret_cast<float4*>(x_next + (size_t)tt * E);
-            constexpr int QUADS = E / 4, IN_FLIGHT = 1;
+            constexpr int QUADS = E / 4;
             float ss = 0.0f;
-            for (int q0 = id; q0 < QUADS; q0 += IN_FLIGHT * threads) {
-                float4 v[IN_FLIGHT][N];
+            for (int q = id; q < QUADS; q += threads) {
+                float4 v[N];
 #pragma unroll
-                for (int k = 0; k < IN_FLIGHT; ++k) {
-                    const int q = q0 + k * threads;
+                for (int a = 0; a < N; ++a) v[a] = __ldcg(s + a * QUADS + q);
+                float4 x_q = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 #pragma unroll
-                    for (int a = 0; a < N; ++a)
-                        v[k][a] = q < QUADS ? __ldcg(s + a * QUADS + q) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                for (int a = 0; a < N; ++a) {
+                    x_q.x += v[a].x * weights[a];
+                    x_q.y += v[a].y * weights[a];
+                    x_q.z += v[a].z * weights[a];
+                    x_q.w += v[a].w * weights[a];
                 }
-#pragma unroll
-                for (int k = 0; k < IN_FLIGHT; ++k) {
-                    const int q = q0 + k * threads;
-                    float4 x_q = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-                    for (int a = 0; a < N; ++a) {
-                        x_q.x += v[k][a].x * weights[a];
-                        x_q.y += v[k][a].y * weights[a];
-                        x_q.z += v[k][a].z * weights[a];
-                        x_q.w += v[k][a].w * weights[a];
-                    }
-                    if (q < QUADS) {
-                        xt[q] = x_q;
-                        ss += x_q.x * x_q.x + x_q.y * x_q.y + x_q.z * x_q.z + x_q.w * x_q.w;
-                    }
-                }
+                xt[q] = x_q;
+                ss += x_q.x * x_q.x + x_q.y * x_q.y + x_q.z * x_q.z + x_q.w * x_q.w;
             }
             const float total = ds4lab_collapse_sum(ss, scratch, threads);
             const float inv2 = 1.0f / sqrtf(total / (float)E + eps[0]);
