@@ -8,34 +8,76 @@
 //
 // One warp per output column c of one of the two matrices (warp w: matrix w / R, column
 // w % R, R = the frontier's width): the lanes read the matrix row c (contiguous, COLS values)
-// with a stride of 32, sum in column order, then a warp sum; the warp also copies its column
-// of the frontier, lanes over the rows. Replaces two float32 GEMVs, a gather and two selects.
+// four values a load (16 bytes, or 8 of F16), eight loads in flight, a lane every 32nd
+// quad, summed in its column order, then a warp sum. The frontier's other rows are copied by
+// every thread of the grid, consecutive threads consecutive values (its width is ~1000
+// warps' columns; a warp copying its own column wrote one value per 32-byte sector), and
+// each warp writes its value into the row(s) the token's row lands in. Each of ~1000-2500
+// warps reading its row one load at a time reached 0.3-0.7 TB/s (ncu, 26-31 µs a launch).
+// Replaces two float32 GEMVs, a gather and two selects.
 // The slot comes in as data (`at`), so one compiled kernel serves every position.
 // A ratio-4 layer's two compressors (the attention's and the indexer's: the same ratio,
 // slot and shift, other widths) take one launch: the second's warps follow the first's.
-// Inputs: x [COLS] float32, w_kv / w_gate [R, COLS] (float32, or F16 widened as loaded:
-// all four matrices alike), ape [RATIO, R], kv / score [ROWS, R],
+// Inputs: x [COLS] float32 (COLS a multiple of 4), w_kv / w_gate [R, COLS] (float32, or F16
+// widened as loaded: all four matrices alike), ape [RATIO, R], kv / score [ROWS, R],
 // then the second compressor's (R2, ROWS2; R2 = 0: none, and its outputs are not written),
 // at [2] int32 (frontier row, APE row). Outputs: kv_out, score_out, then the second's.
 // Grid: 32 threads per warp, 2·R + 2·R2 warps.
 const int lane = threadIdx.x & 31;
+const int row = at[0];
 int warp = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
 const bool second = warp >= 2 * R;
 if (second) warp -= 2 * R;
 const int r = second ? R2 : R, rows = second ? ROWS2 : ROWS;
-if (warp >= 2 * r) return;
-const bool is_score = warp >= r;
-const int c = is_score ? warp - r : warp;
-const auto* w = (second ? (is_score ? w_gate2 : w_kv2) : (is_score ? w_gate : w_kv)) + (size_t)c * COLS;
-float acc = 0.0f;
-for (int j = lane; j < COLS; j += 32) acc += ds4lab_widen(w[j]) * x[j];
+if (warp < 2 * r) {
+    const bool is_score = warp >= r;
+    const int c = is_score ? warp - r : warp;
+    const auto* w = (second ? (is_score ? w_gate2 : w_kv2) : (is_score ? w_gate : w_kv)) + (size_t)c * COLS;
+    const float4* xq = reinterpret_cast<const float4*>(x);
+    constexpr int QUADS = COLS / 4, PER_LANE = (QUADS + 31) / 32, BATCH = 8;
+    float acc = 0.0f;
+#pragma unroll 1
+    for (int k0 = 0; k0 < PER_LANE; k0 += BATCH) {
+        float4 wv[BATCH];
 #pragma unroll
-for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
-const int row = at[0];
-const float value = is_score ? acc + (second ? ape2 : ape)[(size_t)at[1] * r + c] : acc;
-const float* src = second ? (is_score ? score2 : kv2) : (is_score ? score : kv);
-float* dst = second ? (is_score ? score_out2 : kv_out2) : (is_score ? score_out : kv_out);
-for (int i = lane; i < rows; i += 32) {
+        for (int k = 0; k < BATCH; ++k) {
+            const int q = lane + 32 * (k0 + k);
+            wv[k] = k0 + k < PER_LANE && q < QUADS ? ds4lab_load4(w, q) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+#pragma unroll
+        for (int k = 0; k < BATCH; ++k) {
+            const int q = lane + 32 * (k0 + k);
+            if (k0 + k < PER_LANE && q < QUADS) {
+                const float4 xv = xq[q];
+                acc = fmaf(wv[k].x, xv.x, acc);
+                acc = fmaf(wv[k].y, xv.y, acc);
+                acc = fmaf(wv[k].z, xv.z, acc);
+                acc = fmaf(wv[k].w, xv.w, acc);
+            }
+        }
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
+    const float value = is_score ? acc + (second ? ape2 : ape)[(size_t)at[1] * r + c] : acc;
+    float* dst = second ? (is_score ? score_out2 : kv_out2) : (is_score ? score_out : kv_out);
+    for (int i = lane; i < rows; i += 32) {
+        const int from = SHIFT && i < RATIO ? i + RATIO : i;
+        if (from == row) dst[(size_t)i * r + c] = value;
+    }
+}
+// The copy: the first compressor's kv, score, then the second's, as one flat range.
+const size_t id = (size_t)blockIdx.x * blockDim.x + threadIdx.x, threads = (size_t)gridDim.x * blockDim.x;
+const size_t n1 = (size_t)ROWS * R, n2 = (size_t)ROWS2 * R2;
+for (size_t g = id; g < 2 * (n1 + n2); g += threads) {
+    const bool in2 = g >= 2 * n1;
+    const size_t local = in2 ? g - 2 * n1 : g, n = in2 ? n2 : n1;
+    const bool is_score = local >= n;
+    const size_t k = is_score ? local - n : local;
+    const int width = in2 ? R2 : R;
+    const int i = (int)(k / width), c = (int)(k % width);
     const int from = SHIFT && i < RATIO ? i + RATIO : i;
-    dst[(size_t)i * r + c] = from == row ? value : src[(size_t)from * r + c];
+    if (from == row) continue;
+    const float* src = in2 ? (is_score ? score2 : kv2) : (is_score ? score : kv);
+    float* dst = in2 ? (is_score ? score_out2 : kv_out2) : (is_score ? score_out : kv_out);
+    dst[k] = src[(size_t)from * width + c];
 }

@@ -13,9 +13,10 @@
 // (ds4lab_last_block) then does what hc_pre does with them: each sum's PARTS partials added
 // by a warp (ds4lab_hc_parts_sum, as hc_pre adds its own), warp 0 runs the split
 // (ds4lab_hc_split) while warps 1.. collapse the streams and norm the result. The streams are
-// read back through L2, four columns a thread in flight; the collapsed row is written
-// unnormed, then scaled once its norm is known (the thread reads back its own values). E is
-// a multiple of 4 (16-byte loads).
+// read through L2, four columns a thread, two such loads in flight; the collapsed row is
+// kept unnormed in shared memory, then scaled once its norm is known. E is a multiple of 4
+// (16-byte loads). Such a launch takes bigger blocks (kernels.py `_HC_NEXT_WARPS`): the tail
+// runs on the last block alone, after every other, and is the launch's critical path.
 // Inputs: codes [E, COLS / 4], scales [E, COLS / 32], x [T, COLS], add [T, E] (or one unused
 // value), streams [T, N, E], post [T, N], comb [T, N, N]; with NEXT the next sublayer's mixer
 // and its weights: mix, next_scale [3], next_base [M], next_norm [E], eps [2] (RMS, HC), and
@@ -62,6 +63,7 @@ if (NEXT) {
     ds4lab_block_sums<M + 1>(mixed, warp_mixed, part + (size_t)t * (M + 1) * PARTS + blockIdx.x, PARTS);
     __shared__ float m[NEXT ? M + 1 : 1];
     __shared__ float scratch[32];
+    __shared__ float4 stage[NEXT ? E / 4 : 1];
     if (!ds4lab_last_block(const_cast<int*>(counter), gridDim.x * gridDim.y)) return;
     const int threads = (int)blockDim.x - 32, id = (int)threadIdx.x - 32;
     for (int tt = 0; tt < (int)gridDim.y; ++tt) {
@@ -80,32 +82,40 @@ if (NEXT) {
             float weights[N];
 #pragma unroll
             for (int a = 0; a < N; ++a) weights[a] = ds4lab_hc_pre_weight(m, next_scale, next_base, eps[1], a);
-            // Four columns a thread a step (a 16-byte load of each stream); two steps in flight
-            // took the product kernel from 72 to 95 registers.
+            // Four columns a thread, two steps' loads in flight; the unnormed row is kept in
+            // shared memory for the scaling (a read back through L2 cost a round trip a step).
             const float4* s = reinterpret_cast<const float4*>(y + (size_t)tt * N * E);
-            float4* xt = reinterpret_cast<float4*>(x_next + (size_t)tt * E);
             constexpr int QUADS = E / 4;
             float ss = 0.0f;
-            for (int q = id; q < QUADS; q += threads) {
-                float4 v[N];
+            for (int q0 = id; q0 < QUADS; q0 += 2 * threads) {
+                float4 v[2][N];
 #pragma unroll
-                for (int a = 0; a < N; ++a) v[a] = __ldcg(s + a * QUADS + q);
-                float4 x_q = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                for (int k = 0; k < 2; ++k) {
+                    const int q = q0 + k * threads;
 #pragma unroll
-                for (int a = 0; a < N; ++a) {
-                    x_q.x += v[a].x * weights[a];
-                    x_q.y += v[a].y * weights[a];
-                    x_q.z += v[a].z * weights[a];
-                    x_q.w += v[a].w * weights[a];
+                    for (int a = 0; a < N; ++a) v[k][a] = q < QUADS ? __ldcg(s + a * QUADS + q) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
                 }
-                xt[q] = x_q;
-                ss += x_q.x * x_q.x + x_q.y * x_q.y + x_q.z * x_q.z + x_q.w * x_q.w;
+#pragma unroll
+                for (int k = 0; k < 2; ++k) {
+                    const int q = q0 + k * threads;
+                    float4 x_q = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+                    for (int a = 0; a < N; ++a) {
+                        x_q.x += v[k][a].x * weights[a];
+                        x_q.y += v[k][a].y * weights[a];
+                        x_q.z += v[k][a].z * weights[a];
+                        x_q.w += v[k][a].w * weights[a];
+                    }
+                    if (q < QUADS) stage[q] = x_q;
+                    ss += x_q.x * x_q.x + x_q.y * x_q.y + x_q.z * x_q.z + x_q.w * x_q.w;
+                }
             }
             const float total = ds4lab_collapse_sum(ss, scratch, threads);
             const float inv2 = 1.0f / sqrtf(total / (float)E + eps[0]);
             const float4* nw = reinterpret_cast<const float4*>(next_norm);
+            float4* xt = reinterpret_cast<float4*>(x_next + (size_t)tt * E);
             for (int q = id; q < QUADS; q += threads) {
-                const float4 xq = xt[q], w4 = nw[q];
+                const float4 xq = stage[q], w4 = nw[q];
                 xt[q] = make_float4(xq.x * inv2 * w4.x, xq.y * inv2 * w4.y, xq.z * inv2 * w4.z, xq.w * inv2 * w4.w);
             }
         }
