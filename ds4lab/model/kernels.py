@@ -444,8 +444,9 @@ def compressor_slot(x: mx.array, first: tuple[mx.array, ...], row: int, slot: in
     may be F16 (`LayerWeights.kernel_dense`: read as such, widened as loaded), all four alike."""
     rows, r = first[3].shape
     rows2, r2 = (0, 0) if second is None else second[3].shape
-    if x.shape[-1] % 4:
-        raise ValueError(f"compressor_slot: inputs of {x.shape[-1]} values (the kernel reads 4 at a time)")
+    if x.shape[-1] % 4 or r % 4 or r2 % 4:
+        raise ValueError(f"compressor_slot: inputs of {x.shape[-1]} values, frontiers {r} and {r2} wide (the "
+                         f"kernel reads and copies 4 values at a time: multiples of 4)")
     threads = 256
     weights = [*first[:2], *(second[:2] if second is not None else ())]
     wtype = weights[0].dtype if len({w.dtype for w in weights}) == 1 and weights[0].dtype == mx.float16 else mx.float32
@@ -482,8 +483,6 @@ MATVEC_MAX_TOKENS = 8
 _Q8_WARPS = 4                            # warps per thread block of the Q8_0 matvec (as row_finish's:
                                          # q8_pair's norm of q_a sums as row_finish does)
 _Q8_WARPS_WANTED = 4096                  # fewest warps a Q8_0 matvec takes 4 or 2 rows a warp with
-_HC_NEXT_WARPS = 8                       # warps per block of a q8_hc launch that makes the next sublayer's
-                                         # input (without SPLIT): its last block's tail runs on them
 _HC_NEXT_MAX_WIDTH = 8192                # widest row that tail stages in shared memory
 
 
@@ -537,12 +536,11 @@ def _rows_per_warp(rows: int, cols: int, unit: int | None = None) -> tuple[int, 
     return 1, _Q8_WARPS if can_split else 1
 
 
-def _q8_launch(rows: int, r: int, split: int, t: int, warps: int = _Q8_WARPS) -> dict:
+def _q8_launch(rows: int, r: int, split: int, t: int) -> dict:
     """A Q8_0 matvec's geometry: a warp per r of `rows` (a block per r with `split` =
-    _Q8_WARPS, which then holds _Q8_WARPS warps), `warps` warps a block; y = token."""
-    warps = _Q8_WARPS if split > 1 else warps
-    per_block = r * warps // split
-    return {"grid": (-(-rows // per_block) * 32 * warps, t, 1), "threadgroup": (32 * warps, 1, 1)}
+    _Q8_WARPS), _Q8_WARPS warps a block; y = token."""
+    per_block = r * _Q8_WARPS // split
+    return {"grid": (-(-rows // per_block) * 32 * _Q8_WARPS, t, 1), "threadgroup": (32 * _Q8_WARPS, 1, 1)}
 
 
 def _one_vector_tokens(name: str, matrices: tuple[Q8Matrix, ...], x: mx.array) -> int:
@@ -633,9 +631,7 @@ def q8_hc(matrix: Q8Matrix, x: mx.array, streams: mx.array, post: mx.array, comb
                          f"<= 32) and its collapse reads 4 columns at once (a multiple of 4) into shared memory "
                          f"(at most {_HC_NEXT_MAX_WIDTH})")
     r, split = _rows_per_warp(e, matrix.cols)
-    # With the next input, bigger blocks: fewer partial sums for the last block to add, and
-    # more of its threads to collapse the streams (its tail is the launch's critical path).
-    launch = _q8_launch(e, r, split, t, _HC_NEXT_WARPS if next_input is not None else _Q8_WARPS)
+    launch = _q8_launch(e, r, split, t)
     parts = launch["grid"][0] // launch["threadgroup"][0]
     nxt = next_input is not None
     unused = _scalar(0.0)

@@ -8,23 +8,42 @@
 //
 // One warp per output column c of one of the two matrices (warp w: matrix w / R, column
 // w % R, R = the frontier's width): the lanes read the matrix row c (contiguous, COLS values)
-// four values a load (16 bytes, or 8 of F16), eight loads in flight, a lane every 32nd
-// quad, summed in its column order, then a warp sum. The frontier's other rows are copied by
-// every thread of the grid, consecutive threads consecutive values (its width is ~1000
-// warps' columns; a warp copying its own column wrote one value per 32-byte sector), and
-// each warp writes its value into the row(s) the token's row lands in. Each of ~1000-2500
-// warps reading its row one load at a time reached 0.3-0.7 TB/s (ncu, 26-31 µs a launch).
+// four values a load, sixteen loads in flight, a lane every 32nd quad, summed in its column
+// order, then a warp sum. The frontier's other rows are copied by every thread of the grid,
+// consecutive threads consecutive float4s, each thread's first one loaded before the product
+// and stored after it (ratio 128: one float4 a thread); each warp writes its value into the
+// row(s) the token's row lands in. One load at a time a lane, and a warp copying its own
+// column (one value per 32-byte sector), this read 0.3-0.8 TB/s (ncu, 25-31 µs a launch).
 // Replaces two float32 GEMVs, a gather and two selects.
 // The slot comes in as data (`at`), so one compiled kernel serves every position.
 // A ratio-4 layer's two compressors (the attention's and the indexer's: the same ratio,
 // slot and shift, other widths) take one launch: the second's warps follow the first's.
 // Inputs: x [COLS] float32 (COLS a multiple of 4), w_kv / w_gate [R, COLS] (float32, or F16
-// widened as loaded: all four matrices alike), ape [RATIO, R], kv / score [ROWS, R],
-// then the second compressor's (R2, ROWS2; R2 = 0: none, and its outputs are not written),
-// at [2] int32 (frontier row, APE row). Outputs: kv_out, score_out, then the second's.
-// Grid: 32 threads per warp, 2·R + 2·R2 warps.
+// widened as loaded: all four matrices alike), ape [RATIO, R], kv / score [ROWS, R] (R and R2
+// multiples of 4), then the second compressor's (R2, ROWS2; R2 = 0: none, and its outputs are
+// not written), at [2] int32 (frontier row, APE row). Outputs: kv_out, score_out, then the
+// second's. Grid: 32 threads per warp, 2·R + 2·R2 warps.
 const int lane = threadIdx.x & 31;
 const int row = at[0];
+// The copy's float4s: the first compressor's kv, score, then the second's, as one flat range.
+constexpr size_t Q1 = (size_t)ROWS * R / 4, Q2 = (size_t)ROWS2 * R2 / 4, QT = 2 * (Q1 + Q2);
+const size_t id = (size_t)blockIdx.x * blockDim.x + threadIdx.x, threads = (size_t)gridDim.x * blockDim.x;
+auto copy_at = [&](size_t g, const float4*& src, float4*& dst) {   // false: g is in the token's row
+    const bool in2 = g >= 2 * Q1;
+    const size_t local = in2 ? g - 2 * Q1 : g, n = in2 ? Q2 : Q1;
+    const bool is_score = local >= n;
+    const size_t k = is_score ? local - n : local;
+    const int quads = (in2 ? R2 : R) / 4;
+    const int i = (int)(k / quads), c = (int)(k % quads);
+    const int from = SHIFT && i < RATIO ? i + RATIO : i;
+    src = reinterpret_cast<const float4*>(in2 ? (is_score ? score2 : kv2) : (is_score ? score : kv)) + (size_t)from * quads + c;
+    dst = reinterpret_cast<float4*>(in2 ? (is_score ? score_out2 : kv_out2) : (is_score ? score_out : kv_out)) + k;
+    return from != row;
+};
+const float4* held_src = nullptr;
+float4* held_dst = nullptr;
+const bool holds = id < QT && copy_at(id, held_src, held_dst);
+const float4 held = holds ? *held_src : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
 int warp = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
 const bool second = warp >= 2 * R;
 if (second) warp -= 2 * R;
@@ -34,7 +53,7 @@ if (warp < 2 * r) {
     const int c = is_score ? warp - r : warp;
     const auto* w = (second ? (is_score ? w_gate2 : w_kv2) : (is_score ? w_gate : w_kv)) + (size_t)c * COLS;
     const float4* xq = reinterpret_cast<const float4*>(x);
-    constexpr int QUADS = COLS / 4, PER_LANE = (QUADS + 31) / 32, BATCH = 8;
+    constexpr int QUADS = COLS / 4, PER_LANE = (QUADS + 31) / 32, BATCH = 16;
     float acc = 0.0f;
 #pragma unroll 1
     for (int k0 = 0; k0 < PER_LANE; k0 += BATCH) {
@@ -65,19 +84,9 @@ if (warp < 2 * r) {
         if (from == row) dst[(size_t)i * r + c] = value;
     }
 }
-// The copy: the first compressor's kv, score, then the second's, as one flat range.
-const size_t id = (size_t)blockIdx.x * blockDim.x + threadIdx.x, threads = (size_t)gridDim.x * blockDim.x;
-const size_t n1 = (size_t)ROWS * R, n2 = (size_t)ROWS2 * R2;
-for (size_t g = id; g < 2 * (n1 + n2); g += threads) {
-    const bool in2 = g >= 2 * n1;
-    const size_t local = in2 ? g - 2 * n1 : g, n = in2 ? n2 : n1;
-    const bool is_score = local >= n;
-    const size_t k = is_score ? local - n : local;
-    const int width = in2 ? R2 : R;
-    const int i = (int)(k / width), c = (int)(k % width);
-    const int from = SHIFT && i < RATIO ? i + RATIO : i;
-    if (from == row) continue;
-    const float* src = in2 ? (is_score ? score2 : kv2) : (is_score ? score : kv);
-    float* dst = in2 ? (is_score ? score_out2 : kv_out2) : (is_score ? score_out : kv_out);
-    dst[k] = src[(size_t)from * width + c];
+if (holds) *held_dst = held;
+for (size_t g = id + threads; g < QT; g += threads) {          // frontiers of more rows than threads
+    const float4* src;
+    float4* dst;
+    if (copy_at(g, src, dst)) *dst = *src;
 }

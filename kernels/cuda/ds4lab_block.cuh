@@ -96,6 +96,10 @@ __device__ __forceinline__ void ds4lab_block_sums(const float* acc, float* scrat
     }
 }
 
+// Asks L2 for the 128-byte line holding p (no register written, nothing waited for): a last
+// block's tail issues these for weights it reads only after its first round trips.
+__device__ __forceinline__ void ds4lab_prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 // Whether this thread block is the last of `blocks` to get here (every thread gets the
 // answer): each block's writes before the call are then visible to the last one, which reads
 // them with __ldcg (not through its L1). `counter` is an int in a buffer the kernel is given

@@ -15,8 +15,9 @@
 // (ds4lab_hc_split) while warps 1.. collapse the streams and norm the result. The streams are
 // read through L2, four columns a thread, two such loads in flight; the collapsed row is
 // kept unnormed in shared memory, then scaled once its norm is known. E is a multiple of 4
-// (16-byte loads). Such a launch takes bigger blocks (kernels.py `_HC_NEXT_WARPS`): the tail
-// runs on the last block alone, after every other, and is the launch's critical path.
+// (16-byte loads). The tail runs on the last block alone, after every other: it is the
+// launch's critical path (ncu: ~20 of 33 µs, the SMs active 39% of the launch), so the weights
+// it reads are fetched into L2 as it starts and its loops keep several loads in flight.
 // Inputs: codes [E, COLS / 4], scales [E, COLS / 32], x [T, COLS], add [T, E] (or one unused
 // value), streams [T, N, E], post [T, N], comb [T, N, N]; with NEXT the next sublayer's mixer
 // and its weights: mix, next_scale [3], next_base [M], next_norm [E], eps [2] (RMS, HC), and
@@ -65,6 +66,14 @@ if (NEXT) {
     __shared__ float scratch[32];
     __shared__ float4 stage[NEXT ? E / 4 : 1];
     if (!ds4lab_last_block(const_cast<int*>(counter), gridDim.x * gridDim.y)) return;
+    // The weights the tail reads after its sums (the norm's, the split's) have not been read
+    // this step: into L2 now, while the partials are added (from DRAM, each later loop would
+    // wait ~1 µs a step).
+    for (int i = threadIdx.x * 32; i < E; i += blockDim.x * 32) ds4lab_prefetch_l2(next_norm + i);
+    if (threadIdx.x == 0) {
+        ds4lab_prefetch_l2(next_scale);
+        for (int i = 0; i < M; i += 32) ds4lab_prefetch_l2(next_base + i);
+    }
     const int threads = (int)blockDim.x - 32, id = (int)threadIdx.x - 32;
     for (int tt = 0; tt < (int)gridDim.y; ++tt) {
         for (int i = warp; i <= M; i += (int)(blockDim.x >> 5)) {
@@ -114,9 +123,23 @@ if (NEXT) {
             const float inv2 = 1.0f / sqrtf(total / (float)E + eps[0]);
             const float4* nw = reinterpret_cast<const float4*>(next_norm);
             float4* xt = reinterpret_cast<float4*>(x_next + (size_t)tt * E);
-            for (int q = id; q < QUADS; q += threads) {
-                const float4 xq = stage[q], w4 = nw[q];
-                xt[q] = make_float4(xq.x * inv2 * w4.x, xq.y * inv2 * w4.y, xq.z * inv2 * w4.z, xq.w * inv2 * w4.w);
+            constexpr int B = 4;                       // the norm weights' loads in flight
+            for (int q0 = id; q0 < QUADS; q0 += B * threads) {
+                float4 w4[B];
+#pragma unroll
+                for (int k = 0; k < B; ++k) {
+                    const int q = q0 + k * threads;
+                    w4[k] = q < QUADS ? nw[q] : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+                }
+#pragma unroll
+                for (int k = 0; k < B; ++k) {
+                    const int q = q0 + k * threads;
+                    if (q < QUADS) {
+                        const float4 xq = stage[q];
+                        xt[q] = make_float4(xq.x * inv2 * w4[k].x, xq.y * inv2 * w4[k].y, xq.z * inv2 * w4[k].z,
+                                            xq.w * inv2 * w4[k].w);
+                    }
+                }
             }
         }
         __syncthreads();
