@@ -24,13 +24,14 @@ if (threadIdx.x == 0) {
     part_ml[2 * (first + z) + 1] = l;
 }
 for (int d = threadIdx.x; d < D; d += blockDim.x) part_acc[(first + z) * D + d] = acc[d];
+const float sink = sinks[h];                  // loaded before the wait: not a round trip after it
 if (!ds4lab_last_block(const_cast<int*>(counter) + t * n_head + h, SHARES)) return;
 float ms[SHARES], ls[SHARES], w[SHARES];
 for (int s = 0; s < SHARES; ++s) {
     ms[s] = __ldcg(part_ml + 2 * (first + s));
     ls[s] = __ldcg(part_ml + 2 * (first + s) + 1);
 }
-ds4lab_share_weights<SHARES>(sinks[h], ms, ls, w);
+ds4lab_share_weights<SHARES>(sink, ms, ls, w);
 float* oh = out + ((size_t)t * n_head + h) * D;
 for (int j = threadIdx.x; j < D / 2; j += blockDim.x) {
     float o0 = 0.0f, o1 = 0.0f;

@@ -38,13 +38,34 @@ if (NORM_A) {
     // arrival count is the grid's.
     __shared__ float scratch[32];
     __shared__ float row[NORM_A ? ROWS_A : 1];
+    __shared__ float row_w[NORM_A ? ROWS_A : 1];
     if (!ds4lab_last_block(const_cast<int*>(counter), gridDim.x * gridDim.y)) return;
     for (int tt = 0; tt < (int)gridDim.y; ++tt) {
-        for (int i = threadIdx.x; i < ROWS_A; i += blockDim.x) row[i] = __ldcg(ya + (size_t)tt * ROWS_A + i);
+        // The row and the norm's weights into shared memory, eight of each in flight a thread:
+        // as plain loops (the block size known only at run time) each load waited for the one
+        // before, eight L2 round trips for the row and then eight DRAM ones for the weights.
+        constexpr int LOADS = 8;
+        for (int i0 = threadIdx.x; i0 < ROWS_A; i0 += LOADS * blockDim.x) {
+            float v[LOADS], w[LOADS];
+#pragma unroll
+            for (int k = 0; k < LOADS; ++k) {
+                const int i = i0 + k * (int)blockDim.x;
+                v[k] = i < ROWS_A ? __ldcg(ya + (size_t)tt * ROWS_A + i) : 0.0f;
+                w[k] = i < ROWS_A ? norm_w[i] : 0.0f;
+            }
+#pragma unroll
+            for (int k = 0; k < LOADS; ++k) {
+                const int i = i0 + k * (int)blockDim.x;
+                if (i < ROWS_A) {
+                    row[i] = v[k];
+                    row_w[i] = w[k];
+                }
+            }
+        }
         __syncthreads();
         const float inv = ds4lab_rms_inverse(row, ROWS_A, eps[0], scratch);
         for (int i = threadIdx.x; i < ROWS_A; i += blockDim.x)
-            ya_n[(size_t)tt * ROWS_A + i] = __fmul_rn(__fmul_rn(row[i], inv), norm_w[i]);
+            ya_n[(size_t)tt * ROWS_A + i] = __fmul_rn(__fmul_rn(row[i], inv), row_w[i]);
         __syncthreads();
     }
 }

@@ -19,6 +19,10 @@ const int lane = e & 31, warp = e >> 5, n_warps = blockDim.x >> 5;
 __shared__ float best_v[32];
 __shared__ int best_i[32];
 __shared__ int chosen[K];
+// What the routing reads besides the logits, loaded before the logits' launch-wide wait (read
+// after it, each was one more round trip of the last block's, from DRAM).
+const float expert_bias = HAS_BIAS && e < E ? bias[e] : 0.0f;
+const int hashed = HASH && e < K ? table[(size_t)tokens[t] * K + e] : 0;
 if (PRODUCT) {
     const int r = blockIdx.x * n_warps + warp;
     if (r < E) {
@@ -50,10 +54,10 @@ if (e < E) {
     const float sp = l > 20.0f ? l : (l < -20.0f ? expf(l) : log1pf(expf(l)));
     p = sqrtf(sp);
     probs[(size_t)t * E + e] = p;
-    sel = HAS_BIAS ? p + bias[e] : p;
+    sel = HAS_BIAS ? p + expert_bias : p;
 }
 if (HASH) {
-    if (e < K) chosen[e] = table[(size_t)tokens[t] * K + e];
+    if (e < K) chosen[e] = hashed;
     __syncthreads();
 }
 for (int k = 0; k < (HASH ? 0 : K); ++k) {
