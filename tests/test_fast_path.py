@@ -133,9 +133,10 @@ def _attention_shares(inputs, t, grid, threadgroup):
     """Each of grid z's SHARES equal shares of the keys: its largest visible score m (-inf when
     none), l = sum of exp(score - m) and the keys weighted by those; then (the last block of
     a head) the shares added with the sink and the inverse RoPE: decode attention's output."""
-    q, keys, comp, mask, cos, sin, n_keys, eps, sinks, counter, kv, kv_weight, carry = inputs
+    q, keys, comp, mask, cos, sin, n_keys, eps, sinks, counter, kv, kv_weight, carry, part_ml, part_acc = inputs
     heads, tokens = _blocks(grid, threadgroup)
     assert grid[2] == t["SHARES"] and tokens * heads <= counter.size and (not t["KVROW"] or carry.shape == (254,))
+    assert part_ml.size >= tokens * heads * t["SHARES"] * 2 and part_acc.size >= tokens * heads * t["SHARES"] * t["D"]
     assert counter.dtype == mx.int32 and not np.array(counter).any()
     q, keys, written = _decode_attention_inputs(q, keys, comp, mask, cos, sin, n_keys, eps, kv, kv_weight, t, grid,
                                                 threadgroup)
@@ -157,8 +158,7 @@ def _attention_shares(inputs, t, grid, threadgroup):
     kept = mx.where(m == -mx.inf, 0.0, mx.exp(m - top[..., None]))
     denom = mx.exp(sinks[None, :] - top) + (total * kept).sum(axis=-1)
     out = (mx.array(acc) * kept[..., None]).sum(axis=2) / denom[..., None]
-    return [apply_rope_tail(out, cos, sin, inverse=True), mx.zeros((1, 1)) if written is None else written,
-            mx.array(ml), mx.array(acc)]
+    return [apply_rope_tail(out, cos, sin, inverse=True), mx.zeros((1, 1)) if written is None else written]
 
 
 def _prefill_attention(inputs, t, grid, threadgroup):
@@ -344,26 +344,26 @@ def _q8_swiglu(inputs, t, grid, threadgroup):
 
 
 def _q8_hc(inputs, t, grid, threadgroup):
-    codes, scales, x, add, streams, post, comb, mix, next_scale, next_base, next_norm, eps, counter = inputs
+    codes, scales, x, add, streams, post, comb, mix, next_scale, next_base, next_norm, eps, counter, part = inputs
     _q8_warps(t, grid, t["E"], x.shape[0])
     w = _q8_rows(codes, scales, t["COLS"])
     n, e = t["N"], t["E"]
     assert w.shape[0] == e and streams.shape == (x.shape[0], n, e)
     (y,) = _hc_post([_q8_products(w, x), add, streams, post, comb, mx.array(x.shape[0])], t, (streams.size,), None)
-    unused = [mx.zeros((1,))] * 5
+    unused = [mx.zeros((1,))] * 4
     if not t["NEXT"]:
         return [y, *unused]
     # The next sublayer's input, as hc_pre makes it (its last block: warp 0 splits while the
     # others collapse), from the mixer's product of the new streams summed over the blocks.
     assert counter.dtype == mx.int32 and threadgroup[0] >= 64 and _blocks(grid, threadgroup)[0] == t["PARTS"]
     m = (2 + n) * n
-    assert mix.shape == (m, n * e) and next_norm.shape == (e,)
+    assert mix.shape == (m, n * e) and next_norm.shape == (e,) and part.size >= y.shape[0] * (m + 1) * t["PARTS"]
     summed = (y.reshape(y.shape[0], -1) @ mix.T)[:, :, None]
     tokens = mx.array(y.shape[0])
     x_next, pre, post_next, comb_next = _hc_pre([y, summed, next_scale, next_base, next_norm, eps, tokens],
                                                 {"N": n, "E": e, "ITERS": t["ITERS"], "PARTS": 1, "COLS_PER": e},
                                                 (y.shape[0] * 64, 1, 1), (64, 1, 1))
-    return [y, mx.zeros((y.shape[0], m + 1, t["PARTS"])), x_next, pre, post_next, comb_next]
+    return [y, x_next, pre, post_next, comb_next]
 
 
 def _gemm_split_x(inputs, t, grid, threadgroup):

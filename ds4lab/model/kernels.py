@@ -122,7 +122,7 @@ _KERNELS = {
                          "kv_weight", "carry"], ["out", "keys_out"]),
     "attention_shares": ("attention_shares.cu", ("ds4lab_block.cuh", "decode_attention.cuh"),
                          ["q", "keys", "comp", "mask", "rope_cos", "rope_sin", "n_keys", "eps", "sinks", "counter",
-                          "kv", "kv_weight", "carry"], ["out", "keys_out", "part_ml", "part_acc"]),
+                          "kv", "kv_weight", "carry", "part_ml", "part_acc"], ["out", "keys_out"]),
     "prefill_attention": ("prefill_attention.cu", ("ds4lab_block.cuh", "gemm_common.cuh"),
                           ["q", "keys", "mask", "sinks", "rope_cos", "rope_sin", "n_keys"], ["out"]),
     "indexer_queries": ("indexer_queries.cu", ("ds4lab_block.cuh",),
@@ -144,8 +144,8 @@ _KERNELS = {
                   ["codes_g", "scales_g", "codes_u", "scales_u", "x", "clamp"], ["y"]),
     "q8_hc": ("q8_hc.cu", ("ds4lab_block.cuh", "q8_rows.cuh", "hc_split.cuh"),
               ["codes", "scales", "x", "add", "streams", "post", "comb", "mix", "next_scale", "next_base", "next_norm",
-               "eps", "counter"],
-              ["y", "part", "x_next", "pre", "post_next", "comb_next"]),
+               "eps", "counter", "part"],
+              ["y", "x_next", "pre", "post_next", "comb_next"]),
     "gemm_split_x": ("gemm_split_x.cu", ("ds4lab_block.cuh", "gemm_common.cuh"), ["x"], ["xh", "xl", "xsum", "xexp"]),
 }
 
@@ -374,10 +374,12 @@ def attention_heads(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array
     else:
         # A long key list over more blocks than heads: shares of the keys, the last block of a
         # head adding them with the sink.
-        out, new_keys, _, _ = _fused("attention_shares")(
-            inputs=[*sources, cos, sin, *lengths, sinks, _arrival_counters(), *row_inputs],
+        out, new_keys = _fused("attention_shares")(
+            inputs=[*sources, cos, sin, *lengths, sinks, _arrival_counters(), *row_inputs,
+                    _launch_scratch("attention_shares_ml", t * h * shares * 2),
+                    _launch_scratch("attention_shares_acc", t * h * shares * d)],
             template=[*template, ("SHARES", shares)], grid=(h * threads, t, shares), threadgroup=(threads, 1, 1),
-            output_shapes=[q.shape, *keys_out, (t, h, shares, 2), (t, h, shares, d)], output_dtypes=[mx.float32] * 4)
+            output_shapes=[q.shape, *keys_out], output_dtypes=[mx.float32] * 2)
     return out if kv_row is None else (out, new_keys)
 
 
@@ -636,16 +638,17 @@ def q8_hc(matrix: Q8Matrix, x: mx.array, streams: mx.array, post: mx.array, comb
     nxt = next_input is not None
     unused = _scalar(0.0)
     weights = ([next_input.fn, next_input.scale, next_input.base, next_input.norm,
-                _constant((next_input.rms_eps, next_input.hc_eps)), _arrival_counters()] if nxt
-               else [unused] * 5 + [_scalar(0, mx.int32)])
-    y, _, *made = _fused("q8_hc")(
+                _constant((next_input.rms_eps, next_input.hc_eps)), _arrival_counters(),
+                _launch_scratch("q8_hc", t * (m + 1) * parts)] if nxt
+               else [unused] * 5 + [_scalar(0, mx.int32), unused])
+    y, *made = _fused("q8_hc")(
         inputs=[matrix.codes, matrix.scales, x.astype(mx.float32), unused if add is None else add,
                 streams, post, comb, *weights],
         template=[("E", e), ("COLS", matrix.cols), ("R", r), ("SPLIT", split), ("N", n), ("ADD", add is not None),
                   ("NEXT", nxt), ("PARTS", parts), ("ITERS", next_input.sinkhorn_iters if nxt else 1)],
         **launch,
-        output_shapes=[streams.shape] + ([(t, m + 1, parts), (t, e), (t, n), (t, n), (t, n, n)] if nxt else [(1,)] * 5),
-        output_dtypes=[mx.float32] * 6)
+        output_shapes=[streams.shape] + ([(t, e), (t, n), (t, n), (t, n, n)] if nxt else [(1,)] * 4),
+        output_dtypes=[mx.float32] * 5)
     return y, tuple(made) if nxt else None
 
 
@@ -685,6 +688,19 @@ def router(x: mx.array, bias: mx.array | None, n_used: int, scale: float, weight
 
 
 @cache
+@lru_cache(maxsize=64)
+def _launch_scratch(use: str, n: int) -> mx.array:
+    """n floats that a launch's thread blocks write and only its own last block reads (q8_hc's
+    partial sums of the next sublayer's input, decode attention's shares): given as an input
+    (the kernel writes it anyway) rather than made as an output, since MLX spends ~2 µs of the
+    host's encoding on each output of a launch (`bench/host_costs.py`) and nothing reads these
+    after it. One buffer per use and size serves every launch, for the reason one set of
+    `_arrival_counters` does: the launches that use it are ordered by their data."""
+    scratch = mx.zeros((max(n, 1),), mx.float32)
+    mx.eval(scratch)
+    return scratch
+
+
 def _arrival_counters() -> mx.array:
     """The zeroed ints in which kernels whose last thread block finishes a launch's work count
     their blocks (`ds4lab_last_block`): the router and the indexer's scores a counter per

@@ -6,9 +6,10 @@
 // denominator (ds4lab_share_weights) and turns the sum back by the query position's angle on
 // its last NROT dims: what decode_attention.cu computes in one block.
 // Inputs as decode_attention.cuh's, then sinks [H] and the zeroed counters; KVROW as
-// decode_attention.cu's. Outputs: out [T, H, D], keys_out (KVROW); part_ml [T, H, SHARES, 2] and part_acc [T, H, SHARES, D], the shares' (m, l) and
-// sums, which only the last block reads. Grid: x = the heads (WARPS warps each), y = the
-// tokens, z = the shares.
+// decode_attention.cu's; then part_ml [T, H, SHARES, 2] and part_acc [T, H, SHARES, D], the
+// shares' (m, l) and sums, which only the last block reads (scratch: inputs the kernel writes,
+// kernels.py `_launch_scratch`). Outputs: out [T, H, D], keys_out (KVROW). Grid: x = the heads
+// (WARPS warps each), y = the tokens, z = the shares.
 const int h = blockIdx.x, t = blockIdx.y, z = blockIdx.z, n_head = gridDim.x;
 const int nk = n_keys[1], chunk = (nk + SHARES - 1) / SHARES;
 const int lo = min(nk, z * chunk), hi = min(nk, lo + chunk);
@@ -20,10 +21,10 @@ ds4lab_attend_keys<D, NROT, WARPS, QFINISH>(q, keys, KVROW ? row : nullptr, comp
                                             rope_sin, lo, hi, m, l, acc);
 const size_t first = ((size_t)t * n_head + h) * SHARES;
 if (threadIdx.x == 0) {
-    part_ml[2 * (first + z)] = m;
-    part_ml[2 * (first + z) + 1] = l;
+    const_cast<float*>(part_ml)[2 * (first + z)] = m;
+    const_cast<float*>(part_ml)[2 * (first + z) + 1] = l;
 }
-for (int d = threadIdx.x; d < D; d += blockDim.x) part_acc[(first + z) * D + d] = acc[d];
+for (int d = threadIdx.x; d < D; d += blockDim.x) const_cast<float*>(part_acc)[(first + z) * D + d] = acc[d];
 const float sink = sinks[h];                  // loaded before the wait: not a round trip after it
 if (!ds4lab_last_block(const_cast<int*>(counter) + t * n_head + h, SHARES)) return;
 float ms[SHARES], ls[SHARES], w[SHARES];

@@ -21,9 +21,10 @@
 // Inputs: codes [E, COLS / 4], scales [E, COLS / 32], x [T, COLS], add [T, E] (or one unused
 // value), streams [T, N, E], post [T, N], comb [T, N, N]; with NEXT the next sublayer's mixer
 // and its weights: mix, next_scale [3], next_base [M], next_norm [E], eps [2] (RMS, HC), and
-// counter (an arrival counter), else one unused value each.
-// Outputs: y [T, N, E]; with NEXT part [T, M + 1, PARTS], x_next [T, E], pre [T, N],
-// post_next [T, N], comb_next [T, N, N] (one unused value each without).
+// counter (an arrival counter), part [T, M + 1, PARTS] (the blocks' partial sums, scratch the
+// last block reads: an input, kernels.py `_launch_scratch`), else one unused value each.
+// Outputs: y [T, N, E]; with NEXT x_next [T, E], pre [T, N], post_next [T, N],
+// comb_next [T, N, N] (one unused value each without).
 // Grid: x = 32 threads per warp, R rows per warp (per block with SPLIT: its warps split the
 // columns, q8_rows.cuh; the first writes), PARTS blocks; y = the token.
 constexpr int M = (2 + N) * N;
@@ -61,7 +62,8 @@ if (r0 < E) {
 // instantiates must hold for any N: the split's a-lane-a-cell warp is for N * N <= 32.)
 if (NEXT) {
     __shared__ float warp_mixed[NEXT ? 32 * (M + 1) : 1];
-    ds4lab_block_sums<M + 1>(mixed, warp_mixed, part + (size_t)t * (M + 1) * PARTS + blockIdx.x, PARTS);
+    ds4lab_block_sums<M + 1>(mixed, warp_mixed, const_cast<float*>(part) + (size_t)t * (M + 1) * PARTS + blockIdx.x,
+                             PARTS);
     __shared__ float m[NEXT ? M + 1 : 1];
     __shared__ float scratch[32];
     __shared__ float4 stage[NEXT ? E / 4 : 1];
