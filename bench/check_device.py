@@ -174,13 +174,18 @@ def check_fused_kernels() -> None:
                                          mx.concatenate([written, keys[cut:]]), with_row, sinks, rotation, ref_mm)
             err = _rel(heads, ref)
             copied = bool(mx.array_equal(written[:cut], keys[:cut]).item())
+            # the window the cache keeps (`keep`): the same rows less the first, the same heads
+            kept_heads, kept = kernels.attention_heads(raw_q, keys[:cut], with_row, sinks, rope, keys[cut:],
+                                                       q_eps=1e-6, kv_row=(kv, kv_w, 1e-6), keep=cut)
+            copied = copied and kept.shape[0] == cut and bool(mx.array_equal(kept, written[1:]).item()) and bool(
+                mx.array_equal(kept_heads, heads).item())
             # the row's norm sums in the block's order: a rare FP8 code may differ by one step
             same = float(mx.mean(written[cut:] == row).item())
             ok = err <= _KERNEL_BAR and copied and same >= 0.99 and _rel(written[cut:], row) <= 0.07
             _bar(f"attention_heads {n_keys} keys, KV row finished inside", ok)
             print(f"attention_heads with the token's KV row finished inside: heads vs attend over its keys "
-                  f"{err:.2e}; window copied exactly {copied}; row equal to finish_rows' in {same:.1%} of its "
-                  f"dims, max rel err {_rel(written[cut:], row):.2e}")
+                  f"{err:.2e}; window copied exactly (and kept: its last {cut} rows) {copied}; row equal to "
+                  f"finish_rows' in {same:.1%} of its dims, max rel err {_rel(written[cut:], row):.2e}")
     for t, h, dh, n_keys in ((1, 64, 128, 1024), (3, 4, 64, 50)):
         q, w, keys = mx.random.normal((t, h, dh)), mx.random.normal((t, h)), mx.random.normal((n_keys, dh))
         ref = (mx.maximum(q @ keys.T, 0.0) * w[:, :, None]).sum(axis=1)

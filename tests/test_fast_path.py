@@ -101,9 +101,10 @@ def _hc_post(inputs, t, grid, threadgroup):
 
 def _decode_attention_inputs(q, keys, comp, mask, cos, sin, n_keys, eps, kv, kv_weight, t, grid, threadgroup):
     """decode_attention.cuh's inputs checked against the launch, as (q finished, all keys, the
-    keys the launch writes with KVROW: the window's rows then the token's finished row)."""
+    keys the launch writes with KVROW: the window's rows then the token's finished row, less
+    the first n_keys[2])."""
     heads, tokens = _blocks(grid, threadgroup)
-    n_raw, n_all = n_keys.tolist()
+    n_raw, n_all, skip = n_keys.tolist()
     assert q.shape == (tokens, heads, t["D"]) and keys.shape[0] == n_raw and n_all == mask.shape[1]
     assert threadgroup[0] == 32 * t["WARPS"] and cos.shape == (tokens, t["NROT"] // 2) and eps.shape == (2,)
     if t["QFINISH"]:                     # q is the q_b product: each head normed and rotated first
@@ -113,8 +114,10 @@ def _decode_attention_inputs(q, keys, comp, mask, cos, sin, n_keys, eps, kv, kv_
     if t["KVROW"]:                       # the token's KV row finished as row_finish finishes it, after the window
         assert tokens == 1 and kv.shape == (1, t["D"]) and kv_weight.shape == (t["D"],)
         row = apply_rope_tail(_rms_weighted(kv, eps[1], kv_weight), cos, sin)
-        written = keys = mx.concatenate([keys, nm.round_f16(nm.fp8_kv_round(row, t["D"] - t["NROT"]))])
+        keys = mx.concatenate([keys, nm.round_f16(nm.fp8_kv_round(row, t["D"] - t["NROT"]))])
+        written = keys[skip:]                     # less the rows the window drops
         n_raw += 1
+    assert skip == 0 or (t["KVROW"] and skip <= n_raw)
     if n_all > n_raw:                             # the compressed rows follow the window's
         assert comp.shape == (n_all - n_raw, t["D"])
         keys = mx.concatenate([keys, comp])
@@ -703,7 +706,7 @@ def test_decode_attention_over_many_keys_takes_shares_of_them_and_adds_them(stan
         shared = kernels.attention_heads(q, keys[:128], mask, sinks, rope, keys[128:])
         assert stand_in_kernels == {"attention_shares": 1}
         none = mx.array(0.0)
-        whole = _attention_heads([q, keys, none, mask, sinks, *rope, mx.array([1100, 1100]), mx.zeros((2,)), none,
+        whole = _attention_heads([q, keys, none, mask, sinks, *rope, mx.array([1100, 1100, 0]), mx.zeros((2,)), none,
                                   none, none],
                                  {"D": 64, "NROT": 32, "WARPS": kernels._ATTENTION_WARPS, "QFINISH": False,
                                   "KVROW": False},

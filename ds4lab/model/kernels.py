@@ -329,7 +329,8 @@ def row_finish(x: mx.array, *, eps: float | None = None, weight: mx.array | None
 def attention_heads(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array,
                     rope: tuple[mx.array, mx.array], comp: mx.array | None = None,
                     q_eps: float | None = None,
-                    kv_row: tuple[mx.array, mx.array, float] | None = None) -> mx.array | tuple[mx.array, mx.array]:
+                    kv_row: tuple[mx.array, mx.array, float] | None = None,
+                    keep: int | None = None) -> mx.array | tuple[mx.array, mx.array]:
     """Sink softmax attention, K = V, then the inverse RoPE of the query positions: q [T, H, D],
     keys [N, D] (then `comp` [C, D], the compressed rows, when given), mask [T, N (+ C)],
     sinks [H], rope (cos, sin) [T, n_rot/2] -> [T, H, D]. With `q_eps` (up to
@@ -338,7 +339,8 @@ def attention_heads(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array
     With kv_row = (kv [1, D], the KV norm's weight, its eps) (a decode token) keys is the kept
     window and kv the token's KV product: the kernel finishes its row as `attention.kv_row`
     does and attends it after the window (mask [1, N + 1 (+ C)]); returns (heads, the window's
-    rows then the token's: the keys, as `row_finish(prefix=keys)` makes them)."""
+    rows then the token's: the keys, as `row_finish(prefix=keys)` makes them), of which only
+    the last `keep` rows with `keep` (the window the cache keeps: no slice of them a layer)."""
     t, h, d = q.shape
     cos, sin = rope
     if q_eps is not None and t > MATVEC_MAX_TOKENS:
@@ -362,9 +364,10 @@ def attention_heads(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array
                 ("KVROW", kv_row is not None)]
     sources = [q, keys, _scalar(0.0) if comp is None else comp, mask]
     kv, kv_weight, kv_eps = kv_row if kv_row is not None else (_scalar(0.0), _scalar(0.0), 0.0)
-    lengths = [_constant((keys.shape[0], n_keys), mx.int32), _constant((q_eps or 0.0, kv_eps))]
+    skip = max(0, keys.shape[0] + 1 - keep) if kv_row is not None and keep is not None else 0
+    lengths = [_constant((keys.shape[0], n_keys, skip), mx.int32), _constant((q_eps or 0.0, kv_eps))]
     row_inputs = [kv.astype(mx.float32), kv_weight, _carry_table()]
-    keys_out = [(keys.shape[0] + 1, d) if kv_row is not None else (1, 1)]
+    keys_out = [(keys.shape[0] + 1 - skip, d) if kv_row is not None else (1, 1)]
     shares = min(_ATTENTION_MAX_SHARES, n_keys // _ATTENTION_SHARE_KEYS) if h * t < _ATTENTION_MANY_BLOCKS else 1
     if shares <= 1:
         out, new_keys = _fused("attention_heads")(

@@ -344,7 +344,8 @@ class Model:
         if row_in_attention:
             heads, keys = kernels.attention_heads(q, cache.raw, mask, d["attn_sinks.weight"],
                                                   (rotation.cos, rotation.sin), comp, cfg.rms_eps,
-                                                  kv_row=(kv, d["attn_kv_a_norm.weight"], cfg.rms_eps))
+                                                  kv_row=(kv, d["attn_kv_a_norm.weight"], cfg.rms_eps),
+                                                  keep=cfg.n_swa)
             cache.keep_window(keys, cfg.n_swa)
             heads = h("hook_z", heads)
         else:

@@ -50,8 +50,13 @@ class LayerCache:
     def keep_window(self, keys: mx.array, n_swa: int) -> mx.array:
         """`update_window` from its result, `keys` = the kept window then a chunk's rows (the
         fast path appends in the launch that finishes the rows): keep the last n_swa; return keys."""
-        # On the CPU `keys` is a host array already: the kept rows copied out, evaluated.
-        self.raw = mx.array(np.asarray(keys)[-n_swa:]) if batch_invariant_device() else keys[-n_swa:]
+        # On the CPU `keys` is a host array already: the kept rows copied out, evaluated. Keys
+        # of at most n_swa rows are kept as they are (a decode step's attention launch writes
+        # the window it keeps): no slice operation a layer.
+        if batch_invariant_device():
+            self.raw = mx.array(np.asarray(keys)[-n_swa:])
+        else:
+            self.raw = keys if keys.shape[0] <= n_swa else keys[-n_swa:]
         return keys
 
     def append_compressed(self, rows: mx.array) -> mx.array:

@@ -3,7 +3,8 @@
 // its last block adding the shares): sink-free online softmax, K = V.
 //   q [T, H, D]; keys [n_keys[0], D]: the raw window rows, then (KVROW) the token's own row,
 //   then comp: the compressed rows (separate arrays: no copy of the cache into one); mask
-//   [T, n_keys[1]] over them all; rope_cos/rope_sin [T, NROT/2] of the query positions.
+//   [T, n_keys[1]] over them all (n_keys[2]: see ds4lab_token_row); rope_cos/rope_sin
+//   [T, NROT/2] of the query positions.
 // QFINISH: q is the q_b product, not yet the head: the block first RMS-norms it (weightless,
 // eps[0]) and applies the RoPE of the token's position, with row_finish's float steps (its
 // NORM and ROPE = 1; the norm's sum over this block's threads), so the heads' finish costs
@@ -147,8 +148,8 @@ __device__ __forceinline__ void ds4lab_share_weights(float sink, const float* m,
 // A decode token's KV row finished in the attention launch (KVROW; one token): every block
 // finishes it into `row` (shared memory, ds4lab_kv_row with eps[1]) to attend it as a key,
 // and the blocks share writing keys_out = the kept window's n_keys[0] rows (`keys`), then the
-// row: the raw rows the layer's cache keeps (model/state.py `keep_window`), with no launch of
-// their own. Synchronises the block.
+// row, less the first n_keys[2] (those the window drops): the raw rows the layer's cache keeps
+// (model/state.py `keep_window`), with no launch nor slice of their own. Synchronises the block.
 template <int D, int NROT>
 __device__ void ds4lab_token_row(const float* kv, const float* kv_weight, const float* eps, const float* rope_cos,
                                  const float* rope_sin, const int* carry, const float* keys, const int* n_keys,
@@ -157,8 +158,9 @@ __device__ void ds4lab_token_row(const float* kv, const float* kv_weight, const 
     ds4lab_kv_row(kv, kv_weight, eps[1], 0, rope_cos, rope_sin, carry, row, D, NROT, scratch);
     const int blocks = gridDim.x * gridDim.y * gridDim.z;
     const int b = blockIdx.x + gridDim.x * (blockIdx.y + gridDim.y * blockIdx.z);
-    for (int r = b; r <= n_keys[0]; r += blocks) {
+    const int skip = n_keys[2];
+    for (int r = skip + b; r <= n_keys[0]; r += blocks) {
         const float* src = r < n_keys[0] ? keys + (size_t)r * D : row;
-        for (int i = threadIdx.x; i < D; i += blockDim.x) keys_out[(size_t)r * D + i] = src[i];
+        for (int i = threadIdx.x; i < D; i += blockDim.x) keys_out[(size_t)(r - skip) * D + i] = src[i];
     }
 }
