@@ -10,7 +10,7 @@
 #                                        # sections for the slowest kernels (~20 min, over several calls:
 #                                        # each new process first compiles ~50 kernels with NVRTC, 1-2 min)
 #   bash bench/device_checks.sh graphs   # the 43-layer stream at 4096 tokens under larger MLX graph commits
-#                                        # (MLX_MAX_MB_PER_BUFFER 1000, the default, 3000, 6000; ~4 min)
+#                                        # (MLX_MAX_MB_PER_BUFFER 500, 1000 (the default), 3000; ~4 min)
 #   bash bench/device_checks.sh warm     # every kernel variant of a 43-layer run compiled into .ptx_cache
 #                                        # (bench/warm_kernels.py; ~4 min on 2 cores, so best made on
 #                                        # the CPU machine and carried)
@@ -71,7 +71,7 @@ graph_commits() {
     # the device once 10 are outstanding. Larger limits commit every few layers, still at the
     # same places every step (so MLX's cache of graphs keeps hitting; a limit by operations
     # alone moves the boundaries from step to step: 2026-12-04, 80.7 tok/s against 84.8).
-    for mb in 1000 3000 6000; do
+    for mb in 500 1000 3000; do
         step "graphs_mb$mb" 200 env MLX_MAX_MB_PER_BUFFER=$mb \
             python3 bench/bench_model.py --in-memory --layers 43 --prompt 4096 --steps 16
     done
