@@ -38,12 +38,12 @@ step() {
 }
 
 checks() {
-    step kernels 240 env MLX_ENABLE_TF32=0 python3 bench/check_device.py --parts kernels experts fused
+    step kernels 330 env MLX_ENABLE_TF32=0 python3 bench/check_device.py --parts kernels experts fused
     step paths 300 env MLX_ENABLE_TF32=0 python3 bench/check_device.py --parts paths
 }
 
 speed() {
-    step kernel_times 150 python3 bench/kernel_times.py --layers 4 --steps 2
+    step kernel_times 240 python3 bench/kernel_times.py --layers 4 --steps 2
     step decode43 200 python3 bench/bench_model.py --in-memory --layers 43 --prompt 128 4096 --steps 16
     step stream_phases 150 python3 bench/stream_phases.py --layers 43 --context 4096 --steps 32
     step stream_ab 200 python3 bench/stream_ab.py --layers 43 --context 4096 --steps 16 --rounds 5
