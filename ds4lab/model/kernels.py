@@ -690,7 +690,6 @@ def router(x: mx.array, bias: mx.array | None, n_used: int, scale: float, weight
         output_shapes=[(t, e), (t, n_used), (t, n_used)], output_dtypes=[mx.float32, mx.int32, mx.float32]))
 
 
-@cache
 @lru_cache(maxsize=64)
 def _launch_scratch(use: str, n: int) -> mx.array:
     """n floats that a launch's thread blocks write and only its own last block reads (q8_hc's
@@ -698,12 +697,12 @@ def _launch_scratch(use: str, n: int) -> mx.array:
     (the kernel writes it anyway) rather than made as an output, since MLX spends ~2 µs of the
     host's encoding on each output of a launch (`bench/host_costs.py`) and nothing reads these
     after it. One buffer per use and size serves every launch, for the reason one set of
-    `_arrival_counters` does: the launches that use it are ordered by their data."""
-    scratch = mx.zeros((max(n, 1),), mx.float32)
-    mx.eval(scratch)
-    return scratch
+    `_arrival_counters` does: the launches that use it are ordered by their data. Made from
+    host memory (as `_constant`s are): nothing is evaluated while a step's graph is built."""
+    return mx.array(np.zeros(max(n, 1), np.float32))
 
 
+@cache
 def _arrival_counters() -> mx.array:
     """The zeroed ints in which kernels whose last thread block finishes a launch's work count
     their blocks (`ds4lab_last_block`): the router and the indexer's scores a counter per
@@ -714,9 +713,7 @@ def _arrival_counters() -> mx.array:
     counters are an input of both), so launches that count must be ordered by their data, as
     a step's are (each reads what one before it made): independent ones could run at once
     and share a count."""
-    counters = mx.zeros((max(_ATTENTION_MANY_BLOCKS, MATVEC_MAX_TOKENS),), mx.int32)
-    mx.eval(counters)
-    return counters
+    return mx.array(np.zeros(max(_ATTENTION_MANY_BLOCKS, MATVEC_MAX_TOKENS), np.int32))
 
 
 # The block-format GEMM's tiles (`quant_gemm.cu`'s BM and BN): pairs (or tokens) by output
