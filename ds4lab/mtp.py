@@ -325,10 +325,6 @@ class _Cycles:
             self.session.state = result.state
         else:
             self.session.state = model.forward(state0, consumed, last_only=True).state
-            # Queued before the head's rows are built: the two graphs share no data, and on the
-            # fast path launches of one kind share their arrival counters (`kernels.py`
-            # `_arrival_counters`), so they must not land unordered in one CUDA graph.
-            mx.async_eval(self.session.state.arrays())
         if ds4_ring:
             self.session.state.mtp = self._ds4_ring(*drafted, self._expected_next(self.session.state))
         elif self.head is not None:

@@ -670,9 +670,9 @@ def test_kernel_constants_stay_bounded_over_a_long_session():
 
 
 def test_arrival_counters_and_launch_scratch_are_made_once_and_zeroed():
-    """The counters and the last blocks' scratch are one buffer each (per use and size) for
-    every launch of a session, zeroed, and made from host memory: making them evaluates
-    nothing while a step's graph is built (the stream builds on its own thread)."""
+    """The counters and the last blocks' scratch are one buffer each (per block, use and size)
+    for every launch, zeroed, and made from host memory: making them evaluates nothing while
+    a step's graph is built (the stream builds on its own thread)."""
     counters = kernels._arrival_counters()
     assert counters is kernels._arrival_counters() and counters.dtype == mx.int32
     assert counters.size >= max(kernels.MATVEC_MAX_TOKENS, kernels._ATTENTION_MANY_BLOCKS)
@@ -680,6 +680,10 @@ def test_arrival_counters_and_launch_scratch_are_made_once_and_zeroed():
     assert scratch is kernels._launch_scratch("q8_hc", 25 * 1024) and scratch.size == 25 * 1024
     assert scratch is not kernels._launch_scratch("attention_shares_ml", 25 * 1024)
     assert not np.array(counters).any() and not np.array(scratch).any()
+    # each block its own (launches of two blocks may be unordered in one CUDA graph)
+    assert kernels._arrival_counters(3) is not kernels._arrival_counters(4)
+    assert kernels._arrival_counters(None) is not counters
+    assert kernels._launch_scratch("q8_hc", 25 * 1024, 3) is not scratch
 
 
 def test_q8_products_of_a_few_thousand_rows_split_their_columns_over_a_block(stand_in_kernels):

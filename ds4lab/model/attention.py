@@ -26,7 +26,7 @@ def input_products(layer: LayerWeights, xa: mx.array, eps: float,
     of the sublayer input and the norm q_b and the indexer read (one kernel on the fast
     path's matvec)."""
     return mm.q8_pair(layer.q8["attn_q_a.weight"], layer.q8["attn_kv.weight"], xa,
-                      norm_a=(layer.dense["attn_q_a_norm.weight"], eps))
+                      norm_a=(layer.dense["attn_q_a_norm.weight"], eps), slot=layer.index)
 
 
 def project_q(layer: LayerWeights, qr_n: mx.array, rotation: Rotation, n_head: int, head_dim: int, eps: float,
@@ -65,15 +65,16 @@ def visible_keys(mask: mx.array) -> tuple[mx.array, mx.array]:
 
 
 def attend_heads(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array, rotation: Rotation,
-                 mm: Schedule, comp: mx.array | None = None, q_eps: float | None = None) -> mx.array:
+                 mm: Schedule, comp: mx.array | None = None, q_eps: float | None = None,
+                 slot: int | None = 0) -> mx.array:
     """Head outputs [T, H, D]: `attend` over keys (then `comp`, the compressed rows, when
     given), then turned back by the query position's angle (ds4's inverse RoPE). One kernel on
     the fast path (`kernels.attention_heads`) and on the native CPU path
     (`cpu_kernels.attention`), which read only the visible keys. With `q_eps`, q is the q_b
     product (`project_q(finish=False)`): its heads are finished first, inside the fast path's
-    decode kernel."""
+    decode kernel. `slot`: the block's (`kernels._arrival_counters`)."""
     if mm.fast:
-        return kernels.attention_heads(q, keys, mask, sinks, (rotation.cos, rotation.sin), comp, q_eps)
+        return kernels.attention_heads(q, keys, mask, sinks, (rotation.cos, rotation.sin), comp, q_eps, slot=slot)
     if q_eps is not None:
         q = mm.finish_rows(q, eps=q_eps, rotation=rotation)
     if mm.native_rows(q):                             # `cpu_kernels.attention`: one call, no gathers

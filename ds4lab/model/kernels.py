@@ -330,7 +330,7 @@ def attention_heads(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array
                     rope: tuple[mx.array, mx.array], comp: mx.array | None = None,
                     q_eps: float | None = None,
                     kv_row: tuple[mx.array, mx.array, float] | None = None,
-                    keep: int | None = None) -> mx.array | tuple[mx.array, mx.array]:
+                    keep: int | None = None, slot: int | None = 0) -> mx.array | tuple[mx.array, mx.array]:
     """Sink softmax attention, K = V, then the inverse RoPE of the query positions: q [T, H, D],
     keys [N, D] (then `comp` [C, D], the compressed rows, when given), mask [T, N (+ C)],
     sinks [H], rope (cos, sin) [T, n_rot/2] -> [T, H, D]. With `q_eps` (up to
@@ -340,7 +340,8 @@ def attention_heads(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array
     window and kv the token's KV product: the kernel finishes its row as `attention.kv_row`
     does and attends it after the window (mask [1, N + 1 (+ C)]); returns (heads, the window's
     rows then the token's: the keys, as `row_finish(prefix=keys)` makes them), of which only
-    the last `keep` rows with `keep` (the window the cache keeps: no slice of them a layer)."""
+    the last `keep` rows with `keep` (the window the cache keeps: no slice of them a layer).
+    `slot`: the block's (its counters and scratch, `_arrival_counters`)."""
     t, h, d = q.shape
     cos, sin = rope
     if q_eps is not None and t > MATVEC_MAX_TOKENS:
@@ -378,9 +379,9 @@ def attention_heads(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array
         # A long key list over more blocks than heads: shares of the keys, the last block of a
         # head adding them with the sink.
         out, new_keys = _fused("attention_shares")(
-            inputs=[*sources, cos, sin, *lengths, sinks, _arrival_counters(), *row_inputs,
-                    _launch_scratch("attention_shares_ml", t * h * shares * 2),
-                    _launch_scratch("attention_shares_acc", t * h * shares * d)],
+            inputs=[*sources, cos, sin, *lengths, sinks, _arrival_counters(slot), *row_inputs,
+                    _launch_scratch("attention_shares_ml", t * h * shares * 2, slot),
+                    _launch_scratch("attention_shares_acc", t * h * shares * d, slot)],
             template=[*template, ("SHARES", shares)], grid=(h * threads, t, shares), threadgroup=(threads, 1, 1),
             output_shapes=[q.shape, *keys_out], output_dtypes=[mx.float32] * 2)
     return out if kv_row is None else (out, new_keys)
@@ -410,8 +411,8 @@ def indexer_queries(qr: mx.array, qnorm: mx.array, eps: float, xa: mx.array, wq:
         output_shapes=[(t, n_heads, head_dim), (t, n_heads)], output_dtypes=[mx.float32] * 2))
 
 
-def indexer_scores(q: mx.array, w: mx.array, keys: mx.array,
-                   choose: tuple[mx.array, mx.array, int] | None = None) -> mx.array | tuple[mx.array, mx.array]:
+def indexer_scores(q: mx.array, w: mx.array, keys: mx.array, choose: tuple[mx.array, mx.array, int] | None = None,
+                   slot: int | None = 0) -> mx.array | tuple[mx.array, mx.array]:
     """Σ_h w[t, h]·relu(q[t, h]·keys[n]): q [T, H, DH], w [T, H], keys [N, DH] -> [T, N].
     With choose = (visible [T, N], window [T, W], top_k) (a decode step: at most
     MATVEC_MAX_TOKENS tokens) the launch also makes each token's attention mask row in its
@@ -431,7 +432,7 @@ def indexer_scores(q: mx.array, w: mx.array, keys: mx.array,
                              f"{tuple(visible.shape)}, window {tuple(window.shape)}, {n} keys")
     scores, mask = _fused("indexer_scores")(
         inputs=[q, w, keys, _constant((n, cols), mx.int32), visible, window,
-                _arrival_counters() if choose is not None else _scalar(0, mx.int32)],
+                _arrival_counters(slot) if choose is not None else _scalar(0, mx.int32)],
         template=[("H", h), ("DH", dh), ("CHOOSE", choose is not None), ("K", top_k)],
         grid=(-(-n // (warps * keys_per_warp)) * 32 * warps, t, 1), threadgroup=(32 * warps, 1, 1),
         output_shapes=[(t, n), (t, cols + n) if choose is not None else (1, 1)],
@@ -557,8 +558,8 @@ def _one_vector_tokens(name: str, matrices: tuple[Q8Matrix, ...], x: mx.array) -
     return x.shape[0]
 
 
-def q8_pair(a: Q8Matrix, b: Q8Matrix, x: mx.array,
-            norm_a: tuple[mx.array, float] | None = None) -> tuple[mx.array, ...]:
+def q8_pair(a: Q8Matrix, b: Q8Matrix, x: mx.array, norm_a: tuple[mx.array, float] | None = None,
+            slot: int | None = 0) -> tuple[mx.array, ...]:
     """(A·x, B·x) for x [T, cols] in one launch: two products of one input (the attention's
     q_a and kv projections), each [T, rows of its matrix]. With `norm_a` = (weight [rows of
     A], eps) also `row_finish`(A·x, eps=eps, weight=weight) (the same bits: q_a normed for
@@ -570,7 +571,7 @@ def q8_pair(a: Q8Matrix, b: Q8Matrix, x: mx.array,
     norm_w, eps = (norm_a[0].astype(mx.float32), norm_a[1]) if norm_a is not None else (_scalar(0.0), 0.0)
     ya, yb, ya_n = _fused("q8_pair")(
         inputs=[a.codes, a.scales, b.codes, b.scales, x.astype(mx.float32), norm_w, _scalar(eps),
-                _arrival_counters() if norm_a is not None else _scalar(0, mx.int32)],
+                _arrival_counters(slot) if norm_a is not None else _scalar(0, mx.int32)],
         template=[("ROWS_A", a.rows), ("ROWS_B", b.rows), ("COLS", a.cols), ("R", r), ("SPLIT", split),
                   ("NORM_A", norm_a is not None)],
         **_q8_launch(a.rows + b.rows, r, split, t),
@@ -612,8 +613,8 @@ class HCInput(NamedTuple):
 
 
 def q8_hc(matrix: Q8Matrix, x: mx.array, streams: mx.array, post: mx.array, comb: mx.array,
-          add: mx.array | None = None,
-          next_input: HCInput | None = None) -> tuple[mx.array, tuple[mx.array, ...] | None]:
+          add: mx.array | None = None, next_input: HCInput | None = None,
+          slot: int | None = 0) -> tuple[mx.array, tuple[mx.array, ...] | None]:
     """`hc_post`(W·x, ...) in one launch: a sublayer's last product (x [T, cols], W with
     n_embd rows) and the new streams [T, N, E] from it; `add` [T, E] is added to W·x first
     (the FFN's routed output beside the shared expert's). With `next_input`, the same launch
@@ -641,8 +642,8 @@ def q8_hc(matrix: Q8Matrix, x: mx.array, streams: mx.array, post: mx.array, comb
     nxt = next_input is not None
     unused = _scalar(0.0)
     weights = ([next_input.fn, next_input.scale, next_input.base, next_input.norm,
-                _constant((next_input.rms_eps, next_input.hc_eps)), _arrival_counters(),
-                _launch_scratch("q8_hc", t * (m + 1) * parts)] if nxt
+                _constant((next_input.rms_eps, next_input.hc_eps)), _arrival_counters(slot),
+                _launch_scratch("q8_hc", t * (m + 1) * parts, slot)] if nxt
                else [unused] * 5 + [_scalar(0, mx.int32), unused])
     y, *made = _fused("q8_hc")(
         inputs=[matrix.codes, matrix.scales, x.astype(mx.float32), unused if add is None else add,
@@ -656,7 +657,8 @@ def q8_hc(matrix: Q8Matrix, x: mx.array, streams: mx.array, post: mx.array, comb
 
 
 def router(x: mx.array, bias: mx.array | None, n_used: int, scale: float, weight: mx.array | None = None,
-           hashed: tuple[mx.array, mx.array] | None = None) -> tuple[mx.array, mx.array, mx.array]:
+           hashed: tuple[mx.array, mx.array] | None = None,
+           slot: int | None = 0) -> tuple[mx.array, mx.array, mx.array]:
     """(probs [T, E], experts [T, n_used] int32 best first, weights [T, n_used]) from the router
     logits x [T, E]: sqrt(softplus), the best n_used of probs + bias, normalised chosen probs x
     scale. With `weight` [E, N] (up to MATVEC_MAX_TOKENS tokens) x is the FFN input [T, N] and
@@ -682,7 +684,7 @@ def router(x: mx.array, bias: mx.array | None, n_used: int, scale: float, weight
     blocks = 1 if weight is None else -(-e // (threads // 32))
     return tuple(_fused("router")(
         inputs=[x, _scalar(0.0) if weight is None else weight, _scalar(0.0) if bias is None else bias, _scalar(scale),
-                _arrival_counters(), table, tokens],
+                _arrival_counters(slot), table, tokens],
         template=[("E", e), ("K", n_used), ("N", x.shape[1]), ("HAS_BIAS", bias is not None),
                   ("PRODUCT", weight is not None), ("HASH", hashed is not None)],
         grid=(blocks * threads, t, 1) if weight is not None else (t * threads, 1, 1),
@@ -690,20 +692,20 @@ def router(x: mx.array, bias: mx.array | None, n_used: int, scale: float, weight
         output_shapes=[(t, e), (t, n_used), (t, n_used)], output_dtypes=[mx.float32, mx.int32, mx.float32]))
 
 
-@lru_cache(maxsize=64)
-def _launch_scratch(use: str, n: int) -> mx.array:
+@lru_cache(maxsize=1024)
+def _launch_scratch(use: str, n: int, slot: int | None = 0) -> mx.array:
     """n floats that a launch's thread blocks write and only its own last block reads (q8_hc's
     partial sums of the next sublayer's input, decode attention's shares): given as an input
     (the kernel writes it anyway) rather than made as an output, since MLX spends ~2 µs of the
     host's encoding on each output of a launch (`bench/host_costs.py`) and nothing reads these
-    after it. One buffer per use and size serves every launch, for the reason one set of
-    `_arrival_counters` does: the launches that use it are ordered by their data. Made from
-    host memory (as `_constant`s are): nothing is evaluated while a step's graph is built."""
+    after it. One buffer per use, size and block (`slot`) serves every launch, for the reason
+    one set of `_arrival_counters` does. Made from host memory (as `_constant`s are): nothing
+    is evaluated while a step's graph is built."""
     return mx.array(np.zeros(max(n, 1), np.float32))
 
 
 @cache
-def _arrival_counters() -> mx.array:
+def _arrival_counters(slot: int | None = 0) -> mx.array:
     """The zeroed ints in which kernels whose last thread block finishes a launch's work count
     their blocks (`ds4lab_last_block`): the router and the indexer's scores a counter per
     token, q8_pair's norm of q_a and q8_hc's next input the first, decode attention's shares
@@ -711,8 +713,11 @@ def _arrival_counters() -> mx.array:
     leaves them zero, so one set serves launches that run one after the other. In a CUDA
     graph MLX orders two launches only through a buffer one writes and the other reads (the
     counters are an input of both), so launches that count must be ordered by their data, as
-    a step's are (each reads what one before it made): independent ones could run at once
-    and share a count."""
+    a block's are (each reads what one before it made): independent ones could run at once
+    and share a count. So each block has its own set (`slot`: its layer, None the MTP
+    head's): a block's launches are ordered, while two blocks' may not be (a hook that
+    replaces a block's input by an array not made from the block before, whose output is
+    also wanted; MTP's rollback beside the head's rows)."""
     return mx.array(np.zeros(max(_ATTENTION_MANY_BLOCKS, MATVEC_MAX_TOKENS), np.int32))
 
 

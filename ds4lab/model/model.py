@@ -345,12 +345,12 @@ class Model:
             heads, keys = kernels.attention_heads(q, cache.raw, mask, d["attn_sinks.weight"],
                                                   (rotation.cos, rotation.sin), comp, cfg.rms_eps,
                                                   kv_row=(kv, d["attn_kv_a_norm.weight"], cfg.rms_eps),
-                                                  keep=cfg.n_swa)
+                                                  keep=cfg.n_swa, slot=layer.index)
             cache.keep_window(keys, cfg.n_swa)
             heads = h("hook_z", heads)
         else:
             heads = h("hook_z", attention.attend_heads(q, keys, mask, d["attn_sinks.weight"], rotation, mm, comp,
-                                                       cfg.rms_eps if q_in_attention else None))
+                                                       cfg.rms_eps if q_in_attention else None, layer.index))
         return self._sublayer("attn_out", layer, mm, self._attention_output, heads, streams, pre, post, comb)
 
     def _attention_inputs(self, layer: LayerWeights, mm: Schedule, streams: mx.array, cos: mx.array,
@@ -386,7 +386,8 @@ class Model:
         if h.wants("hook_out"):
             return hc_expand(h("hook_out", mm.q8(out_b, low)), streams, control, mm), None
         return hc_expand_q8(out_b, low, streams, control, mm,
-                            next_input=self._hc_input(layer, "ffn") if self.hc_input_in_product else None)
+                            next_input=self._hc_input(layer, "ffn") if self.hc_input_in_product else None,
+                            slot=layer.index)
 
     def _sublayer(self, part: str, layer: LayerWeights, mm: Schedule, fn: Callable, *arrays: mx.array,
                   **weights: mx.array | None):
@@ -435,7 +436,8 @@ class Model:
                 if mm.fast and t <= kernels.MATVEC_MAX_TOKENS and not any(
                         h.wants(point) for point in ("indexer.hook_scores", "indexer.hook_selected", "hook_comp_mask")):
                     # the scores and the rows chosen, written into the mask, in one launch
-                    _, mask = kernels.indexer_scores(*queries, index_keys, choose=(visible, window, cfg.indexer_top_k))
+                    _, mask = kernels.indexer_scores(*queries, index_keys, choose=(visible, window, cfg.indexer_top_k),
+                                                     slot=layer.index)
                     return comp, mask
                 scores = h("indexer.hook_scores", indexer.indexer_scores(*queries, index_keys, mm))
                 comp_mask = indexer.select_rows(scores, visible, n_visible, cfg.indexer_top_k, mm)
@@ -528,7 +530,8 @@ class Model:
         if not (h.wants("hook_shared_out") or h.wants("hook_out")):     # the down product and HC: one kernel
             routed, mid = moe.routed_and_shared_mid(layer, xf, experts, weights, clamp, mm, on_mid)
             streams, ready = hc_expand_q8(layer.q8["ffn_down_shexp.weight"], mid, streams, control, mm,
-                                          add=h("hook_routed_out", routed), next_input=next_input)
+                                          add=h("hook_routed_out", routed), next_input=next_input,
+                                          slot=layer.index)
             return streams, experts, ready
         routed = h("hook_routed_out", moe.routed_experts(layer, xf, experts, weights, clamp, mm, on_mid))
         shared = h("hook_shared_out", moe.shared_expert(layer, xf, clamp, mm))

@@ -65,8 +65,9 @@ def route_fused(layer: LayerWeights, xf: mx.array, tokens: mx.array, n_used: int
     hashed = (layer.tid2eid, tokens) if layer.tid2eid is not None else None
     if xf.shape[0] <= kernels.MATVEC_MAX_TOKENS:
         return kernels.router(xf, bias, n_used, scale, weight=layer.kernel_dense("ffn_gate_inp.weight"),
-                              hashed=hashed)
-    return kernels.router(xf @ layer.transposed("ffn_gate_inp.weight"), bias, n_used, scale, hashed=hashed)
+                              hashed=hashed, slot=layer.index)
+    return kernels.router(xf @ layer.transposed("ffn_gate_inp.weight"), bias, n_used, scale, hashed=hashed,
+                          slot=layer.index)
 
 
 def swiglu(gate: mx.array, up: mx.array, clamp: float) -> mx.array:

@@ -421,12 +421,13 @@ class Schedule:
         (decode, MTP verification) on the fast path."""
         return self.fast and x.size // x.shape[-1] <= kernels.MATVEC_MAX_TOKENS
 
-    def q8_pair(self, a: Q8Matrix, b: Q8Matrix, x: mx.array,
-                norm_a: tuple[mx.array, float] | None = None) -> tuple[mx.array, ...]:
+    def q8_pair(self, a: Q8Matrix, b: Q8Matrix, x: mx.array, norm_a: tuple[mx.array, float] | None = None,
+                slot: int | None = 0) -> tuple[mx.array, ...]:
         """(`q8`(a, x), `q8`(b, x)), and with `norm_a` = (weight, eps) also `rms_norm` of the
-        first: one kernel for all on the fast path's matvec (the same values)."""
+        first: one kernel for all on the fast path's matvec (the same values; `slot`: the
+        block's, `kernels._arrival_counters`)."""
         if self.matvec(x):
-            return kernels.q8_pair(a, b, x, norm_a)
+            return kernels.q8_pair(a, b, x, norm_a, slot)
         ya, yb = self.q8(a, x), self.q8(b, x)
         return (ya, yb) if norm_a is None else (ya, yb, self.rms_norm(ya, *norm_a))
 
