@@ -28,6 +28,12 @@ const int row = at[0];
 // The copy's float4s: the first compressor's kv, score, then the second's, as one flat range.
 constexpr size_t Q1 = (size_t)ROWS * R / 4, Q2 = (size_t)ROWS2 * R2 / 4, QT = 2 * (Q1 + Q2);
 const size_t id = (size_t)blockIdx.x * blockDim.x + threadIdx.x, threads = (size_t)gridDim.x * blockDim.x;
+// Output row i of a frontier holds input row source_row(i); compressor `in2`'s kv or score.
+auto source_row = [](int i) { return SHIFT && i < RATIO ? i + RATIO : i; };
+auto frontier_in = [&](bool in2, bool is_score) { return in2 ? (is_score ? score2 : kv2) : (is_score ? score : kv); };
+auto frontier_out = [&](bool in2, bool is_score) {
+    return in2 ? (is_score ? score_out2 : kv_out2) : (is_score ? score_out : kv_out);
+};
 auto copy_at = [&](size_t g, const float4*& src, float4*& dst) {   // false: g is in the token's row
     const bool in2 = g >= 2 * Q1;
     const size_t local = in2 ? g - 2 * Q1 : g, n = in2 ? Q2 : Q1;
@@ -35,9 +41,9 @@ auto copy_at = [&](size_t g, const float4*& src, float4*& dst) {   // false: g i
     const size_t k = is_score ? local - n : local;
     const int quads = (in2 ? R2 : R) / 4;
     const int i = (int)(k / quads), c = (int)(k % quads);
-    const int from = SHIFT && i < RATIO ? i + RATIO : i;
-    src = reinterpret_cast<const float4*>(in2 ? (is_score ? score2 : kv2) : (is_score ? score : kv)) + (size_t)from * quads + c;
-    dst = reinterpret_cast<float4*>(in2 ? (is_score ? score_out2 : kv_out2) : (is_score ? score_out : kv_out)) + k;
+    const int from = source_row(i);
+    src = reinterpret_cast<const float4*>(frontier_in(in2, is_score)) + (size_t)from * quads + c;
+    dst = reinterpret_cast<float4*>(frontier_out(in2, is_score)) + k;
     return from != row;
 };
 const float4* held_src = nullptr;
@@ -78,10 +84,9 @@ if (warp < 2 * r) {
 #pragma unroll
     for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
     const float value = is_score ? acc + (second ? ape2 : ape)[(size_t)at[1] * r + c] : acc;
-    float* dst = second ? (is_score ? score_out2 : kv_out2) : (is_score ? score_out : kv_out);
+    float* dst = frontier_out(second, is_score);
     for (int i = lane; i < rows; i += 32) {
-        const int from = SHIFT && i < RATIO ? i + RATIO : i;
-        if (from == row) dst[(size_t)i * r + c] = value;
+        if (source_row(i) == row) dst[(size_t)i * r + c] = value;
     }
 }
 if (holds) *held_dst = held;
