@@ -293,7 +293,10 @@ def check_fused_kernels() -> None:
                 for wq in (wq16, wq16.astype(mx.float32)))
     same_q = all(mx.array_equal(a, b).item() for a, b in zip(q16, q32, strict=True))
     gate16 = half(256, 4096)
-    r16, r32 = (kernels.router(xa, None, 6, 1.5, weight=g) for g in (gate16, gate16.astype(mx.float32)))
+    # Two launches in one evaluation, unordered in its CUDA graph: each its own arrival counters
+    # (`slot`), as two blocks' launches are (with one set they raced: a wrong choice of experts).
+    r16, r32 = (kernels.router(xa, None, 6, 1.5, weight=g, slot=i)
+                for i, g in enumerate((gate16, gate16.astype(mx.float32))))
     same_router = all(mx.array_equal(a, b).item() for a, b in zip(r16, r32, strict=True))
     _bar("F16 weights in compressor_slot, indexer_queries and router", same_slot and same_q and same_router)
     print(f"F16 weights read as F16 vs their float32 widening: compressor_slot the same bits {same_slot}, "
