@@ -31,6 +31,10 @@ _HOST_CUDA = r"""
 #define __device__
 #define __forceinline__ inline
 struct uint2 { uint32_t x, y; };
+static inline uint2 make_uint2(uint32_t x, uint32_t y) { return uint2{x, y}; }
+#define __shared__ static
+static const struct { unsigned x; } threadIdx = {0}, blockDim = {1};
+static inline void __syncthreads() {}
 struct float4 { float x, y, z, w; };
 struct uint4 { uint32_t x, y, z, w; };
 struct __half { unsigned short bits; };
@@ -57,11 +61,12 @@ static inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
 _DRIVER = r"""
 template <int COLS, int R>
 static void warp_dot(const uint8_t* const* w, const float* x, float* out, const uint2* grid) {
+    DS4LAB_DOT_STAGE
     const uint8_t* rows[R];
     for (int r = 0; r < R; ++r) { rows[r] = w[r]; out[r] = 0.0f; }
     for (int lane = 0; lane < 32; ++lane) {
         float acc[R] = {};
-        ds4lab_expert_dot<COLS, R>(rows, x, lane, acc TABLES);
+        ds4lab_expert_dot<COLS, R>(rows, x, lane, acc DS4LAB_DOT_TABLES);
         for (int r = 0; r < R; ++r) out[r] += acc[r];
     }
 }
@@ -77,8 +82,7 @@ def host_dots(request, tmp_path_factory):
     """(type name, the compiled library) of one block format's dot header."""
     type_name = request.param
     name = kernels._TYPES[type_name]
-    tables = ", grid" if type_name == "IQ2_XXS" else ""
-    return type_name, _host_library(tmp_path_factory.mktemp(f"dots_{name}"), f"#define TABLES {tables}\n{_DRIVER}",
+    return type_name, _host_library(tmp_path_factory.mktemp(f"dots_{name}"), _DRIVER,
                                     "ds4lab_block.cuh", "expert_matvec_common.cuh", f"expert_dot_{name}.cuh")
 
 

@@ -290,3 +290,12 @@ __device__ __forceinline__ float ds4lab_swiglu(float g, float u, float clamp) {
 __device__ __forceinline__ uint32_t ds4lab_iq2_signs(uint32_t index7) {
     return index7 | ((uint32_t)(__popc(index7) & 1) << 7);
 }
+
+// The sign mask of a 7-bit IQ2_XXS sign index (expert_dot_iq2_xxs.cuh): byte k of the 8 is
+// 0x7F where sign bit k (ds4lab_iq2_signs) is set, else 0.
+__device__ __forceinline__ uint2 ds4lab_iq2_sign_mask(uint32_t index7) {
+    const uint32_t signs = ds4lab_iq2_signs(index7);
+    uint32_t word[2] = {0u, 0u};
+    for (int k = 0; k < 8; ++k) word[k >> 2] |= ((signs >> k) & 1u) * (0x7Fu << (8 * (k & 3)));
+    return make_uint2(word[0], word[1]);
+}
