@@ -72,9 +72,10 @@ static void warp_dot(const uint8_t* const* w, const float* x, float* out, const 
 }
 #define ONE(COLS, R) extern "C" void dot_##COLS##_##R(const uint8_t* const* w, const float* x, float* out, \
     const uint2* grid) { warp_dot<COLS, R>(w, x, out, grid); }
-ONE(256, 1) ONE(256, 2) ONE(768, 2) ONE(1280, 2) ONE(2048, 1) ONE(2048, 2) ONE(4096, 2)
+ONE(256, 1) ONE(256, 2) ONE(768, 2) ONE(768, 4) ONE(1280, 2) ONE(2048, 1) ONE(2048, 2) ONE(2048, 4) ONE(4096, 2)
+ONE(4096, 4)
 """
-_SHAPES = [(256, 1), (256, 2), (768, 2), (1280, 2), (2048, 1), (2048, 2), (4096, 2)]
+_SHAPES = [(256, 1), (256, 2), (768, 2), (768, 4), (1280, 2), (2048, 1), (2048, 2), (2048, 4), (4096, 2), (4096, 4)]
 
 
 @pytest.fixture(scope="module", params=list(kernels._TYPES))

@@ -398,7 +398,7 @@ def _expert_matvec(type_name):
         rows, cols, per_out, x_div = t["ROWS"], t["COLS"], t["PAIRS_PER_OUT"], t["X_DIV"]
         assert t["ROW_BYTES"] * rows == t["EXPERT_BYTES"] == raw.shape[1]
         assert grid[1] * per_out == ids.size and x.size == ids.size // x_div * cols
-        assert grid[0] // 32 * 2 >= rows * t["PARTS"]     # PARTS warps per two rows
+        assert grid[0] // 32 * t["P"] >= rows * t["PARTS"]     # PARTS warps per P rows
         flat = ids.reshape(-1)
         xs = x.reshape(-1, cols)[mx.arange(flat.size) // x_div]
         y = (gather_experts(raw, flat, type_name, rows, cols) @ xs[:, :, None])[..., 0]
@@ -416,7 +416,7 @@ def _expert_swiglu(type_name):
         assert t["ROW_BYTES"] * rows == t["EXPERT_BYTES"] == raw_gate.shape[1] == raw_up.shape[1]
         assert grid[1] == ids.size + (tokens if shared_rows else 0) and ids.size == w.size
         assert x.shape == (tokens, cols) and ids.shape[1] == x_div
-        assert grid[0] // 32 >= max(rows, shared_rows)     # a warp per row
+        assert grid[0] // 32 * t["P"] >= max(rows, shared_rows)     # P rows a warp
         flat = ids.reshape(-1)
         xs = x[mx.arange(flat.size) // x_div][:, :, None]
         gate, up = ((gather_experts(raw, flat, type_name, rows, cols) @ xs)[..., 0] for raw in (raw_gate, raw_up))

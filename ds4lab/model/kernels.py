@@ -84,6 +84,8 @@ if TYPE_CHECKING:
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels" / "cuda"
 _TYPES = {"IQ2_XXS": "iq2_xxs", "Q2_K": "q2_k", "Q4_K": "q4_k"}
 _EXPERT_WARPS = 4                        # warps per thread block of the expert kernels
+_SWIGLU_ROWS = 2                         # output rows a warp of expert_swiglu (gate and up of each)
+_MATVEC_ROWS = 4                         # output rows a warp of expert_matvec
 _THREADS = 128                           # threads per block of the row and HC kernels
 _ATTENTION_WARPS = 16                    # warps per (token, head) block of decode attention
 # Decode attention splits a (token, head)'s keys over blocks ("shares", attention_shares)
@@ -862,8 +864,8 @@ def expert_matvec(tensor: ExpertBlocks, ids: mx.array, x: mx.array, *, pairs_per
         inputs=inputs,
         template=[("ROWS", rows), ("COLS", cols), ("ROW_BYTES", n_row_bytes),
                   ("EXPERT_BYTES", rows * n_row_bytes), ("PAIRS_PER_OUT", per_out),
-                  ("X_DIV", pairs_per_input), ("PARTS", parts)],
-        grid=(-(-(-(-rows // 2) * parts) // _EXPERT_WARPS) * threads, ids.size // per_out, 1),
+                  ("X_DIV", pairs_per_input), ("PARTS", parts), ("P", _MATVEC_ROWS)],
+        grid=(-(-(-(-rows // _MATVEC_ROWS) * parts) // _EXPERT_WARPS) * threads, ids.size // per_out, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(*ids.shape[:-1], rows) if sum_pairs else (*ids.shape, rows)],
         output_dtypes=[mx.float32],
@@ -901,8 +903,10 @@ def expert_swiglu(gate: ExpertBlocks, up: ExpertBlocks, ids: mx.array, x: mx.arr
         inputs=[gate.raw, up.raw, ids.astype(mx.int32), x.astype(mx.float32), weights.astype(mx.float32),
                 _scalar(clamp), *q8, *_tables(gate.type_name)],
         template=[("ROWS", rows), ("COLS", cols), ("ROW_BYTES", n_row_bytes),
-                  ("EXPERT_BYTES", rows * n_row_bytes), ("X_DIV", ids.shape[1]), ("SHARED_ROWS", shared_rows)],
-        grid=(-(-max(rows, shared_rows) // _EXPERT_WARPS) * threads, ids.size + (t if shared else 0), 1),
+                  ("EXPERT_BYTES", rows * n_row_bytes), ("X_DIV", ids.shape[1]), ("SHARED_ROWS", shared_rows),
+                  ("P", _SWIGLU_ROWS)],
+        grid=(-(-max(rows, shared_rows) // (_SWIGLU_ROWS * _EXPERT_WARPS)) * threads, ids.size + (t if shared else 0),
+              1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(*ids.shape, rows), (t, shared_rows) if shared else (1, 1)], output_dtypes=[mx.float32] * 2)
     return (mid, shared_mid) if shared is not None else mid
