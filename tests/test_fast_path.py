@@ -349,6 +349,9 @@ def _q8_swiglu(inputs, t, grid, threadgroup):
 def _q8_hc(inputs, t, grid, threadgroup):
     codes, scales, x, add, streams, post, comb, mix, next_scale, next_base, next_norm, eps, counter, part = inputs
     _q8_warps(t, grid, t["E"], x.shape[0])
+    # GROUPS sets of rows a block (the next input's tail), each of SPLIT warps with rows
+    assert threadgroup[0] == 32 * kernels._Q8_WARPS * t["GROUPS"] and t["E"] % (t["R"] * t["GROUPS"]) == 0
+    assert t["GROUPS"] == 1 or (t["NEXT"] and t["SPLIT"] > 1)
     w = _q8_rows(codes, scales, t["COLS"])
     n, e = t["N"], t["E"]
     assert w.shape[0] == e and streams.shape == (x.shape[0], n, e)

@@ -492,6 +492,7 @@ _Q8_WARPS = 4                            # warps per thread block of the Q8_0 ma
                                          # q8_pair's norm of q_a sums as row_finish does)
 _Q8_WARPS_WANTED = 4096                  # fewest warps a Q8_0 matvec takes 4 or 2 rows a warp with
 _HC_NEXT_MAX_WIDTH = 8192                # widest row that tail stages in shared memory
+_Q8_HC_GROUPS = 2                        # row sets a block of q8_hc with the next input (its tail's threads)
 
 
 def _grouped_tokens(name: str, matrix: Q8Matrix, x: mx.array, groups: int) -> int:
@@ -544,11 +545,12 @@ def _rows_per_warp(rows: int, cols: int, unit: int | None = None) -> tuple[int, 
     return 1, _Q8_WARPS if can_split else 1
 
 
-def _q8_launch(rows: int, r: int, split: int, t: int) -> dict:
-    """A Q8_0 matvec's geometry: a warp per r of `rows` (a block per r with `split` =
-    _Q8_WARPS), _Q8_WARPS warps a block; y = token."""
-    per_block = r * _Q8_WARPS // split
-    return {"grid": (-(-rows // per_block) * 32 * _Q8_WARPS, t, 1), "threadgroup": (32 * _Q8_WARPS, 1, 1)}
+def _q8_launch(rows: int, r: int, split: int, t: int, groups: int = 1) -> dict:
+    """A Q8_0 matvec's geometry: a warp per r of `rows` (`split` = _Q8_WARPS warps per r),
+    _Q8_WARPS * groups warps a block; y = token."""
+    per_block = r * _Q8_WARPS * groups // split
+    return {"grid": (-(-rows // per_block) * 32 * _Q8_WARPS * groups, t, 1),
+            "threadgroup": (32 * _Q8_WARPS * groups, 1, 1)}
 
 
 def _one_vector_tokens(name: str, matrices: tuple[Q8Matrix, ...], x: mx.array) -> int:
@@ -639,9 +641,12 @@ def q8_hc(matrix: Q8Matrix, x: mx.array, streams: mx.array, post: mx.array, comb
                          f"<= 32) and its collapse reads 4 columns at once (a multiple of 4) into shared memory "
                          f"(at most {_HC_NEXT_MAX_WIDTH})")
     r, split = _rows_per_warp(e, matrix.cols)
-    launch = _q8_launch(e, r, split, t)
-    parts = launch["grid"][0] // launch["threadgroup"][0]
     nxt = next_input is not None
+    # A launch that makes the next input takes _Q8_HC_GROUPS sets of rows a block (q8_hc.cu):
+    # its last block, which does the tail alone, then has that many times the threads.
+    groups = _Q8_HC_GROUPS if nxt and split > 1 and e % (r * _Q8_HC_GROUPS) == 0 else 1
+    launch = _q8_launch(e, r, split, t, groups)
+    parts = launch["grid"][0] // launch["threadgroup"][0]
     unused = _scalar(0.0)
     weights = ([next_input.fn, next_input.scale, next_input.base, next_input.norm,
                 _constant((next_input.rms_eps, next_input.hc_eps)), _arrival_counters(slot),
@@ -651,7 +656,8 @@ def q8_hc(matrix: Q8Matrix, x: mx.array, streams: mx.array, post: mx.array, comb
         inputs=[matrix.codes, matrix.scales, x.astype(mx.float32), unused if add is None else add,
                 streams, post, comb, *weights],
         template=[("E", e), ("COLS", matrix.cols), ("R", r), ("SPLIT", split), ("N", n), ("ADD", add is not None),
-                  ("NEXT", nxt), ("PARTS", parts), ("ITERS", next_input.sinkhorn_iters if nxt else 1)],
+                  ("NEXT", nxt), ("PARTS", parts), ("ITERS", next_input.sinkhorn_iters if nxt else 1),
+                  ("GROUPS", groups)],
         **launch,
         output_shapes=[streams.shape] + ([(t, e), (t, n), (t, n), (t, n, n)] if nxt else [(1,)] * 4),
         output_dtypes=[mx.float32] * 5)

@@ -25,12 +25,15 @@
 // last block reads: an input, kernels.py `_launch_scratch`), else one unused value each.
 // Outputs: y [T, N, E]; with NEXT x_next [T, E], pre [T, N], post_next [T, N],
 // comb_next [T, N, N] (one unused value each without).
-// Grid: x = 32 threads per warp, R rows per warp (per block with SPLIT: its warps split the
-// columns, q8_rows.cuh; the first writes), PARTS blocks; y = the token.
+// Grid: x = 32 threads per warp, R rows per warp (with SPLIT, R rows per SPLIT warps, which
+// split the columns, q8_rows.cuh; the first writes; GROUPS such sets a block), PARTS blocks;
+// y = the token. GROUPS > 1 is for the tail: the last block's threads collapse the streams
+// and add the partials, and there are 1 / GROUPS as many partials (E: a multiple of
+// R * GROUPS, so that every warp of a block has rows).
 constexpr int M = (2 + N) * N;
 const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-const int r0 = (SPLIT > 1 ? blockIdx.x : blockIdx.x * (blockDim.x >> 5) + warp) * R;
-const int cols_part = SPLIT > 1 ? warp : 0;
+const int r0 = (SPLIT > 1 ? blockIdx.x * GROUPS + warp / SPLIT : blockIdx.x * (blockDim.x >> 5) + warp) * R;
+const int cols_part = SPLIT > 1 ? warp % SPLIT : 0;
 const int t = blockIdx.y;
 float mixed[NEXT ? M + 1 : 1] = {};
 if (r0 < E) {
@@ -41,7 +44,7 @@ if (r0 < E) {
     for (int i = 0; i < R; ++i) ds4lab_q8_row<COLS>(codes, scales, r0 + i, w[i], s[i]);
     float acc[R];
     ds4lab_q8_dots<R, COLS, SPLIT>(w, s, xv, lane, acc, cols_part);
-    ds4lab_q8_totals<R, SPLIT>(acc, cols_part, lane);
+    ds4lab_q8_totals<R, SPLIT, GROUPS>(acc, cols_part, lane, warp / SPLIT);
 #pragma unroll
     for (int i = 0; i < R; ++i) {
         const float total = acc[i];

@@ -56,22 +56,24 @@ __device__ __forceinline__ void ds4lab_q8_dots(const uint4* const* w, const floa
 // The totals of a warp's NR rows from its lanes' sums (acc, replaced): the warp's butterfly,
 // then with SPLIT > 1 the sums of the SPLIT warps sharing the rows, added in part order (every
 // warp gets them). SPLIT > 1 synchronises the block: it is the block's warps, all on one set
-// of rows (so a block leaves or stays as a whole).
-template <int NR, int SPLIT>
-__device__ __forceinline__ void ds4lab_q8_totals(float* acc, int part, int lane) {
+// of rows, or GROUPS such sets (group g: warps g * SPLIT ..), so a block leaves or stays as a
+// whole.
+template <int NR, int SPLIT, int GROUPS = 1>
+__device__ __forceinline__ void ds4lab_q8_totals(float* acc, int part, int lane, int group = 0) {
 #pragma unroll
     for (int i = 0; i < NR; ++i) acc[i] = ds4lab_warp_sum_all(acc[i]);
     if (SPLIT > 1) {
-        __shared__ float sums[SPLIT * NR];
+        __shared__ float sums[GROUPS * SPLIT * NR];
+        float* mine = sums + group * SPLIT * NR;
         if (lane == 0) {
 #pragma unroll
-            for (int i = 0; i < NR; ++i) sums[part * NR + i] = acc[i];
+            for (int i = 0; i < NR; ++i) mine[part * NR + i] = acc[i];
         }
         __syncthreads();
 #pragma unroll
         for (int i = 0; i < NR; ++i) {
             float total = 0.0f;
-            for (int p = 0; p < SPLIT; ++p) total += sums[p * NR + i];
+            for (int p = 0; p < SPLIT; ++p) total += mine[p * NR + i];
             acc[i] = total;
         }
     }
