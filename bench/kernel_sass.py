@@ -1,9 +1,9 @@
 """The longest loop of every cached kernel, from its SASS: instructions and their mix, no GPU.
 
 A decode kernel whose weights loop issues ~8 instructions a weight is bound by issue, not
-by memory (the IQ2_XXS expert dot: 8.8 a weight in 2026-12, 5.6 once its signs came from a
-table of byte masks and its lanes took 16 values; the Q2_K one 5.5 after its lanes took 16
-values, 8.1 before). This disassembles the cubins of the kernel cache
+by memory (the IQ2_XXS expert dot: 8.8 a weight in 2026-12, 4.3 once its lanes took 16
+values and each value became one byte permute from a table of sign bytes; the Q2_K one 5.5
+after its lanes took 16 values, 8.1 before). This disassembles the cubins of the kernel cache
 (`bench/device_checks.sh warm` fills `.ptx_cache`: NVRTC, sm_90a) with nvdisasm and prints,
 per module, the longest loop's instruction count and its most frequent opcodes
 (`ds4lab.model.cubin.main_loop`): divide by the weights a lane takes per trip.

@@ -37,6 +37,7 @@ static const struct { unsigned x; } threadIdx = {0}, blockDim = {1};
 static inline void __syncthreads() {}
 struct float4 { float x, y, z, w; };
 struct uint4 { uint32_t x, y, z, w; };
+static inline uint4 make_uint4(uint32_t x, uint32_t y, uint32_t z, uint32_t w) { return uint4{x, y, z, w}; }
 struct __half { unsigned short bits; };
 static inline __half __ushort_as_half(unsigned short b) { return __half{b}; }
 static inline float __half2float(__half h) {

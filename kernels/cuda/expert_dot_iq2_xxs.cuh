@@ -2,31 +2,37 @@
 // 256 values): f16 d, then per 32 values 4 grid indices and a u32 of four 7-bit sign indices
 // plus a 4-bit scale s; w = d * (0.5 + s) * 0.25 * grid * sign. Blocks are 2-byte aligned:
 // the lane reads 16-bit words.
-// Two lookup tables go to shared memory first (DS4LAB_DOT_STAGE, 384 entries of 8 bytes): the
-// grid (256 entries, copied: a warp's 32 lookups hit up to 16 cache lines, which the L1
-// serves one at a time) and, after it, for each 7-bit sign index a byte mask with 0x7F in
-// byte k where value k is negative (ds4lab_iq2_sign_mask, computed). With the mask K the 8
-// grid bytes g become b = (g ^ K) + 64 - K, i.e. 64 + g or 64 - g (in 21..107: the 4 bytes
-// of a word add without carries), and a value is the float 2^23 + b (b moved into the
-// mantissa of 2^23 by a byte permute) minus 2^23 + 64: exactly +-g, in three instructions a
-// value (permute, subtract, FMA). The kernels are bound by instruction issue (ncu,
-// expert_swiglu: the decode took ~9 instructions a weight when the sign was set per value).
+// Two lookup tables go to shared memory first (DS4LAB_DOT_STAGE): the grid (256 entries of 8
+// bytes, copied: a warp's 32 lookups hit up to 16 cache lines, which the L1 serves one at a
+// time) and, for each 7-bit sign index, its signs as bytes (ds4lab_iq2_sign_bytes, computed:
+// word j holds 0x80 for each negative value of 2j, 2j + 1, then two zero bytes).
+// A value is one byte permute: grid byte, two zero bytes, sign byte make the float whose bits
+// are sign | g, the subnormal +-g * 2^-149, exact. The inputs are scaled by 2^64 as loaded
+// (exact) and the block's scale by 2^85, so each product +-g * x * 2^-85 is a normal float
+// and every sum is the unscaled one's times a power of two: the same roundings, the same
+// bits (FP32 FMA takes subnormal operands at full rate, and nothing here flushes them). So
+// a value costs two instructions (permute, FMA): the kernels are bound by instruction issue
+// (ncu, expert_swiglu; the decode took ~9 instructions a weight when each value's sign was
+// set on its own, and 5.6 with 64 + g or 64 - g turned into floats by subtraction).
 #define DS4LAB_DOT_STAGE                                                                         \
-    __shared__ uint2 ds4lab_iq2_tables[384];                                                     \
-    for (int i = threadIdx.x; i < 384; i += blockDim.x)                                          \
-        ds4lab_iq2_tables[i] = i < 256 ? reinterpret_cast<const uint2*>(grid)[i] : ds4lab_iq2_sign_mask(i - 256); \
+    __shared__ uint2 ds4lab_iq2_grid[256];                                                       \
+    __shared__ uint4 ds4lab_iq2_signs[128];                                                      \
+    for (int i = threadIdx.x; i < 256; i += blockDim.x)                                          \
+        ds4lab_iq2_grid[i] = reinterpret_cast<const uint2*>(grid)[i];                            \
+    for (int i = threadIdx.x; i < 128; i += blockDim.x) ds4lab_iq2_signs[i] = ds4lab_iq2_sign_bytes(i); \
     __syncthreads();
-#define DS4LAB_DOT_TABLES , ds4lab_iq2_tables
+#define DS4LAB_DOT_TABLES , ds4lab_iq2_grid, ds4lab_iq2_signs
 // A lane takes 16 values of a block (half a 32-value group: two grid indices, one u16), so
 // a warp covers two blocks a step, the lanes 16 apart on different blocks: the block's scale
-// and its group's signs word are read and made once for 16 values (they were for 8), and a
-// step has twice the bytes in flight. An odd block count leaves the upper half-warp's last
-// step out. tables: the grid's 256 entries, then the 128 sign masks.
+// and its group's signs word are read and made once for 16 values, and a step has twice the
+// bytes in flight. An odd block count leaves the upper half-warp's last step out.
 template <int COLS, int R>
 __device__ __forceinline__ void ds4lab_expert_dot(const uint8_t* const (&w)[R], const float* xv, int lane,
-                                                  float (&acc)[R], const uint2* tables) {
+                                                  float (&acc)[R], const uint2* grid, const uint4* signs) {
     const int upper = lane >> 4, group = (lane >> 1) & 7, pair = lane & 1;
     constexpr int NB = COLS / 256, STEPS = (NB + 1) / 2, U = ds4lab_step<STEPS, R>::U;
+    const float x_scale = __uint_as_float(0x5F800000u);          // 2^64
+    const float d_scale = __uint_as_float(0x69000000u);          // 2^83: the format's 1/4 times 2^85
     float sums[R];
     #pragma unroll
     for (int r = 0; r < R; ++r) sums[r] = 0.0f;
@@ -53,18 +59,21 @@ __device__ __forceinline__ void ds4lab_expert_dot(const uint8_t* const (&w)[R], 
             ds4lab_load8(xb, xs);
             ds4lab_load8(xb + 8, xs + 8);
             #pragma unroll
+            for (int k = 0; k < 16; ++k) xs[k] *= x_scale;
+            #pragma unroll
             for (int r = 0; r < R; ++r) {
-                const float db = ds4lab_f16_bits(d[u][r]) * (0.5f + ds4lab_small_uint(aux[u][r] >> 28)) * 0.25f;
+                const float db = ds4lab_f16_bits(d[u][r]) * (0.5f + ds4lab_small_uint(aux[u][r] >> 28)) * d_scale;
                 float gx = 0.0f;
                 #pragma unroll
                 for (int j = 0; j < 2; ++j) {
-                    const uint2 g8 = tables[(index[u][r] >> (8 * j)) & 0xffu];
-                    const uint2 k8 = tables[256 + ((aux[u][r] >> (7 * (2 * pair + j))) & 127)];
-                    const uint32_t v[2] = {((g8.x ^ k8.x) + 0x40404040u) - k8.x, ((g8.y ^ k8.y) + 0x40404040u) - k8.y};
+                    const uint2 g8 = grid[(index[u][r] >> (8 * j)) & 0xffu];
+                    const uint4 s4 = signs[(aux[u][r] >> (7 * (2 * pair + j))) & 127];
+                    const uint32_t g[2] = {g8.x, g8.y}, sw[4] = {s4.x, s4.y, s4.z, s4.w};
                     #pragma unroll
                     for (int k = 0; k < 8; ++k) {
-                        const float q = __uint_as_float(__byte_perm(v[k >> 2], 0x4B000000u, 0x7540u | (k & 3))) - 8388672.0f;
-                        gx = fmaf(q, xs[8 * j + k], gx);
+                        // bytes: grid byte k, two zero bytes of the sign word, its sign byte
+                        const uint32_t bits = __byte_perm(g[k >> 2], sw[k >> 1], (k & 3) | 0x660u | ((4 + (k & 1)) << 12));
+                        gx = fmaf(__uint_as_float(bits), xs[8 * j + k], gx);
                     }
                 }
                 sums[r] = fmaf(db, gx, sums[r]);
