@@ -7,11 +7,9 @@
 // time) and, for each 7-bit sign index, its signs as bytes (ds4lab_iq2_sign_bytes, computed:
 // word j holds 0x80 for each negative value of 2j, 2j + 1, then two zero bytes).
 // A value is one byte permute: grid byte, two zero bytes, sign byte make the float whose bits
-// are sign | g, the subnormal +-g * 2^-149, exact. The inputs are scaled by 2^64 as loaded
-// (exact) and the block's scale by 2^85, so each product +-g * x * 2^-85 is a normal float
-// and every sum is the unscaled one's times a power of two: the same roundings, the same
-// bits (FP32 FMA takes subnormal operands at full rate, and nothing here flushes them). So
-// a value costs two instructions (permute, FMA): the kernels are bound by instruction issue
+// are sign | g, the subnormal +-g * 2^-149 (expert_matvec_common.cuh: the inputs scaled by
+// 2^64, the block's scale by 2^85; the same roundings, the same bits as unscaled). So a
+// value costs two instructions (permute, FMA): the kernels are bound by instruction issue
 // (ncu, expert_swiglu; the decode took ~9 instructions a weight when each value's sign was
 // set on its own, and 5.6 with 64 + g or 64 - g turned into floats by subtraction).
 #define DS4LAB_DOT_STAGE                                                                         \
@@ -31,8 +29,6 @@ __device__ __forceinline__ void ds4lab_expert_dot(const uint8_t* const (&w)[R], 
                                                   float (&acc)[R], const uint2* grid, const uint4* signs) {
     const int upper = lane >> 4, group = (lane >> 1) & 7, pair = lane & 1;
     constexpr int NB = COLS / 256, STEPS = (NB + 1) / 2, U = ds4lab_step<STEPS, R>::U;
-    const float x_scale = __uint_as_float(0x5F800000u);          // 2^64
-    const float d_scale = __uint_as_float(0x69000000u);          // 2^83: the format's 1/4 times 2^85
     float sums[R];
     #pragma unroll
     for (int r = 0; r < R; ++r) sums[r] = 0.0f;
@@ -59,10 +55,10 @@ __device__ __forceinline__ void ds4lab_expert_dot(const uint8_t* const (&w)[R], 
             ds4lab_load8(xb, xs);
             ds4lab_load8(xb + 8, xs + 8);
             #pragma unroll
-            for (int k = 0; k < 16; ++k) xs[k] *= x_scale;
+            for (int k = 0; k < 16; ++k) xs[k] *= DS4LAB_INPUT_SCALE;
             #pragma unroll
             for (int r = 0; r < R; ++r) {
-                const float db = ds4lab_f16_bits(d[u][r]) * (0.5f + ds4lab_small_uint(aux[u][r] >> 28)) * d_scale;
+                const float db = ds4lab_f16_bits(d[u][r]) * (0.5f + ds4lab_small_uint(aux[u][r] >> 28)) * (0.25f * DS4LAB_CODE_SCALE);
                 float gx = 0.0f;
                 #pragma unroll
                 for (int j = 0; j < 2; ++j) {

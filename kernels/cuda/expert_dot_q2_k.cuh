@@ -3,7 +3,8 @@
 // 2-bit codes, f16 d and dmin; w = d * scale * q - dmin * min. Blocks are 4-byte aligned.
 // A warp walks a row two blocks at a time: lanes 0-15 the first, 16-31 the second, each lane
 // the 16 values of one scale byte (16 code bytes at one shift: four 32-bit words), so that
-// d, dmin and the scale are loaded and decoded once per 16 values, not per 8.
+// d, dmin and the scale are loaded and decoded once per 16 values, not per 8. A code is a
+// subnormal float (expert_matvec_common.cuh): one byte permute and an FMA a value.
 #define DS4LAB_DOT_STAGE
 #define DS4LAB_DOT_TABLES
 template <int COLS, int R>
@@ -44,11 +45,14 @@ __device__ __forceinline__ void ds4lab_expert_dot(const uint8_t* const (&w)[R], 
             const float* xb = xv + b * 256 + first;
             ds4lab_load8(xb, xs);
             ds4lab_load8(xb + 8, xs + 8);
+            #pragma unroll
+            for (int k = 0; k < 16; ++k) xs[k] *= DS4LAB_INPUT_SCALE;     // codes as subnormals
             const float xsum = ds4lab_sum8(xs) + ds4lab_sum8(xs + 8);
             #pragma unroll
             for (int r = 0; r < R; ++r) {
-                const float dl = ds4lab_f16_bits(dd[u][r]) * (float)(sc[u][r] & 15);
-                const float ml = ds4lab_f16_bits(dd[u][r] >> 16) * (float)(sc[u][r] >> 4);
+                // each times a power of two that the scaled codes and inputs undo (the same bits)
+                const float dl = ds4lab_f16_bits(dd[u][r]) * ((float)(sc[u][r] & 15) * DS4LAB_CODE_SCALE);
+                const float ml = ds4lab_f16_bits(dd[u][r] >> 16) * ((float)(sc[u][r] >> 4) * (1.0f / DS4LAB_INPUT_SCALE));
                 float qx = 0.0f;
                 #pragma unroll
                 for (int i = 0; i < 4; ++i) qx = ds4lab_codes4_dot(qx, (q[u][r][i] >> shift) & 0x03030303u, xs + 4 * i);

@@ -52,13 +52,22 @@ __device__ __forceinline__ float ds4lab_sum8(const float xs[8]) {
 // whose mantissa bits are v, and subtracting 2^23 is exact.
 __device__ __forceinline__ float ds4lab_small_uint(uint32_t v) { return __uint_as_float(v | 0x4B000000u) - 8388608.0f; }
 
-// acc + sum over k < 4 of byte k of `bytes` times xs[k], the bytes small codes (a K-quant's
-// bits already masked out of their byte): each becomes its float by a byte permute into the
-// mantissa of 2^23 and one exact subtraction, so a value costs three instructions.
+// Small codes as subnormal floats (the IQ2_XXS and Q2_K dots): a word holding the code c
+// (< 2^23) in its low bits, and a sign in bit 31, is the float +-c * 2^-149, exactly. With the
+// inputs scaled by 2^64 as loaded (DS4LAB_INPUT_SCALE) each product c * x * 2^-85 is a normal
+// float, and so every sum of them is the unscaled sum times 2^-85 with the same roundings (the
+// same bits once the block's scale, times 2^85, multiplies it: DS4LAB_CODE_SCALE). A value then
+// costs a byte permute and an FMA (FP32 FMA takes subnormal operands at full rate; nothing here
+// flushes them). Inputs of magnitude 2^64 or more would overflow: activations are far below.
+#define DS4LAB_INPUT_SCALE 0x1p64f
+#define DS4LAB_CODE_SCALE 0x1p85f
+
+// acc + sum over k < 4 of byte k of `bytes` times xs[k] (xs scaled by DS4LAB_INPUT_SCALE; the
+// sum then is 2^-85 times the codes' dot), the bytes small codes (a K-quant's bits already
+// masked out of their byte): each becomes its subnormal float by one byte permute.
 __device__ __forceinline__ float ds4lab_codes4_dot(float acc, uint32_t bytes, const float* xs) {
 #pragma unroll
-    for (int k = 0; k < 4; ++k)
-        acc = fmaf(__uint_as_float(__byte_perm(bytes, 0x4B000000u, 0x7440u | k)) - 8388608.0f, xs[k], acc);
+    for (int k = 0; k < 4; ++k) acc = fmaf(__uint_as_float(__byte_perm(bytes, 0u, 0x4440u | k)), xs[k], acc);
     return acc;
 }
 
