@@ -50,23 +50,45 @@ __device__ __forceinline__ float4 ds4lab_hc_parts_load(const float* parts, int i
     else return make_float4(__ldcg(parts + i), 0.0f, 0.0f, 0.0f);
 }
 
-template <int PARTS>
-__device__ __forceinline__ float ds4lab_hc_parts_sum(const float* parts, int lane) {
-    constexpr int WIDTH = PARTS % 4 == 0 ? 4 : 1, UNITS = PARTS / WIDTH, PER_LANE = (UNITS + 31) / 32, BATCH = 8;
-    float sum = 0.0f;
+// K sums at once (outputs `stride` floats apart, the first `count` of them wanted; K * BATCH
+// loads in flight), each added in the same order as alone: q8_hc's last block adds two a
+// warp at a time.
+template <int PARTS, int K>
+__device__ __forceinline__ void ds4lab_hc_parts_sums(const float* parts, size_t stride, int count, int lane,
+                                                    float (&out)[K]) {
+    constexpr int WIDTH = PARTS % 4 == 0 ? 4 : 1, UNITS = PARTS / WIDTH, PER_LANE = (UNITS + 31) / 32;
+    constexpr int BATCH = 8 / K > 0 ? 8 / K : 1;
+    float sum[K];
+#pragma unroll
+    for (int j = 0; j < K; ++j) sum[j] = 0.0f;
 #pragma unroll 1
     for (int k0 = 0; k0 < PER_LANE; k0 += BATCH) {
-        float4 got[BATCH];
+        float4 got[K][BATCH];
 #pragma unroll
-        for (int k = 0; k < BATCH; ++k) {
-            const int i = lane + 32 * (k0 + k);
-            got[k] = k0 + k < PER_LANE && i < UNITS ? ds4lab_hc_parts_load<WIDTH>(parts, i)
-                                                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        for (int j = 0; j < K; ++j) {
+#pragma unroll
+            for (int k = 0; k < BATCH; ++k) {
+                const int i = lane + 32 * (k0 + k);
+                got[j][k] = j < count && k0 + k < PER_LANE && i < UNITS
+                                ? ds4lab_hc_parts_load<WIDTH>(parts + j * stride, i)
+                                : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+            }
         }
 #pragma unroll
-        for (int k = 0; k < BATCH; ++k) sum += (got[k].x + got[k].y) + (got[k].z + got[k].w);
+        for (int j = 0; j < K; ++j) {
+#pragma unroll
+            for (int k = 0; k < BATCH; ++k) sum[j] += (got[j][k].x + got[j][k].y) + (got[j][k].z + got[j][k].w);
+        }
     }
-    return ds4lab_warp_sum_all(sum);
+#pragma unroll
+    for (int j = 0; j < K; ++j) out[j] = ds4lab_warp_sum_all(sum[j]);
+}
+
+template <int PARTS>
+__device__ __forceinline__ float ds4lab_hc_parts_sum(const float* parts, int lane) {
+    float one[1];
+    ds4lab_hc_parts_sums<PARTS, 1>(parts, 0, 1, lane, one);
+    return one[0];
 }
 
 // The sum over warps 1.. of each thread's v (warp 0 runs the split meanwhile), on barrier 1

@@ -11,8 +11,9 @@
 // RMS the product is scaled by): part[t, j, block] for j < M, and j = M the squares; each
 // lane c < N its rows, then the warps in order (ds4lab_block_sums). The last block to finish
 // (ds4lab_last_block) then does what hc_pre does with them: each sum's PARTS partials added
-// by a warp (ds4lab_hc_parts_sum, as hc_pre adds its own), warp 0 runs the split
-// (ds4lab_hc_split) while warps 1.. collapse the streams and norm the result. The streams are
+// by a warp, two sums' loads in flight at once (ds4lab_hc_parts_sums, as hc_pre adds its
+// own); warp 0 runs the split (ds4lab_hc_split) while warps 1.. collapse the streams and norm
+// the result. The streams are
 // read through L2, four columns a thread, two such loads in flight; the collapsed row is
 // kept unnormed in shared memory, then scaled once its norm is known. E is a multiple of 4
 // (16-byte loads). The tail runs on the last block alone, after every other: it is the
@@ -81,9 +82,16 @@ if (NEXT) {
     }
     const int threads = (int)blockDim.x - 32, id = (int)threadIdx.x - 32;
     for (int tt = 0; tt < (int)gridDim.y; ++tt) {
-        for (int i = warp; i <= M; i += (int)(blockDim.x >> 5)) {
-            const float sum = ds4lab_hc_parts_sum<PARTS>(part + ((size_t)tt * (M + 1) + i) * PARTS, lane);
-            if (lane == 0) m[i] = sum;
+        const int n_warps = (int)(blockDim.x >> 5);
+        for (int i = warp; i <= M; i += 2 * n_warps) {             // sums i and i + n_warps
+            const int count = i + n_warps <= M ? 2 : 1;
+            float two[2];
+            ds4lab_hc_parts_sums<PARTS, 2>(part + ((size_t)tt * (M + 1) + i) * PARTS, (size_t)n_warps * PARTS, count,
+                                           lane, two);
+            if (lane == 0) {
+                m[i] = two[0];
+                if (count == 2) m[i + n_warps] = two[1];
+            }
         }
         __syncthreads();
         const float inv = 1.0f / sqrtf(m[M] / (float)(N * E) + eps[0]);
