@@ -11,6 +11,9 @@
 #                                        # each new process first compiles ~50 kernels with NVRTC, 1-2 min)
 #   bash bench/device_checks.sh graphs   # the 43-layer stream at 4096 tokens under larger MLX graph commits
 #                                        # (MLX_MAX_MB_PER_BUFFER 500, 1000 (the default), 3000; ~4 min)
+#   bash bench/device_checks.sh geometry # a step's device time under the expert kernels' and q8_hc's
+#                                        # geometry constants (device_time_ab.py), then ncu's warp
+#                                        # stalls by instruction for q8_hc's tail (~8 min)
 #   bash bench/device_checks.sh warm     # every kernel variant of a 43-layer run compiled into .ptx_cache
 #                                        # (bench/warm_kernels.py; ~4 min on 2 cores, so best made on
 #                                        # the CPU machine and carried)
@@ -77,12 +80,23 @@ graph_commits() {
     done
 }
 
+geometry() {
+    # Rows a warp of the expert kernels (the input's L1 reads against the weights'), row sets a
+    # block of q8_hc with the next input (its tail's threads): each against the code as it is.
+    step geometry_ab 330 python3 bench/device_time_ab.py --layers 43 --context 4096 \
+        --variants base _Q8_HC_GROUPS=1 _SWIGLU_ROWS=1 _MATVEC_ROWS=2
+    # Where the tail's cycles go: ncu's stall samples by instruction (the launch's last block).
+    step q8_hc_stalls 240 python3 bench/kernel_times.py --layers 4 --context 4096 --steps 2 \
+        --details q8_hc_4096_8192 --launches 1 --sections SourceCounters WarpStateStats
+}
+
 case "${1:-all}" in
     checks) checks ;;
     speed) speed ;;
     split) host_and_device ;;
     graphs) graph_commits ;;
+    geometry) geometry ;;
     warm) step warm 900 python3 bench/warm_kernels.py --cache .ptx_cache ;;
     all) checks; speed ;;
-    *) echo "usage: $0 [checks|speed|split|graphs|warm|all]" >&2; exit 2 ;;
+    *) echo "usage: $0 [checks|speed|split|graphs|geometry|warm|all]" >&2; exit 2 ;;
 esac
