@@ -84,7 +84,7 @@ geometry() {
     # Rows a warp of the expert kernels (the input's L1 reads against the weights'), row sets a
     # block of q8_hc with the next input (its tail's threads): each against the code as it is.
     step geometry_ab 330 python3 bench/device_time_ab.py --layers 43 --context 4096 \
-        --variants base _Q8_HC_GROUPS=1 _SWIGLU_ROWS=1 _MATVEC_ROWS=2
+        --variants base _Q8_HC_GROUPS=1 _SWIGLU_ROWS=1,_MATVEC_ROWS=2
     # Where the tail's cycles go: ncu's stall samples by instruction (the launch's last block).
     step q8_hc_stalls 240 python3 bench/kernel_times.py --layers 4 --context 4096 --steps 2 \
         --details q8_hc_4096_8192 --launches 1 --sections SourceCounters WarpStateStats
