@@ -10,7 +10,8 @@
 #                                        # sections for the slowest kernels (~20 min, over several calls:
 #                                        # each new process first compiles ~50 kernels with NVRTC, 1-2 min)
 #   bash bench/device_checks.sh graphs   # the 43-layer stream at 4096 tokens under larger MLX graph commits
-#                                        # (MLX_MAX_MB_PER_BUFFER 500, 1000 (the default), 3000; ~4 min)
+#                                        # (MLX_MAX_MB_PER_BUFFER 500, 1000 (the default), 3000; then one
+#                                        # graph a step; ~5 min)
 #   bash bench/device_checks.sh geometry # a step's device time under the expert kernels' and q8_hc's
 #                                        # geometry constants (device_time_ab.py), then ncu's warp
 #                                        # stalls by instruction for q8_hc's tail (~8 min)
@@ -78,6 +79,11 @@ graph_commits() {
         step "graphs_mb$mb" 200 env MLX_MAX_MB_PER_BUFFER=$mb \
             python3 bench/bench_model.py --in-memory --layers 43 --prompt 4096 --steps 16
     done
+    # One graph a step: encoded in ~6 ms where the default commits take 10.5-13.6 (2026-12-04),
+    # but nothing of a step runs on the device until its encoding ends. The greedy stream
+    # encodes step n + 1 while the device runs step n, so this may leave the device the bound.
+    step graphs_one_per_step 200 env MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=100000000 \
+        python3 bench/bench_model.py --in-memory --layers 43 --prompt 4096 --steps 16
 }
 
 geometry() {
