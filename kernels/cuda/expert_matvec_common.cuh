@@ -59,6 +59,9 @@ __device__ __forceinline__ float ds4lab_small_uint(uint32_t v) { return __uint_a
 // same bits once the block's scale, times 2^85, multiplies it: DS4LAB_CODE_SCALE). A value then
 // costs a byte permute and an FMA (FP32 FMA takes subnormal operands at full rate; nothing here
 // flushes them). Inputs of magnitude 2^64 or more would overflow: activations are far below.
+// A port to a GPU or compiler mode that flushes subnormals (Metal's fast math) must use the
+// normal form instead: the code moved into the mantissa of 2^23, 2^23 subtracted (one more
+// instruction a value, q8_rows.cuh's form), with unscaled inputs.
 #define DS4LAB_INPUT_SCALE 0x1p64f
 #define DS4LAB_CODE_SCALE 0x1p85f
 
