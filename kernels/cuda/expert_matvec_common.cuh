@@ -76,13 +76,12 @@ __device__ __forceinline__ float ds4lab_codes4_dot(float acc, uint32_t bytes, co
 
 // acc + sum over the lane's 8 values xs of a block of (dl * q - ml) * x, the K-quant row form
 // (d * scale * q - dmin * min), with q = (byte >> shift) & MASK of the 8 code bytes in lo, hi:
-// computed as dl * sum(q * x) - ml * xsum (xsum = ds4lab_sum8(xs)), one FMA a value.
+// computed as dl * sum(q * x) - ml * xsum (xsum = ds4lab_sum8(xs)), the codes as subnormals
+// (xs scaled by DS4LAB_INPUT_SCALE, dl by DS4LAB_CODE_SCALE, ml by 1 / DS4LAB_INPUT_SCALE).
 template <uint32_t MASK>
 __device__ __forceinline__ float ds4lab_kquant_dot8(float acc, float dl, float ml, uint32_t lo, uint32_t hi, int shift,
                                                    const float xs[8], float xsum) {
-    const uint32_t words[2] = {lo >> shift, hi >> shift};
-    float qx = 0.0f;
-#pragma unroll
-    for (int k = 0; k < 8; ++k) qx = fmaf(ds4lab_small_uint((words[k >> 2] >> (8 * (k & 3))) & MASK), xs[k], qx);
+    constexpr uint32_t BYTES = MASK * 0x01010101u;
+    const float qx = ds4lab_codes4_dot(ds4lab_codes4_dot(0.0f, (lo >> shift) & BYTES, xs), (hi >> shift) & BYTES, xs + 4);
     return fmaf(dl, qx, fmaf(-ml, xsum, acc));
 }
