@@ -705,6 +705,12 @@ def test_q8_products_of_a_few_thousand_rows_split_their_columns_over_a_block(sta
     comb = mx.array(np.eye(4, dtype=np.float32)[None])
     new, _ = kernels.q8_hc(q8, x, streams, post, comb)
     assert np.allclose(np.array(new), 1.0 + 0.5 * want[:, None, :], rtol=1e-5, atol=1e-5)
+    # with the next input: _Q8_HC_GROUPS sets of rows a block (the stand-in checks that geometry)
+    mix = mx.array(rng.standard_normal((24, 4 * 4096)).astype(np.float32) * 0.01)
+    nxt = kernels.HCInput(mix, mx.ones((3,)), mx.zeros((24,)), mx.ones((4096,)), 20, 1e-6, 1e-6)
+    again, made = kernels.q8_hc(q8, x, streams, post, comb, next_input=nxt)
+    assert np.array_equal(np.array(again), np.array(new)) and made[0].shape == (1, 4096)
+    assert kernels._Q8_HC_GROUPS > 1 and 4096 % (4 * kernels._Q8_HC_GROUPS) == 0
     assert kernels._rows_per_warp(4096, 2048) == (4, kernels._Q8_WARPS)
     assert kernels._rows_per_warp(129280, 4096) == (4, 1)            # the output head: enough warps unsplit
 
