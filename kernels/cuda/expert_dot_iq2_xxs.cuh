@@ -54,8 +54,7 @@ __device__ __forceinline__ void ds4lab_expert_dot(const uint8_t* const (&w)[R], 
             const float* xb = xv + b * 256 + group * 32 + pair * 16;
             ds4lab_load8(xb, xs);
             ds4lab_load8(xb + 8, xs + 8);
-            #pragma unroll
-            for (int k = 0; k < 16; ++k) xs[k] *= DS4LAB_INPUT_SCALE;
+            ds4lab_scale_inputs(xs);
             #pragma unroll
             for (int r = 0; r < R; ++r) {
                 const float db = ds4lab_f16_bits(d[u][r]) * (0.5f + ds4lab_small_uint(aux[u][r] >> 28)) * (0.25f * DS4LAB_CODE_SCALE);

@@ -45,14 +45,12 @@ __device__ __forceinline__ void ds4lab_expert_dot(const uint8_t* const (&w)[R], 
             const float* xb = xv + b * 256 + first;
             ds4lab_load8(xb, xs);
             ds4lab_load8(xb + 8, xs + 8);
-            #pragma unroll
-            for (int k = 0; k < 16; ++k) xs[k] *= DS4LAB_INPUT_SCALE;     // codes as subnormals
+            ds4lab_scale_inputs(xs);                                       // codes as subnormals
             const float xsum = ds4lab_sum8(xs) + ds4lab_sum8(xs + 8);
             #pragma unroll
             for (int r = 0; r < R; ++r) {
-                // each times a power of two that the scaled codes and inputs undo (the same bits)
-                const float dl = ds4lab_f16_bits(dd[u][r]) * ((float)(sc[u][r] & 15) * DS4LAB_CODE_SCALE);
-                const float ml = ds4lab_f16_bits(dd[u][r] >> 16) * ((float)(sc[u][r] >> 4) * (1.0f / DS4LAB_INPUT_SCALE));
+                float dl, ml;
+                ds4lab_kquant_scales(dd[u][r], sc[u][r] & 15, sc[u][r] >> 4, dl, ml);
                 float qx = 0.0f;
                 #pragma unroll
                 for (int i = 0; i < 4; ++i) qx = ds4lab_codes4_dot(qx, (q[u][r][i] >> shift) & 0x03030303u, xs + 4 * i);

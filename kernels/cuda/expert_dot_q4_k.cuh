@@ -37,16 +37,14 @@ __device__ __forceinline__ void ds4lab_expert_dot(const uint8_t* const (&w)[R], 
         for (int u = 0; u < U; ++u) {
             float xs[8];
             ds4lab_lane_inputs(xv, b0 + u, lane, xs);
-            #pragma unroll
-            for (int k = 0; k < 8; ++k) xs[k] *= DS4LAB_INPUT_SCALE;      // codes as subnormals
+            ds4lab_scale_inputs(xs);                                       // codes as subnormals
             const float xsum = ds4lab_sum8(xs);
             #pragma unroll
             for (int r = 0; r < R; ++r) {
                 const uint32_t sc = group < 4 ? sp[u][r] & 63 : (sp[u][r] & 15) | ((sq[u][r] >> 6) << 4);
                 const uint32_t mn = group < 4 ? sq[u][r] & 63 : (sp[u][r] >> 4) | ((sr[u][r] >> 6) << 4);
-                // each times a power of two that the scaled codes and inputs undo (the same bits)
-                const float dl = ds4lab_f16_bits(dd[u][r]) * ((float)sc * DS4LAB_CODE_SCALE);
-                const float ml = ds4lab_f16_bits(dd[u][r] >> 16) * ((float)mn * (1.0f / DS4LAB_INPUT_SCALE));
+                float dl, ml;
+                ds4lab_kquant_scales(dd[u][r], sc, mn, dl, ml);
                 part[r] = ds4lab_kquant_dot8<15>(part[r], dl, ml, lo[u][r], hi[u][r], shift, xs, xsum);
             }
         }

@@ -52,7 +52,7 @@ __device__ __forceinline__ float ds4lab_sum8(const float xs[8]) {
 // whose mantissa bits are v, and subtracting 2^23 is exact.
 __device__ __forceinline__ float ds4lab_small_uint(uint32_t v) { return __uint_as_float(v | 0x4B000000u) - 8388608.0f; }
 
-// Small codes as subnormal floats (the IQ2_XXS and Q2_K dots): a word holding the code c
+// Small codes as subnormal floats (every expert dot): a word holding the code c
 // (< 2^23) in its low bits, and a sign in bit 31, is the float +-c * 2^-149, exactly. With the
 // inputs scaled by 2^64 as loaded (DS4LAB_INPUT_SCALE) each product c * x * 2^-85 is a normal
 // float, and so every sum of them is the unscaled sum times 2^-85 with the same roundings (the
@@ -64,6 +64,21 @@ __device__ __forceinline__ float ds4lab_small_uint(uint32_t v) { return __uint_a
 // instruction a value, q8_rows.cuh's form), with unscaled inputs.
 #define DS4LAB_INPUT_SCALE 0x1p64f
 #define DS4LAB_CODE_SCALE 0x1p85f
+
+// A lane's N inputs as the subnormal codes' dots take them: times DS4LAB_INPUT_SCALE (exact).
+template <int N>
+__device__ __forceinline__ void ds4lab_scale_inputs(float (&xs)[N]) {
+#pragma unroll
+    for (int k = 0; k < N; ++k) xs[k] *= DS4LAB_INPUT_SCALE;
+}
+
+// A K-quant block's d * scale and dmin * min (dd: f16 d, then f16 dmin) for ds4lab_kquant_dot8
+// and the Q2_K dot, each times the power of two that the scaled codes and inputs undo: the same
+// bits in the end.
+__device__ __forceinline__ void ds4lab_kquant_scales(uint32_t dd, uint32_t scale, uint32_t min, float& dl, float& ml) {
+    dl = ds4lab_f16_bits(dd) * ((float)scale * DS4LAB_CODE_SCALE);
+    ml = ds4lab_f16_bits(dd >> 16) * ((float)min * (1.0f / DS4LAB_INPUT_SCALE));
+}
 
 // acc + sum over k < 4 of byte k of `bytes` times xs[k] (xs scaled by DS4LAB_INPUT_SCALE; the
 // sum then is 2^-85 times the codes' dot), the bytes small codes (a K-quant's bits already

@@ -13,12 +13,12 @@
 // (ds4lab_last_block) then does what hc_pre does with them: each sum's PARTS partials added
 // by a warp, two sums' loads in flight at once (ds4lab_hc_parts_sums, as hc_pre adds its
 // own); warp 0 runs the split (ds4lab_hc_split) while warps 1.. collapse the streams and norm
-// the result. The streams are
-// read through L2, four columns a thread, two such loads in flight; the collapsed row is
-// kept unnormed in shared memory, then scaled once its norm is known. E is a multiple of 4
-// (16-byte loads). The tail runs on the last block alone, after every other: it is the
-// launch's critical path (ncu: ~20 of 33 µs, the SMs active 39% of the launch), so the weights
-// it reads are fetched into L2 as it starts and its loops keep several loads in flight.
+// the result. The streams are read through L2, four columns a thread, two such loads in
+// flight; the collapsed row is kept unnormed in shared memory, then scaled once its norm is
+// known. E is a multiple of 4 (16-byte loads). The tail runs on the last block alone, after
+// every other: it is the launch's critical path (ncu: ~20 of 33 µs, the SMs active 39% of the
+// launch), so the weights it reads are fetched into L2 as it starts and its loops keep
+// several loads in flight.
 // Inputs: codes [E, COLS / 4], scales [E, COLS / 32], x [T, COLS], add [T, E] (or one unused
 // value), streams [T, N, E], post [T, N], comb [T, N, N]; with NEXT the next sublayer's mixer
 // and its weights: mix, next_scale [3], next_base [M], next_norm [E], eps [2] (RMS, HC), and
