@@ -14,9 +14,14 @@ steps' wait, and its ratio to the first variant's.
 A variant is a comma-separated list of NAME=VALUE for module constants of
 `ds4lab.model.kernels` (ints); "base" is the code as it is. Between variants the sublayers
 are traced again (their kernels' templates change) and each variant's step is warmed first.
+A variant "without:NAME" answers every launch of the kernels whose name contains NAME with
+zeros of its output shapes (made on the device, after its inputs): the step's device time
+less that kernel's, in place, with the step's own caches and clocks (ncu times a launch
+alone, caches flushed, at base clock). Its logits are garbage; a stubbed `router` also sends
+every token to expert 0, so read it as an upper bound of nothing.
 
     python bench/device_time_ab.py [--layers 43] [--context 4096] \
-        [--variants base _ATTENTION_SHARE_KEYS=64 _Q8_WARPS_WANTED=8192]
+        [--variants base _ATTENTION_SHARE_KEYS=64 _Q8_WARPS_WANTED=8192 without:expert_swiglu]
 
 Measured (2026-12-03, H200, 43 layers at 4096 tokens, the fastest of 6 steps each): the code
 as it is 12.50 ms, and 11.82 ms when run again last; two shares of every head's keys 12.37;
@@ -39,6 +44,7 @@ import ds4lab  # noqa: F401  (first: OpenBLAS before MLX on Linux)
 
 # isort: split
 import argparse
+import contextlib
 
 import mlx.core as mx
 from kernel_variants import parse_variant
@@ -49,6 +55,32 @@ from ds4lab.model import kernels
 from ds4lab.model.random_weights import random_weights
 
 
+@contextlib.contextmanager
+def without(kind: str):
+    """Launches of kernels whose MLX name contains `kind` replaced by zeros of their outputs."""
+    real = mx.fast.cuda_kernel
+
+    def cuda_kernel(**spec):
+        if kind not in spec["name"]:
+            return real(**spec)
+
+        def launch(*, inputs, output_shapes, output_dtypes, **_):
+            zeros = [mx.zeros(shape, dtype) for shape, dtype in zip(output_shapes, output_dtypes, strict=True)]
+            return mx.depends(zeros, list(inputs))
+        return launch
+
+    made = (kernels._fused, kernels._kernel, kernels._gemm_kernel)
+    for kernel in made:
+        kernel.cache_clear()
+    mx.fast.cuda_kernel = cuda_kernel
+    try:
+        yield
+    finally:
+        mx.fast.cuda_kernel = real
+        for kernel in made:
+            kernel.cache_clear()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=43)
@@ -56,7 +88,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=8, help="steps timed per variant (the fastest wait kept)")
     parser.add_argument("--variants", nargs="+", default=["base"])
     args = parser.parse_args()
-    variants = [(text, parse_variant(text)) for text in args.variants]
+    variants = [(text, {} if text.startswith("without:") else parse_variant(text)) for text in args.variants]
     if not kernels.cuda_ready():
         raise SystemExit("device_time_ab: the fast path is off on this device (no CUDA): nothing to compare")
     model, session = decoding_session(random_weights(preset("flash-dims", args.layers), "q2"), args.context)
@@ -68,8 +100,11 @@ def main() -> None:
         for name, value in {**defaults, **changes}.items():
             setattr(kernels, name, value)
         model._compiled.clear()
-        time_step(model, session.state, 999, repeat=2)            # this variant's kernels and traces
-        waits = [time_step(model, session.state, 999, repeat=1)[2] for _ in range(args.repeat)]
+        stubbed = without(text.removeprefix("without:")) if text.startswith("without:") else contextlib.nullcontext()
+        with stubbed:
+            time_step(model, session.state, 999, repeat=2)        # this variant's kernels and traces
+            waits = [time_step(model, session.state, 999, repeat=1)[2] for _ in range(args.repeat)]
+        model._compiled.clear()
         best = min(waits)
         first = first or best
         print(f"{text:48s} device {best * 1e3:7.3f} ms a step (median {sorted(waits)[len(waits) // 2] * 1e3:.3f}); "

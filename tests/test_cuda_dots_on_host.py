@@ -57,10 +57,19 @@ static inline uint32_t __byte_perm(uint32_t x, uint32_t y, uint32_t s) {
     for (int n = 0; n < 4; ++n) r |= (uint32_t)((bytes >> (8 * ((s >> (4 * n)) & 7))) & 0xff) << (8 * n);
     return r;
 }
+static inline uint32_t ds4lab_prmt(uint32_t x, uint32_t y, uint32_t s) {     // PTX prmt.b32, sign mode too
+    const uint64_t bytes = ((uint64_t)y << 32) | x;
+    uint32_t r = 0;
+    for (int n = 0; n < 4; ++n) {
+        const uint32_t nibble = (s >> (4 * n)) & 15, byte = (uint32_t)(bytes >> (8 * (nibble & 7))) & 0xff;
+        r |= (nibble & 8 ? (byte & 0x80 ? 0xffu : 0u) : byte) << (8 * n);
+    }
+    return r;
+}
 """
 
 _DRIVER = r"""
-template <int COLS, int R>
+template <int COLS, int R, int IQ2_FORM>
 static void warp_dot(const uint8_t* const* w, const float* x, float* out, const uint2* grid) {
     DS4LAB_DOT_STAGE
     const uint8_t* rows[R];
@@ -71,8 +80,13 @@ static void warp_dot(const uint8_t* const* w, const float* x, float* out, const 
         for (int r = 0; r < R; ++r) out[r] += acc[r];
     }
 }
-#define ONE(COLS, R) extern "C" void dot_##COLS##_##R(const uint8_t* const* w, const float* x, float* out, \
-    const uint2* grid) { warp_dot<COLS, R>(w, x, out, grid); }
+#define ONE(COLS, R) \
+    extern "C" void dot_##COLS##_##R##_0(const uint8_t* const* w, const float* x, float* out, const uint2* grid) \
+    { warp_dot<COLS, R, 0>(w, x, out, grid); } \
+    extern "C" void dot_##COLS##_##R##_1(const uint8_t* const* w, const float* x, float* out, const uint2* grid) \
+    { warp_dot<COLS, R, 1>(w, x, out, grid); } \
+    extern "C" void dot_##COLS##_##R##_2(const uint8_t* const* w, const float* x, float* out, const uint2* grid) \
+    { warp_dot<COLS, R, 2>(w, x, out, grid); }
 ONE(256, 1) ONE(256, 2) ONE(768, 2) ONE(768, 4) ONE(1280, 2) ONE(2048, 1) ONE(2048, 2) ONE(2048, 4) ONE(4096, 2)
 ONE(4096, 4)
 """
@@ -98,13 +112,18 @@ def _host_library(folder, driver: str, *headers: str) -> ctypes.CDLL:
     return ctypes.CDLL(str(library))
 
 
-def _run(lib, type_name: str, raw: np.ndarray, x: np.ndarray, cols: int, r: int) -> np.ndarray:
+def _forms(type_name: str) -> tuple[int, ...]:
+    """The IQ2_XXS dot's forms (its tables or registers: expert_dot_iq2_xxs.cuh); one for the others."""
+    return (0, 1, 2) if type_name == "IQ2_XXS" else (0,)
+
+
+def _run(lib, type_name: str, raw: np.ndarray, x: np.ndarray, cols: int, r: int, form: int = 0) -> np.ndarray:
     rows = [np.ascontiguousarray(raw[i]) for i in range(r)]
     pointers = (ctypes.c_void_p * r)(*[row.ctypes.data for row in rows])
     out = np.zeros(r, np.float32)
     grid = np.ascontiguousarray(IQ2XXS_GRID_BYTES, dtype=np.uint8)
-    getattr(lib, f"dot_{cols}_{r}")(pointers, x.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p),
-                                   grid.ctypes.data_as(ctypes.c_void_p))
+    getattr(lib, f"dot_{cols}_{r}_{form}")(pointers, x.ctypes.data_as(ctypes.c_void_p),
+                                           out.ctypes.data_as(ctypes.c_void_p), grid.ctypes.data_as(ctypes.c_void_p))
     return out
 
 
@@ -116,10 +135,13 @@ def test_a_warps_lanes_add_up_to_the_rows_decoded_dot_products(host_dots, cols, 
     raw = random_blocks(type_name, r * cols // 256, rng, d=0.01).reshape(r, n_bytes)
     x = rng.standard_normal(cols).astype(np.float32)
     x[::7] *= 40.0                                       # a spread of magnitudes, as activations have
-    got = _run(lib, type_name, raw, x, cols, r)
     want = dequantize(raw.reshape(-1), type_name, (r, cols)).astype(np.float64) @ x.astype(np.float64)
     scale = np.abs(dequantize(raw.reshape(-1), type_name, (r, cols))).astype(np.float64) @ np.abs(x)
-    assert np.all(np.abs(got - want) <= 1e-5 * scale), (type_name, cols, r, got, want)
+    first = _run(lib, type_name, raw, x, cols, r)
+    for form in _forms(type_name):
+        got = _run(lib, type_name, raw, x, cols, r, form)
+        assert np.all(np.abs(got - want) <= 1e-5 * scale), (type_name, form, cols, r, got, want)
+        assert np.array_equal(got, first), (type_name, form, got, first)      # one order of roundings
 
 
 def test_the_host_check_catches_a_wrong_lane(host_dots):
@@ -130,10 +152,11 @@ def test_the_host_check_catches_a_wrong_lane(host_dots):
     x = rng.standard_normal(2048).astype(np.float32)
     x_missing = x.copy()
     x_missing[8 * 5: 8 * 6] = 0.0                       # 8 inputs of the first block: a lane's share or half of one
-    got = _run(lib, type_name, raw, x_missing, 2048, 1)
     decoded = dequantize(raw.reshape(-1), type_name, (1, 2048)).astype(np.float64)
     scale = np.abs(decoded) @ np.abs(x)
-    assert np.abs(got - decoded @ x).max() > 1e-5 * scale.max()
+    for form in _forms(type_name):
+        got = _run(lib, type_name, raw, x_missing, 2048, 1, form)
+        assert np.abs(got - decoded @ x).max() > 1e-5 * scale.max()
 
 
 _Q8_DRIVER = r"""

@@ -14,6 +14,17 @@
 // then their arithmetic.
 // A format may need lookup tables in shared memory: its DS4LAB_DOT_STAGE copies them there
 // (the whole thread block, before any thread returns) and DS4LAB_DOT_TABLES passes them on.
+// prmt.b32 as PTX defines it: byte n of the result is byte (s >> 4n) & 7 of {b, a}, or, when
+// bit 3 of that nibble is set, that byte's top bit copied into all 8 bits (its sign mode,
+// which __byte_perm's documentation leaves out). The host tests define their own copy.
+// A Metal port has no byte permute: shifts and masks make the same word.
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ uint32_t ds4lab_prmt(uint32_t a, uint32_t b, uint32_t s) {
+    uint32_t r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s));
+    return r;
+}
+#endif
 __device__ __forceinline__ float ds4lab_warp_sum(float v) {
     for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_down_sync(0xffffffffu, v, offset);
     return v;
