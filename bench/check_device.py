@@ -74,31 +74,6 @@ def check_fused_experts() -> None:
         _bar(f"expert_matvec {type_name} {rows} rows", max(errs) <= _KERNEL_BAR)
         print(f"{type_name} ({rows} rows): fused kernel vs decode-then-multiply, max rel err {errs[0]:.2e}; "
               f"input shared by 3 pairs {errs[1]:.2e}; 3 pairs summed {errs[2]:.2e}")
-    check_iq2_forms()
-
-
-def check_iq2_forms() -> None:
-    """The IQ2_XXS dot's forms (grid and signs from tables or registers, `kernels._IQ2_FORM`):
-    the same bits as the tables' form in both expert kernels (one order of roundings; the
-    host test shows it for the dot alone, this for prmt's sign mode on the device)."""
-    if not kernels.available("IQ2_XXS"):
-        return
-    gate, up = (_expert_blocks("IQ2_XXS", 16, 203, 1024) for _ in range(2))
-    ids = mx.array([[3, 15, 0, 9, 7, 12]], dtype=mx.int32)
-    x, w = mx.random.normal((1, 1024)) * 4.0, mx.random.uniform(0.1, 1.0, ids.shape)
-    saved, outputs = kernels._IQ2_FORM, {}
-    try:
-        for form in (0, 1, 2):
-            kernels._IQ2_FORM = form
-            outputs[form] = (kernels.expert_swiglu(gate, up, ids, x, w, 10.0),
-                             kernels.expert_matvec(gate, ids.reshape(-1), mx.repeat(x, 6, axis=0)))
-            mx.eval(outputs[form])
-    finally:
-        kernels._IQ2_FORM = saved
-    for form in (1, 2):
-        same = all(bool(mx.array_equal(a, b).item()) for a, b in zip(outputs[form], outputs[0], strict=True))
-        _bar(f"IQ2_XXS dot form {form}", same)
-        print(f"IQ2_XXS dot form {form} (203 rows, expert_swiglu and expert_matvec): the same bits as form 0: {same}")
 
 
 def _rel(a: mx.array, b: mx.array) -> float:

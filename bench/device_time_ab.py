@@ -18,7 +18,9 @@ A variant "without:NAME" answers every launch of the kernels whose name contains
 zeros of its output shapes (made on the device, after its inputs): the step's device time
 less that kernel's, in place, with the step's own caches and clocks (ncu times a launch
 alone, caches flushed, at base clock). Its logits are garbage; a stubbed `router` also sends
-every token to expert 0, so read it as an upper bound of nothing.
+every token to expert 0, so read it as an upper bound of nothing. (On the H200 the stubs of
+`q8_matvec` and `attention` ended in an illegal memory access a few variants into the run,
+not yet found; `expert_swiglu` and `expert_matvec` ran.)
 
     python bench/device_time_ab.py [--layers 43] [--context 4096] \
         [--variants base _ATTENTION_SHARE_KEYS=64 _Q8_WARPS_WANTED=8192 without:expert_swiglu]
@@ -29,6 +31,10 @@ four shares 13.90, and with 8 warps a block 11.69; Q8_0 products wanting 8192 wa
 2048 warps 12.24; 8 warps a block of the expert kernels 12.31; 512 threads for `hc_pre`
 12.68. Every variant is inside the 6% the same code moved between its two runs (medians
 13.3-14.5 ms): the step's device time does not come from these geometries.
+Measured (2026-12-04, same shape, fastest of 6): 10.61 ms as it was (10.48 again later); the
+IQ2_XXS dot with its signs computed 10.02, with the grid as level codes too 9.58 (now the
+code); without `expert_swiglu` 7.99 and without `expert_matvec` 8.82, so the routed experts'
+two kernels took ~4.5 ms of the step's ~10.5 (~1.05 and ~0.42 TB/s of their weights).
 
 Needs a CUDA device: on the CPU the fast path is off and nothing is compared.
 """

@@ -86,7 +86,6 @@ _TYPES = {"IQ2_XXS": "iq2_xxs", "Q2_K": "q2_k", "Q4_K": "q4_k"}
 _EXPERT_WARPS = 4                        # warps per thread block of the expert kernels
 _SWIGLU_ROWS = 2                         # output rows a warp of expert_swiglu (gate and up of each)
 _MATVEC_ROWS = 4                         # output rows a warp of expert_matvec
-_IQ2_FORM = 0                            # where the IQ2_XXS dot's grid bytes and signs come from (its header)
 _THREADS = 128                           # threads per block of the row and HC kernels
 _ATTENTION_WARPS = 16                    # warps per (token, head) block of decode attention
 # Decode attention splits a (token, head)'s keys over blocks ("shares", attention_shares)
@@ -845,14 +844,9 @@ def _iq2_grid() -> mx.array:
     return mx.array(IQ2XXS_GRID_BYTES.reshape(-1))
 
 
-def _format_template(type_name: str) -> list[tuple[str, int]]:
-    """Template arguments of one block format's dot (IQ2_XXS: its form)."""
-    return [("IQ2_FORM", _IQ2_FORM)] if type_name == "IQ2_XXS" else []
-
-
 def _tables(type_name: str) -> list[mx.array]:
-    """The lookup tables a block format's expert kernels read (IQ2_XXS: its grid; the sign
-    bits are computed, `ds4lab_iq2_signs`)."""
+    """The lookup tables a block format's expert kernels read (IQ2_XXS: its grid, which the
+    kernels stage as level codes; the signs are computed)."""
     return [_iq2_grid()] if type_name == "IQ2_XXS" else []
 
 
@@ -876,8 +870,7 @@ def expert_matvec(tensor: ExpertBlocks, ids: mx.array, x: mx.array, *, pairs_per
         inputs=inputs,
         template=[("ROWS", rows), ("COLS", cols), ("ROW_BYTES", n_row_bytes),
                   ("EXPERT_BYTES", rows * n_row_bytes), ("PAIRS_PER_OUT", per_out),
-                  ("X_DIV", pairs_per_input), ("PARTS", parts), ("P", _MATVEC_ROWS),
-                  *_format_template(tensor.type_name)],
+                  ("X_DIV", pairs_per_input), ("PARTS", parts), ("P", _MATVEC_ROWS)],
         grid=(-(-(-(-rows // _MATVEC_ROWS) * parts) // _EXPERT_WARPS) * threads, ids.size // per_out, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(*ids.shape[:-1], rows) if sum_pairs else (*ids.shape, rows)],
@@ -917,7 +910,7 @@ def expert_swiglu(gate: ExpertBlocks, up: ExpertBlocks, ids: mx.array, x: mx.arr
                 _scalar(clamp), *q8, *_tables(gate.type_name)],
         template=[("ROWS", rows), ("COLS", cols), ("ROW_BYTES", n_row_bytes),
                   ("EXPERT_BYTES", rows * n_row_bytes), ("X_DIV", ids.shape[1]), ("SHARED_ROWS", shared_rows),
-                  ("P", _SWIGLU_ROWS), *_format_template(gate.type_name)],
+                  ("P", _SWIGLU_ROWS)],
         grid=(-(-max(rows, shared_rows) // (_SWIGLU_ROWS * _EXPERT_WARPS)) * threads, ids.size + (t if shared else 0),
               1),
         threadgroup=(threads, 1, 1),

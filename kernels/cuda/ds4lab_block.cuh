@@ -290,13 +290,3 @@ __device__ __forceinline__ float ds4lab_swiglu(float g, float u, float clamp) {
 __device__ __forceinline__ uint32_t ds4lab_iq2_signs(uint32_t index7) {
     return index7 | ((uint32_t)(__popc(index7) & 1) << 7);
 }
-
-// The signs of a 7-bit IQ2_XXS sign index as bytes (expert_dot_iq2_xxs.cuh): word j holds
-// 0x80 in byte 0 if value 2j is negative (sign bit 2j of ds4lab_iq2_signs), in byte 1 if
-// value 2j + 1 is, and zero bytes 2 and 3.
-__device__ __forceinline__ uint4 ds4lab_iq2_sign_bytes(uint32_t index7) {
-    const uint32_t signs = ds4lab_iq2_signs(index7);
-    uint32_t word[4] = {0u, 0u, 0u, 0u};
-    for (int k = 0; k < 8; ++k) word[k >> 1] |= ((signs >> k) & 1u) << (8 * (k & 1) + 7);
-    return make_uint4(word[0], word[1], word[2], word[3]);
-}

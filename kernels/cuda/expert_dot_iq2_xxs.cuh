@@ -2,42 +2,30 @@
 // 256 values): f16 d, then per 32 values 4 grid indices and a u32 of four 7-bit sign indices
 // plus a 4-bit scale s; w = d * (0.5 + s) * 0.25 * grid * sign. Blocks are 2-byte aligned:
 // the lane reads 16-bit words.
-// Two lookup tables go to shared memory first (DS4LAB_DOT_STAGE): the grid (256 entries of 8
-// bytes, copied: a warp's 32 lookups hit up to 16 cache lines, which the L1 serves one at a
-// time) and, for each 7-bit sign index, its signs as bytes (ds4lab_iq2_sign_bytes, computed:
-// word j holds 0x80 for each negative value of 2j, 2j + 1, then two zero bytes).
-// A value is one byte permute: grid byte, two zero bytes, sign byte make the float whose bits
-// are sign | g, the subnormal +-g * 2^-149 (expert_matvec_common.cuh: the inputs scaled by
-// 2^64, the block's scale by 2^85; the same roundings, the same bits as unscaled). So a
-// value costs two instructions (permute, FMA): the kernels are bound by instruction issue
-// (ncu, expert_swiglu; the decode took ~9 instructions a weight when each value's sign was
-// set on its own, and 5.6 with 64 + g or 64 - g turned into floats by subtraction).
-// FORM (the kernels' template IQ2_FORM) picks where a value's grid bytes and signs come from,
-// until the device says which is fastest: ncu found expert_swiglu bound by its L1 and
-// shared-memory traffic (79% of the L1's throughput, a third of the stalls on shared-memory
-// loads), not by instruction issue, and the sign table's 16-byte lookups are most of it.
-//   0: the tables above (a grid entry 8 bytes, a sign entry 16).
-//   1: the grid table as above; the signs computed in registers (ds4lab_iq2_sign_words:
-//      ~10 instructions for 8 values, no lookup).
-//   2: as 1, the grid as 4 bytes an entry (a 2-bit level code a nibble, ds4lab_iq2_grid_codes)
-//      turned into the level bytes by two permutes of a constant word.
-// In forms 1 and 2 the value's permute takes its two zero bytes by replicating the sign bit
-// of its grid byte (every grid byte is below 0x80): prmt's sign mode (ds4lab_prmt).
-template <int FORM>
-struct ds4lab_iq2_form {};
+// A value is one byte permute: its grid byte, two zero bytes and its sign byte make the float
+// whose bits are sign | g, the subnormal +-g * 2^-149 (expert_matvec_common.cuh: the inputs
+// scaled by 2^64, the block's scale by 2^85; the same roundings, the same bits as unscaled),
+// then one FMA.
+// Where the grid bytes and the signs come from is what bounds the kernels: ncu found
+// expert_swiglu bound by its L1 and shared-memory traffic (79% of the L1's throughput, a third
+// of the stalls waiting on shared memory), not by instruction issue, when a lane looked up 8
+// grid bytes and 16 bytes of sign bytes in shared tables for every 8 values. Now:
+//   - the grid goes to shared memory as 4 bytes an entry (DS4LAB_DOT_STAGE): each grid byte is
+//     one of three levels, kept as a 2-bit code a nibble (ds4lab_iq2_grid_codes), and two
+//     permutes of a constant word of the levels turn an entry into its 8 bytes;
+//   - the signs are made in registers from the 7-bit index (ds4lab_iq2_sign_words, ~10
+//     instructions for 8 values), no lookup;
+//   - the value's permute takes its two zero bytes by replicating the sign bit of its grid
+//     byte (every level is below 0x80): prmt's sign mode (ds4lab_prmt).
+// A 43-layer step at 4096 tokens on the H200 (device_time_ab.py, 2026-12-04): 10.61 ms with
+// both tables, 10.02 with the signs computed, 9.58 with the grid as codes too; the three the
+// same bits on the device and in the host tests.
 #define DS4LAB_DOT_STAGE                                                                         \
-    __shared__ uint2 ds4lab_iq2_grid[IQ2_FORM < 2 ? 256 : 1];                                    \
-    __shared__ uint32_t ds4lab_iq2_grid4[IQ2_FORM == 2 ? 256 : 1];                               \
-    __shared__ uint4 ds4lab_iq2_signs[IQ2_FORM == 0 ? 128 : 1];                                  \
-    for (int i = threadIdx.x; i < 256; i += blockDim.x) {                                        \
-        const uint2 entry = reinterpret_cast<const uint2*>(grid)[i];                             \
-        if (IQ2_FORM < 2) ds4lab_iq2_grid[i] = entry;                                            \
-        else ds4lab_iq2_grid4[i] = ds4lab_iq2_grid_codes(entry);                                 \
-    }                                                                                            \
-    if (IQ2_FORM == 0)                                                                           \
-        for (int i = threadIdx.x; i < 128; i += blockDim.x) ds4lab_iq2_signs[i] = ds4lab_iq2_sign_bytes(i); \
+    __shared__ uint32_t ds4lab_iq2_grid4[256];                                                   \
+    for (int i = threadIdx.x; i < 256; i += blockDim.x)                                          \
+        ds4lab_iq2_grid4[i] = ds4lab_iq2_grid_codes(reinterpret_cast<const uint2*>(grid)[i]);    \
     __syncthreads();
-#define DS4LAB_DOT_TABLES , ds4lab_iq2_grid, ds4lab_iq2_signs, ds4lab_iq2_grid4, ds4lab_iq2_form<IQ2_FORM>()
+#define DS4LAB_DOT_TABLES , ds4lab_iq2_grid4
 // The level bytes of the IQ2_XXS grid (every grid byte is one of them), as prmt's source word.
 #define DS4LAB_IQ2_LEVELS 0x002b1908u
 // A grid entry's 8 bytes as 2-bit level codes, one a nibble (value k in nibble k): a prmt
@@ -52,7 +40,8 @@ __device__ __forceinline__ uint32_t ds4lab_iq2_grid_codes(uint2 entry) {
 }
 // The signs of a 7-bit IQ2_XXS sign index as two words of 0x80/0x00 bytes (byte k of word h:
 // value 4h + k negative). Bit k of the index lands on bit 8k + 7 by one multiply (the four
-// shifted copies do not overlap, so nothing carries); the eighth sign is the index's parity.
+// shifted copies do not overlap, so nothing carries); the eighth sign is the index's parity
+// (ds4lab_iq2_signs).
 __device__ __forceinline__ void ds4lab_iq2_sign_words(uint32_t index7, uint32_t (&words)[2]) {
     words[0] = ((index7 & 15u) * 0x10204080u) & 0x80808080u;
     words[1] = (((index7 >> 4) * 0x10204080u) & 0x80808080u) | ((uint32_t)__popc(index7) << 31);
@@ -61,10 +50,9 @@ __device__ __forceinline__ void ds4lab_iq2_sign_words(uint32_t index7, uint32_t 
 // a warp covers two blocks a step, the lanes 16 apart on different blocks: the block's scale
 // and its group's signs word are read and made once for 16 values, and a step has twice the
 // bytes in flight. An odd block count leaves the upper half-warp's last step out.
-template <int COLS, int R, int FORM>
+template <int COLS, int R>
 __device__ __forceinline__ void ds4lab_expert_dot(const uint8_t* const (&w)[R], const float* xv, int lane,
-                                                  float (&acc)[R], const uint2* grid, const uint4* signs,
-                                                  const uint32_t* grid4, ds4lab_iq2_form<FORM>) {
+                                                  float (&acc)[R], const uint32_t* grid4) {
     const int upper = lane >> 4, group = (lane >> 1) & 7, pair = lane & 1;
     constexpr int NB = COLS / 256, STEPS = (NB + 1) / 2, U = ds4lab_step<STEPS, R>::U;
     float sums[R];
@@ -101,35 +89,17 @@ __device__ __forceinline__ void ds4lab_expert_dot(const uint8_t* const (&w)[R], 
                 for (int j = 0; j < 2; ++j) {
                     const uint32_t grid_index = (index[u][r] >> (8 * j)) & 0xffu;
                     const uint32_t sign_index = (aux[u][r] >> (7 * (2 * pair + j))) & 127;
-                    if (FORM == 0) {
-                        const uint2 g8 = grid[grid_index];
-                        const uint4 s4 = signs[sign_index];
-                        const uint32_t g[2] = {g8.x, g8.y}, sw[4] = {s4.x, s4.y, s4.z, s4.w};
-                        #pragma unroll
-                        for (int k = 0; k < 8; ++k) {
-                            // bytes: grid byte k, two zero bytes of the sign word, its sign byte
-                            const uint32_t bits = __byte_perm(g[k >> 2], sw[k >> 1], (k & 3) | 0x660u | ((4 + (k & 1)) << 12));
-                            gx = fmaf(__uint_as_float(bits), xs[8 * j + k], gx);
-                        }
-                    } else {
-                        uint32_t g[2], sw[2];
-                        if (FORM == 1) {
-                            const uint2 g8 = grid[grid_index];
-                            g[0] = g8.x;
-                            g[1] = g8.y;
-                        } else {
-                            const uint32_t codes = grid4[grid_index];
-                            g[0] = ds4lab_prmt(DS4LAB_IQ2_LEVELS, 0u, codes);
-                            g[1] = ds4lab_prmt(DS4LAB_IQ2_LEVELS, 0u, codes >> 16);
-                        }
-                        ds4lab_iq2_sign_words(sign_index, sw);
-                        #pragma unroll
-                        for (int k = 0; k < 8; ++k) {
-                            // bytes: grid byte k, its sign bit twice (zero), sign byte k
-                            const uint32_t c = k & 3;
-                            const uint32_t bits = ds4lab_prmt(g[k >> 2], sw[k >> 2], c | ((8 | c) * 0x110u) | ((4 + c) << 12));
-                            gx = fmaf(__uint_as_float(bits), xs[8 * j + k], gx);
-                        }
+                    const uint32_t codes = grid4[grid_index];
+                    const uint32_t g[2] = {ds4lab_prmt(DS4LAB_IQ2_LEVELS, 0u, codes),
+                                           ds4lab_prmt(DS4LAB_IQ2_LEVELS, 0u, codes >> 16)};
+                    uint32_t sw[2];
+                    ds4lab_iq2_sign_words(sign_index, sw);
+                    #pragma unroll
+                    for (int k = 0; k < 8; ++k) {
+                        // bytes: grid byte k, its sign bit twice (zero), sign byte k
+                        const uint32_t c = k & 3;
+                        const uint32_t bits = ds4lab_prmt(g[k >> 2], sw[k >> 2], c | ((8 | c) * 0x110u) | ((4 + c) << 12));
+                        gx = fmaf(__uint_as_float(bits), xs[8 * j + k], gx);
                     }
                 }
                 sums[r] = fmaf(db, gx, sums[r]);
