@@ -75,16 +75,13 @@ def without(kind: str):
             return mx.depends(zeros, list(inputs))
         return launch
 
-    made = (kernels._fused, kernels._kernel, kernels._gemm_kernel)
-    for kernel in made:
-        kernel.cache_clear()
+    kernels.forget_kernel_objects()
     mx.fast.cuda_kernel = cuda_kernel
     try:
         yield
     finally:
         mx.fast.cuda_kernel = real
-        for kernel in made:
-            kernel.cache_clear()
+        kernels.forget_kernel_objects()
 
 
 def main() -> None:

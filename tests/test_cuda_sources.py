@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import pytest
-from test_fast_path import STAND_INS, _expert_matvec, _expert_swiglu, _launcher, _quant_gemm
+from test_fast_path import STAND_INS, _expert_matvec, _expert_swiglu, _launcher, _q8_hc_routed, _quant_gemm
 
 from ds4lab.model import Model, kernel_cache, kernels
 from ds4lab.model.weights import ExpertBlocks, Q8Matrix
@@ -36,15 +36,10 @@ def _stand_in(short: str):
     """The stand-in of a kernel named ds4lab_<short>, and its name for `_launcher`."""
     types = {v: k for k, v in kernels._TYPES.items()} | {"q8_0": "Q8_0"}
     for prefix, make in (("expert_swiglu_", _expert_swiglu), ("expert_matvec_", _expert_matvec),
-                         ("quant_gemm_", _quant_gemm)):
+                         ("quant_gemm_", _quant_gemm), ("q8_hc_", _q8_hc_routed)):
         if short.startswith(prefix):
             return prefix[:-1], make(types[short.removeprefix(prefix)])
     return short, STAND_INS[short]
-
-
-def _clear_kernel_caches() -> None:
-    for made in (kernels._fused, kernels._kernel, kernels._gemm_kernel):
-        made.cache_clear()
 
 
 @pytest.fixture
@@ -65,10 +60,10 @@ def recorded_launches(monkeypatch, batched):
             return run(**kwargs)
         return launch
 
-    _clear_kernel_caches()
+    kernels.forget_kernel_objects()
     monkeypatch.setattr(mx.fast, "cuda_kernel", cuda_kernel)
     yield launches
-    _clear_kernel_caches()
+    kernels.forget_kernel_objects()
 
 
 # Integer templates that choose a code path, as the boolean ones do.
@@ -113,8 +108,13 @@ def test_every_launched_kernel_compiles_with_nvrtc(recorded_launches, nvrtc, tin
     kernels.q8_pair(q8, q8, x, norm_a=(mx.ones((4096,)), 1e-6))
     kernels.q8_swiglu(q8, q8, x, 0.0)
     kernels.q8_hc(q8, x, mx.ones((1, 6, 4096)), mx.ones((1, 6)), mx.ones((1, 6, 6)))   # more streams than a split
-    kernels.q8_hc(q8, x, streams, post, comb, next_input=kernels.HCInput(
-        mx.ones((24, 4 * 4096)), mx.ones((3,)), mx.ones((24,)), mx.ones((4096,)), 20, 1e-6, 1e-6))
+    nxt = kernels.HCInput(mx.ones((24, 4 * 4096)), mx.ones((3,)), mx.ones((24,)), mx.ones((4096,)), 20, 1e-6, 1e-6)
+    kernels.q8_hc(q8, x, streams, post, comb, next_input=nxt)
+    # and with a token's routed down products beside its rows, in each block format
+    for type_name in kernels._TYPES:
+        down = ExpertBlocks(mx.zeros((2, 4096 * row_bytes(type_name, 2048)), mx.uint8), type_name, 4096, 2048)
+        routed = kernels.RoutedDown(down, mx.array([[0, 1, 1, 0, 1, 0]], mx.int32), mx.ones((1, 6, 2048)))
+        kernels.q8_hc(q8, x, streams, post, comb, next_input=nxt, routed=routed)
     # Decode attention over 1152 keys (a ratio-4 layer at 4096 tokens): shares of the keys.
     q, rope = mx.ones((1, 64, 512)), (mx.ones((1, 32)), mx.zeros((1, 32)))
     # The flash shape's indexer queries (also without their rounding, as check_device runs
@@ -136,11 +136,13 @@ def test_every_launched_kernel_compiles_with_nvrtc(recorded_launches, nvrtc, tin
     # The step's kernels and a chunk's: the fused ones, an expert format's pair, the GEMM.
     assert {"ds4lab_hc_pre", "ds4lab_hc_mix", "ds4lab_q8_hc", "ds4lab_attention_heads", "ds4lab_attention_shares",
             "ds4lab_prefill_attention", "ds4lab_router", "ds4lab_indexer_queries"} <= names, names
-    experts = {f"ds4lab_expert_{kind}_{name}" for kind in ("swiglu", "matvec") for name in kernels._TYPES.values()}
+    experts = {f"ds4lab_{kind}_{name}" for kind in ("expert_swiglu", "expert_matvec", "q8_hc")
+               for name in kernels._TYPES.values()}
     assert experts <= names, names
     assert any(n.startswith("ds4lab_quant_gemm_") for n in names)
     split = {launch.name for launch in distinct.values() if ("SPLIT", kernels._Q8_WARPS) in launch.template}
-    assert split == {"ds4lab_q8_matvec", "ds4lab_q8_pair", "ds4lab_q8_swiglu", "ds4lab_q8_hc"}, split
+    assert split == {"ds4lab_q8_matvec", "ds4lab_q8_pair", "ds4lab_q8_swiglu", "ds4lab_q8_hc",
+                     *(f"ds4lab_q8_hc_{name}" for name in kernels._TYPES.values())}, split
     with ThreadPoolExecutor(4) as pool:
         logs = list(pool.map(lambda launch: compile_log(nvrtc, launch), distinct.values()))
     failed = [f"{launch.name} {launch.template}:\n{log[:2000]}"

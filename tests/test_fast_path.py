@@ -372,6 +372,22 @@ def _q8_hc(inputs, t, grid, threadgroup):
     return [y, x_next, pre, post_next, comb_next]
 
 
+def _q8_hc_routed(type_name):
+    """q8_hc with a token's routed experts' down products beside its rows (`routed=`): the
+    warp parts of a row set take the pairs in turn, so every pair is summed once."""
+    def run(inputs, t, grid, threadgroup):
+        raw, ids, mid = inputs[14:17]
+        k, rows, cols = t["K"], t["E"], t["COLS"]
+        assert not t["ADD"] and ids.dtype == mx.int32 and ids.shape == (grid[1], k) and mid.shape == (*ids.shape, cols)
+        assert t["ROW_BYTES"] * rows == t["EXPERT_BYTES"] == raw.shape[1]
+        assert len(inputs) == 17 + (type_name == "IQ2_XXS")          # its grid
+        flat = ids.reshape(-1)
+        down = (gather_experts(raw, flat, type_name, rows, cols) @ mid.reshape(-1, cols)[:, :, None])[..., 0]
+        add = down.reshape(*ids.shape, rows).sum(axis=1)
+        return _q8_hc([*inputs[:3], add, *inputs[4:14]], {**t, "ADD": True}, grid, threadgroup)
+    return run
+
+
 def _gemm_split_x(inputs, t, grid, threadgroup):
     """Rows scaled by 2^xexp to a largest value under 2^14, split into f16 hi + lo, 16-sums."""
     (x,) = inputs
@@ -493,6 +509,7 @@ def stand_in_kernels(monkeypatch, batched):
         else _launcher("expert_matvec", _expert_matvec(type_name), calls)))
     monkeypatch.setattr(kernels, "_gemm_kernel", lambda type_name: _launcher("quant_gemm", _quant_gemm(type_name),
                                                                              calls))
+    monkeypatch.setattr(kernels, "_q8_hc_kernel", lambda type_name: _launcher("q8_hc", _q8_hc_routed(type_name), calls))
     return calls
 
 
@@ -520,8 +537,9 @@ def test_fast_path_wiring_matches_the_reference(request, weights_fixture, stand_
     fast_full, fast_decoded = _prefill_and_decode(model, tokens, 6)
     # (decode attention over shares of its keys takes 1024 keys or more: its own test; the
     # shared expert's SwiGLU is made in the routed experts' launch unless ffn.hook_out is
-    # hooked: q8_swiglu then, in the boundary-hook test)
-    every = (set(STAND_INS) - {"attention_shares", "q8_swiglu"}) | {"expert_matvec", "expert_swiglu", "quant_gemm"}
+    # hooked: q8_swiglu then, in the boundary-hook test; the routed down products are made
+    # by the FFN's q8_hc unless ffn.hook_routed_out is hooked: expert_matvec then)
+    every = (set(STAND_INS) - {"attention_shares", "q8_swiglu"}) | {"expert_swiglu", "quant_gemm"}
     assert set(stand_in_kernels) == every, f"kernels never called: {every - set(stand_in_kernels)}"
     model.numerics.allow_fast = False
     ref_full, ref_decoded = _prefill_and_decode(model, tokens, 6)
@@ -856,7 +874,8 @@ def test_a_decode_step_shares_launches_where_parts_read_the_same_input(small_wei
     window completes): each ratio-4 layer's indexer queries in one launch, its scores and
     choice of rows in another and its two compressors' slots in a third, the router's logits
     in the router's launch (a hash layer's too), the shared expert's SwiGLU in the routed
-    experts'; no norm launch for the indexer's q_a."""
+    experts', the routed down products in the FFN's last product (q8_hc); no norm launch for
+    the indexer's q_a."""
     cfg = small_weights.config
     model = Model(small_weights)
     session = model.session()
@@ -869,6 +888,7 @@ def test_a_decode_step_shares_launches_where_parts_read_the_same_input(small_wei
     assert "compressor_pool" not in stand_in_kernels
     assert cfg.n_hash_layer > 0 and stand_in_kernels["router"] == cfg.n_layer     # hash layers' too
     assert stand_in_kernels["expert_swiglu"] == cfg.n_layer and "q8_swiglu" not in stand_in_kernels
+    assert "expert_matvec" not in stand_in_kernels and stand_in_kernels["q8_hc"] == 2 * cfg.n_layer
     assert stand_in_kernels["row_finish"] == 2
 
 

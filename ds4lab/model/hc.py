@@ -110,17 +110,20 @@ def hc_expand(out: mx.array, streams: mx.array, control: HCControl, mm: Schedule
 
 
 def hc_expand_q8(matrix: Q8Matrix, x: mx.array, streams: mx.array, control: HCControl, mm: Schedule,
-                 add: mx.array | None = None, next_input: kernels.HCInput | None = None,
+                 add: mx.array | kernels.RoutedDown | None = None, next_input: kernels.HCInput | None = None,
                  slot: int | None = 0) -> tuple[mx.array, tuple[mx.array, ...] | None]:
     """`hc_expand`(matrix · x, ...): a sublayer's last product and the new streams, one kernel
     on the fast path's matvec (`kernels.q8_hc`, up to its HC_MAX_STREAMS); `add` is added
-    to the product first. With `next_input` (the next sublayer's HC input weights) that kernel
-    also makes the next sublayer's input, as `hc_fused_input` would. Returns (new streams,
-    that input as (x, pre, post, comb), or None: the other paths make none). `slot`: the
-    block's (`kernels._arrival_counters`)."""
+    to the product first (routed experts' down products still to make, `kernels.RoutedDown`:
+    made in that kernel, beside the product's rows). With `next_input` (the next sublayer's
+    HC input weights) that kernel also makes the next sublayer's input, as `hc_fused_input`
+    would. Returns (new streams, that input as (x, pre, post, comb), or None: the other paths
+    make none). `slot`: the block's (`kernels._arrival_counters`)."""
+    routed = add if isinstance(add, kernels.RoutedDown) else None
     if mm.matvec(x) and streams.shape[1] <= kernels.HC_MAX_STREAMS:
-        return kernels.q8_hc(matrix, x, streams, control.post, control.comb, add, next_input, slot)
-    return hc_expand(mm.q8(matrix, x), streams, control, mm, add=add), None
+        return kernels.q8_hc(matrix, x, streams, control.post, control.comb, None if routed else add, next_input,
+                             slot, routed)
+    return hc_expand(mm.q8(matrix, x), streams, control, mm, add=routed.product() if routed else add), None
 
 
 def hc_head_weights(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array,

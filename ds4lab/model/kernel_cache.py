@@ -150,9 +150,7 @@ def recorded_variants(record: bool = True) -> Iterator[list[KernelVariant]]:
     patched = [(mx.fast, "cuda_kernel", cuda_kernel), (kernels, "cuda_ready", lambda: True),
                *((module, "batch_invariant_device", lambda: False) for module in (numerics, state, rope))]
     saved = [(module, name, getattr(module, name)) for module, name, _ in patched]
-    made = (kernels._fused, kernels._kernel, kernels._gemm_kernel)
-    for kernel in made:
-        kernel.cache_clear()
+    kernels.forget_kernel_objects()
     for module, name, value in patched:
         setattr(module, name, value)
     variants: list[KernelVariant] = []
@@ -161,8 +159,7 @@ def recorded_variants(record: bool = True) -> Iterator[list[KernelVariant]]:
     finally:
         for module, name, value in saved:
             setattr(module, name, value)
-        for kernel in made:
-            kernel.cache_clear()
+        kernels.forget_kernel_objects()
         variants.extend(seen)
 
 

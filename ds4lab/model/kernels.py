@@ -83,6 +83,7 @@ if TYPE_CHECKING:
 
 KERNEL_DIR = Path(__file__).resolve().parents[2] / "kernels" / "cuda"
 _TYPES = {"IQ2_XXS": "iq2_xxs", "Q2_K": "q2_k", "Q4_K": "q4_k"}
+_TABLE_NAMES = {"IQ2_XXS": ["grid"], "Q2_K": [], "Q4_K": []}     # the expert dots' lookup tables (`_tables`)
 _EXPERT_WARPS = 4                        # warps per thread block of the expert kernels
 _SWIGLU_ROWS = 2                         # output rows a warp of expert_swiglu (gate and up of each)
 _MATVEC_ROWS = 4                         # output rows a warp of expert_matvec
@@ -236,6 +237,13 @@ def _fused(name: str):
     source, headers, inputs, outputs = _KERNELS[name]
     return mx.fast.cuda_kernel(name=f"ds4lab_{name}", input_names=inputs, output_names=outputs,
                                **kernel_texts(source, *headers))
+
+
+def forget_kernel_objects() -> None:
+    """Drop the `mx.fast.cuda_kernel` objects made so far, so that the next launches make
+    theirs again (after `mx.fast.cuda_kernel` is patched or restored: benches and tests)."""
+    for made in (_fused, _kernel, _gemm_kernel, _q8_hc_kernel):
+        made.cache_clear()
 
 
 @cache
@@ -616,17 +624,48 @@ class HCInput(NamedTuple):
     hc_eps: float
 
 
+class RoutedDown(NamedTuple):
+    """A token's routed experts' down products still to make: sum over u of
+    tensor[ids[t, u]] · mid[t, u] ([T, rows]); `q8_hc(routed=)` makes them in its launch."""
+    tensor: ExpertBlocks
+    ids: mx.array          # [T, K] int32
+    mid: mx.array          # [T, K, cols]: the route-weighted SwiGLU
+
+    def product(self) -> mx.array:
+        """The sum made on its own (`expert_matvec`), [T, rows]."""
+        return expert_matvec(self.tensor, self.ids, self.mid, sum_pairs=True)
+
+
+@cache
+def _q8_hc_kernel(type_name: str):
+    """q8_hc with the routed experts' down products in a block format (q8_hc.cu's routed form:
+    the format's dot header included)."""
+    source, headers, inputs, outputs = _KERNELS["q8_hc"]
+    name = _TYPES[type_name]
+    return mx.fast.cuda_kernel(name=f"ds4lab_q8_hc_{name}", output_names=outputs,
+                               input_names=[*inputs, "raw", "ids", "mid", *_TABLE_NAMES[type_name]],
+                               **kernel_texts(source, *headers, "expert_matvec_common.cuh", f"expert_dot_{name}.cuh"))
+
+
 def q8_hc(matrix: Q8Matrix, x: mx.array, streams: mx.array, post: mx.array, comb: mx.array,
           add: mx.array | None = None, next_input: HCInput | None = None,
-          slot: int | None = 0) -> tuple[mx.array, tuple[mx.array, ...] | None]:
+          slot: int | None = 0, routed: RoutedDown | None = None) -> tuple[mx.array, tuple[mx.array, ...] | None]:
     """`hc_post`(W·x, ...) in one launch: a sublayer's last product (x [T, cols], W with
     n_embd rows) and the new streams [T, N, E] from it; `add` [T, E] is added to W·x first
-    (the FFN's routed output beside the shared expert's). With `next_input`, the same launch
-    also makes the next sublayer's input from the new streams, as `hc_pre` would (its last
-    block, from partial sums the others made): (x [T, E], pre [T, N], post [T, N], comb [T,
-    N, N]). Returns (new streams, that input or None)."""
+    (the FFN's routed output beside the shared expert's), or, with `routed`, the routed
+    experts' down products made in the same launch (their rows beside W's). With
+    `next_input`, the same launch also makes the next sublayer's input from the new streams,
+    as `hc_pre` would (its last block, from partial sums the others made): (x [T, E], pre
+    [T, N], post [T, N], comb [T, N, N]). Returns (new streams, that input or None)."""
     t = _one_vector_tokens("q8_hc", (matrix,), x)
     n, e = streams.shape[1:]
+    if routed is not None and (add is not None or routed.tensor.rows != matrix.rows
+                               or routed.tensor.cols != matrix.cols or routed.ids.ndim != 2
+                               or routed.ids.shape[0] != t
+                               or routed.mid.shape != (*routed.ids.shape, matrix.cols)):
+        raise ValueError(f"q8_hc: routed down {routed.tensor.rows}x{routed.tensor.cols}, ids "
+                         f"{tuple(routed.ids.shape)}, mid {tuple(routed.mid.shape)} beside a {matrix.rows}x"
+                         f"{matrix.cols} product of {t} tokens (and no `add`)")
     m = (2 + n) * n
     if streams.shape != (t, n, matrix.rows) or post.shape != (t, n) or comb.shape != (t, n, n) or n > HC_MAX_STREAMS:
         raise ValueError(f"q8_hc: streams {tuple(streams.shape)}, post {tuple(post.shape)}, comb {tuple(comb.shape)} "
@@ -652,12 +691,20 @@ def q8_hc(matrix: Q8Matrix, x: mx.array, streams: mx.array, post: mx.array, comb
                 _constant((next_input.rms_eps, next_input.hc_eps)), _arrival_counters(slot),
                 _launch_scratch("q8_hc", t * (m + 1) * parts, slot)] if nxt
                else [unused] * 5 + [_scalar(0, mx.int32), unused])
-    y, *made = _fused("q8_hc")(
+    down, down_template = [], []
+    if routed is not None:
+        n_row_bytes = row_bytes(routed.tensor.type_name, routed.tensor.cols)
+        down = [routed.tensor.raw, routed.ids.astype(mx.int32), routed.mid.astype(mx.float32),
+                *_tables(routed.tensor.type_name)]
+        down_template = [("K", routed.ids.shape[1]), ("ROW_BYTES", n_row_bytes),
+                         ("EXPERT_BYTES", routed.tensor.rows * n_row_bytes)]
+    kernel = _fused("q8_hc") if routed is None else _q8_hc_kernel(routed.tensor.type_name)
+    y, *made = kernel(
         inputs=[matrix.codes, matrix.scales, x.astype(mx.float32), unused if add is None else add,
-                streams, post, comb, *weights],
+                streams, post, comb, *weights, *down],
         template=[("E", e), ("COLS", matrix.cols), ("R", r), ("SPLIT", split), ("N", n), ("ADD", add is not None),
                   ("NEXT", nxt), ("PARTS", parts), ("ITERS", next_input.sinkhorn_iters if nxt else 1),
-                  ("GROUPS", groups)],
+                  ("GROUPS", groups), *down_template],
         **launch,
         output_shapes=[streams.shape] + ([(t, e), (t, n), (t, n), (t, n, n)] if nxt else [(1,)] * 4),
         output_dtypes=[mx.float32] * 5)
@@ -828,7 +875,7 @@ def _kernel(type_name: str, swiglu: bool = False):
     """The routed-expert matvec in this block format; with `swiglu` its gate-and-up form."""
     name = _TYPES[type_name]
     headers = ("ds4lab_block.cuh", "expert_matvec_common.cuh", f"expert_dot_{name}.cuh")
-    tables = ["grid"] if type_name == "IQ2_XXS" else []
+    tables = _TABLE_NAMES[type_name]
     if swiglu:
         return mx.fast.cuda_kernel(name=f"ds4lab_expert_swiglu_{name}",
                                    input_names=["raw_gate", "raw_up", "ids", "x", "w", "clamp", "codes_g", "scales_g",

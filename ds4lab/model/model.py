@@ -527,11 +527,12 @@ class Model:
         weights = h("hook_expert_weights", weights)
         clamp = cfg.swiglu_clamp[MTP_LAYER if layer.index is None else layer.index]
         on_mid = (lambda mid: h("hook_routed_mid", mid)) if h.wants("hook_routed_mid") else None
-        if not (h.wants("hook_shared_out") or h.wants("hook_out")):     # the down product and HC: one kernel
-            routed, mid = moe.routed_and_shared_mid(layer, xf, experts, weights, clamp, mm, on_mid)
+        if not (h.wants("hook_shared_out") or h.wants("hook_out")):     # the down products and HC: one kernel
+            down_later = not h.wants("hook_routed_out")
+            routed, mid = moe.routed_and_shared_mid(layer, xf, experts, weights, clamp, mm, on_mid, down_later)
             streams, ready = hc_expand_q8(layer.q8["ffn_down_shexp.weight"], mid, streams, control, mm,
-                                          add=h("hook_routed_out", routed), next_input=next_input,
-                                          slot=layer.index)
+                                          add=routed if down_later else h("hook_routed_out", routed),
+                                          next_input=next_input, slot=layer.index)
             return streams, experts, ready
         routed = h("hook_routed_out", moe.routed_experts(layer, xf, experts, weights, clamp, mm, on_mid))
         shared = h("hook_shared_out", moe.shared_expert(layer, xf, clamp, mm))

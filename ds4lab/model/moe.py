@@ -166,11 +166,13 @@ def routed_experts(layer: LayerWeights, xf: mx.array, experts: mx.array, weights
 
 
 def routed_and_shared_mid(layer: LayerWeights, xf: mx.array, experts: mx.array, weights: mx.array, clamp: float,
-                          mm: Schedule,
-                          on_mid: Callable[[mx.array], object] | None = None) -> tuple[mx.array, mx.array]:
+                          mm: Schedule, on_mid: Callable[[mx.array], object] | None = None,
+                          down_later: bool = False) -> tuple[mx.array | kernels.RoutedDown, mx.array]:
     """(`routed_experts`, `shared_mid`). In a fast-path decode step whose routed gate and up
     share a block format, the routed pairs' SwiGLU and the shared expert's come from one launch
-    (`kernels.expert_swiglu(shared=)`: both read the FFN input)."""
+    (`kernels.expert_swiglu(shared=)`: both read the FFN input); there, with `down_later`, the
+    routed output is left as its down products still to make (`kernels.RoutedDown`: the
+    shared expert's down launch makes them beside its own rows, `hc.hc_expand_q8`)."""
     gate_t, up_t, down_t = (layer.experts[f"ffn_{r}_exps.weight"] for r in ("gate", "up", "down"))
     one_launch = (mm.matvec(xf) and experts.size <= _GATHERED_MAX_PAIRS and gate_t.type_name == up_t.type_name
                   and all(kernels.available(w.type_name) for w in (gate_t, up_t, down_t)))
@@ -178,7 +180,7 @@ def routed_and_shared_mid(layer: LayerWeights, xf: mx.array, experts: mx.array, 
         return routed_experts(layer, xf, experts, weights, clamp, mm, on_mid), shared_mid(layer, xf, clamp, mm)
     shared = (layer.q8["ffn_gate_shexp.weight"], layer.q8["ffn_up_shexp.weight"])
     return _routed_gathered(gate_t, up_t, down_t, mm.experts_in(xf), experts, weights, clamp, mm.experts_in, on_mid,
-                            True, shared)
+                            True, shared, down_later)
 
 
 def _native_form(tensor: ExpertBlocks) -> tuple[mx.array, str] | None:
@@ -191,9 +193,11 @@ def _native_form(tensor: ExpertBlocks) -> tuple[mx.array, str] | None:
 def _routed_gathered(gate_t: ExpertBlocks, up_t: ExpertBlocks, down_t: ExpertBlocks, x_in: mx.array,
                      experts: mx.array, weights: mx.array, clamp: float, act_round,
                      on_mid: Callable[[mx.array], object] | None, fused: bool,
-                     shared: tuple[Q8Matrix, Q8Matrix] | None = None) -> tuple[mx.array, mx.array | None]:
-    """(the routed output, and with `shared` (fused, gate and up in one format) the shared
-    expert's SwiGLU made in the routed one's launch; else None)."""
+                     shared: tuple[Q8Matrix, Q8Matrix] | None = None,
+                     down_later: bool = False) -> tuple[mx.array | kernels.RoutedDown, mx.array | None]:
+    """(the routed output (fused, with `down_later`: its down products still to make), and
+    with `shared` (fused, gate and up in one format) the shared expert's SwiGLU made in the
+    routed one's launch; else None)."""
     t, u = experts.shape
     shared_mid = None
     if fused:
@@ -210,7 +214,8 @@ def _routed_gathered(gate_t: ExpertBlocks, up_t: ExpertBlocks, down_t: ExpertBlo
             mid = _swiglu_compiled(clamp, True)(gate, up, weights)
         if on_mid is not None:
             on_mid(mid)
-        return kernels.expert_matvec(down_t, experts, mid, sum_pairs=True), shared_mid
+        routed = kernels.RoutedDown(down_t, experts, mid)
+        return (routed if down_later else routed.product()), shared_mid
     ids = experts.reshape(-1)
     x = mx.repeat(x_in, u, axis=0)                                      # [T*U, d]
     gate = _matvec(gate_t, ids, x)

@@ -19,11 +19,22 @@
 // every other: it is the launch's critical path (ncu: ~20 of 33 µs, the SMs active 39% of the
 // launch), so the weights it reads are fetched into L2 as it starts and its loops keep
 // several loads in flight.
+// Routed (the kernels built with a block format's dot header, ds4lab_q8_hc_<format>, which
+// defines DS4LAB_DOT_STAGE): out also gets a token's K routed experts' down products,
+// sum over u of D[ids[t][u]] . mid[t][u] (mid: their route-weighted SwiGLU, expert_swiglu.cu;
+// D: raw [n_expert, EXPERT_BYTES], ROW_BYTES a row of COLS values), so the FFN launches no
+// down expert_matvec: one launch fewer a layer, and the 16.5 MB of a flash layer's down rows
+// stream beside the shared expert's instead of in a launch of their own (in place, the down
+// launch took ~40 µs a layer of device time at ~0.4 TB/s). Warp part k of the SPLIT warps
+// sharing R rows (which split the Q8_0 columns) takes the pairs u = k, k + SPLIT, ...; its
+// lanes' sums join their Q8_0 sums before the warps' totals (one order of additions: not the
+// separate launch's bits, within float rounding of them).
 // Inputs: codes [E, COLS / 4], scales [E, COLS / 32], x [T, COLS], add [T, E] (or one unused
 // value), streams [T, N, E], post [T, N], comb [T, N, N]; with NEXT the next sublayer's mixer
 // and its weights: mix, next_scale [3], next_base [M], next_norm [E], eps [2] (RMS, HC), and
 // counter (an arrival counter), part [T, M + 1, PARTS] (the blocks' partial sums, scratch the
-// last block reads: an input, kernels.py `_launch_scratch`), else one unused value each.
+// last block reads: an input, kernels.py `_launch_scratch`), else one unused value each;
+// routed: raw, ids [T, K] int32, mid [T, K, COLS] and the format's tables.
 // Outputs: y [T, N, E]; with NEXT x_next [T, E], pre [T, N], post_next [T, N],
 // comb_next [T, N, N] (one unused value each without).
 // Grid: x = 32 threads per warp, R rows per warp (with SPLIT, R rows per SPLIT warps, which
@@ -31,6 +42,9 @@
 // y = the token. GROUPS > 1 is for the tail: the last block's threads collapse the streams
 // and add the partials, and there are 1 / GROUPS as many partials (E: a multiple of
 // R * GROUPS, so that every warp of a block has rows).
+#ifdef DS4LAB_DOT_STAGE
+DS4LAB_DOT_STAGE
+#endif
 constexpr int M = (2 + N) * N;
 const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 const int r0 = (SPLIT > 1 ? blockIdx.x * GROUPS + warp / SPLIT : blockIdx.x * (blockDim.x >> 5) + warp) * R;
@@ -45,6 +59,15 @@ if (r0 < E) {
     for (int i = 0; i < R; ++i) ds4lab_q8_row<COLS>(codes, scales, r0 + i, w[i], s[i]);
     float acc[R];
     ds4lab_q8_dots<R, COLS, SPLIT>(w, s, xv, lane, acc, cols_part);
+#ifdef DS4LAB_DOT_STAGE
+    for (int u = cols_part; u < K; u += SPLIT) {
+        const uint8_t* expert = raw + (size_t)ids[(size_t)t * K + u] * EXPERT_BYTES;
+        const uint8_t* rows[R];
+#pragma unroll
+        for (int i = 0; i < R; ++i) rows[i] = expert + (size_t)(r0 + i) * ROW_BYTES;
+        ds4lab_expert_dot<COLS, R>(rows, mid + ((size_t)t * K + u) * COLS, lane, acc DS4LAB_DOT_TABLES);
+    }
+#endif
     ds4lab_q8_totals<R, SPLIT, GROUPS>(acc, cols_part, lane, warp / SPLIT);
 #pragma unroll
     for (int i = 0; i < R; ++i) {
