@@ -394,6 +394,29 @@ def check_fused_products() -> None:
         _bar(f"q8_hc with the next sublayer's input, {tokens} tokens", max(err_streams, err_input) <= _KERNEL_BAR)
         print(f"q8_hc with the next sublayer's input (4096 x 2048, {tokens} tokens): streams vs without "
               f"{err_streams:.2e}; x, pre, post, comb vs hc_pre of them {err_input:.2e}")
+    # With the routed experts' down products made beside the shared expert's rows (the FFN's
+    # form), against their own launch (expert_matvec) added: each block format, 3 tokens and 1.
+    routed_ids = mx.array([[3, 15, 0, 9, 7, 12], [1, 3, 5, 15, 2, 8], [4, 14, 6, 11, 13, 2]], dtype=mx.int32)
+    mid = mx.random.normal((3, 6, 2048)) * 0.1
+    for type_name in ("IQ2_XXS", "Q2_K", "Q4_K"):
+        routed_all = kernels.RoutedDown(_expert_blocks(type_name, 16, 4096, 2048), routed_ids, mid)
+        for tokens in (3, 1):
+            routed = routed_all._replace(ids=routed_ids[:tokens], mid=mid[:tokens])
+            args = (down, h[:tokens], streams[:tokens], control.post[:tokens], control.comb[:tokens])
+            fused, made = kernels.q8_hc(*args, next_input=nxt, routed=routed)
+            apart, made_apart = kernels.q8_hc(*args, add=routed.product(), next_input=nxt)
+            err = max(_rel(a, b) for a, b in zip((fused, *made), (apart, *made_apart), strict=True))
+            _bar(f"q8_hc with {type_name} routed down products, {tokens} tokens", err <= _KERNEL_BAR)
+            print(f"q8_hc with the routed down products ({type_name}, 6 x 4096 x 2048, {tokens} tokens) vs "
+                  f"expert_matvec added: streams and next input max rel err {err:.2e}")
+        # (timed without the next input: its arrival counters serve one launch at a time)
+        one = routed_all._replace(ids=routed_ids[:1], mid=mid[:1])
+        fused_s = _seconds(lambda v, one=one: kernels.q8_hc(down, v, streams[:1], control.post[:1],
+                                                            control.comb[:1], routed=one)[0], h[:1])
+        apart_s = _seconds(lambda v, one=one: kernels.q8_hc(down, v, streams[:1], control.post[:1], control.comb[:1],
+                                                            add=one.product())[0], h[:1])
+        print(f"q8_hc with the routed down products ({type_name}), one token: {fused_s * 1e6:.1f} us vs "
+              f"expert_matvec + q8_hc {apart_s * 1e6:.1f} us")
     ids = mx.array([[3, 15, 0, 9, 7, 12], [1, 3, 5, 15, 2, 8]], dtype=mx.int32)
     weights = mx.random.uniform(0.1, 1.0, ids.shape)
     one_ids, one_w = ids[:1], weights[:1]
