@@ -15,6 +15,8 @@
 #   bash bench/device_checks.sh geometry # a step's device time under the expert kernels' and q8_hc's
 #                                        # geometry constants (device_time_ab.py), then ncu's warp
 #                                        # stalls by instruction for q8_hc's tail (~8 min)
+#   bash bench/device_checks.sh routed   # q8_hc with the routed down products against expert_matvec added,
+#                                        # a step's device time, the 43-layer stream at 4096 (~9 min: one call)
 #   bash bench/device_checks.sh warm     # every kernel variant of a 43-layer run compiled into .ptx_cache
 #                                        # (bench/warm_kernels.py; ~4 min on 2 cores, so best made on
 #                                        # the CPU machine and carried)
@@ -96,13 +98,22 @@ geometry() {
         --details q8_hc_4096_8192 --launches 1 --sections SourceCounters WarpStateStats
 }
 
+routed() {
+    # The FFN's q8_hc making the routed down products (2026-12-04, not yet run on a GPU): its
+    # bars, then the step's device time (9.58 ms with the down expert_matvec) and the stream.
+    step fused 240 env MLX_ENABLE_TF32=0 python3 bench/check_device.py --parts fused
+    step device_time 180 python3 bench/device_time_ab.py --layers 43 --context 4096 --repeat 6 --variants base
+    step decode43 150 python3 bench/bench_model.py --in-memory --layers 43 --prompt 4096 --steps 16
+}
+
 case "${1:-all}" in
     checks) checks ;;
     speed) speed ;;
     split) host_and_device ;;
     graphs) graph_commits ;;
     geometry) geometry ;;
+    routed) routed ;;
     warm) step warm 900 python3 bench/warm_kernels.py --cache .ptx_cache ;;
     all) checks; speed ;;
-    *) echo "usage: $0 [checks|speed|split|graphs|geometry|warm|all]" >&2; exit 2 ;;
+    *) echo "usage: $0 [checks|speed|split|graphs|geometry|routed|warm|all]" >&2; exit 2 ;;
 esac
