@@ -379,6 +379,8 @@ def _q8_hc_routed(type_name):
         raw, ids, mid = inputs[14:17]
         k, rows, cols = t["K"], t["E"], t["COLS"]
         assert not t["ADD"] and ids.dtype == mx.int32 and ids.shape == (grid[1], k) and mid.shape == (*ids.shape, cols)
+        # the pairs' rows cut into PIECES runs of whole blocks, evenly over a row set's warps
+        assert t["PIECES"] == 1 or (cols % (256 * t["PIECES"]) == 0 and k * t["PIECES"] % t["SPLIT"] == 0)
         assert t["ROW_BYTES"] * rows == t["EXPERT_BYTES"] == raw.shape[1]
         assert len(inputs) == 17 + (type_name == "IQ2_XXS")          # its grid
         flat = ids.reshape(-1)
@@ -731,6 +733,16 @@ def test_q8_products_of_a_few_thousand_rows_split_their_columns_over_a_block(sta
     assert kernels._Q8_HC_GROUPS > 1 and 4096 % (4 * kernels._Q8_HC_GROUPS) == 0
     assert kernels._rows_per_warp(4096, 2048) == (4, kernels._Q8_WARPS)
     assert kernels._rows_per_warp(129280, 4096) == (4, 1)            # the output head: enough warps unsplit
+    # with a token's 6 routed down products beside the rows: 6 rows over a row set's 4 warps
+    # as 12 half rows (PIECES; the stand-in checks they divide evenly), the sum as made apart
+    down = _expert_blocks("Q2_K", 3, 4096, 2048)
+    routed = kernels.RoutedDown(down, mx.array([[0, 2, 1, 2, 0, 1]], mx.int32),
+                                mx.array(rng.standard_normal((1, 6, 2048)).astype(np.float32)))
+    beside, _ = kernels.q8_hc(q8, x, streams, post, comb, routed=routed)
+    apart, _ = kernels.q8_hc(q8, x, streams, post, comb, add=routed.product())
+    assert np.allclose(np.array(beside), np.array(apart), rtol=1e-5, atol=1e-5)
+    assert kernels._row_pieces(6, 4, 2048) == 2 and kernels._row_pieces(8, 4, 2048) == 1
+    assert kernels._row_pieces(6, 4, 256) == 1                       # one block a row: whole rows
 
 
 def test_decode_attention_over_many_keys_takes_shares_of_them_and_adds_them(stand_in_kernels):

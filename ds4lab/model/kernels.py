@@ -636,6 +636,14 @@ class RoutedDown(NamedTuple):
         return expert_matvec(self.tensor, self.ids, self.mid, sum_pairs=True)
 
 
+def _row_pieces(pairs: int, split: int, cols: int) -> int:
+    """Runs of whole blocks each routed down row is cut into in q8_hc, so that its `split`
+    warps of a row set get equal shares of the `pairs` rows: split / gcd(pairs, split), when
+    the row has that many 256-value blocks a run (else 1: whole rows)."""
+    pieces = split // math.gcd(pairs, split)
+    return pieces if cols % (256 * pieces) == 0 else 1
+
+
 @cache
 def _q8_hc_kernel(type_name: str):
     """q8_hc with the routed experts' down products in a block format (q8_hc.cu's routed form:
@@ -697,7 +705,8 @@ def q8_hc(matrix: Q8Matrix, x: mx.array, streams: mx.array, post: mx.array, comb
         down = [routed.tensor.raw, routed.ids.astype(mx.int32), routed.mid.astype(mx.float32),
                 *_tables(routed.tensor.type_name)]
         down_template = [("K", routed.ids.shape[1]), ("ROW_BYTES", n_row_bytes),
-                         ("EXPERT_BYTES", routed.tensor.rows * n_row_bytes)]
+                         ("EXPERT_BYTES", routed.tensor.rows * n_row_bytes),
+                         ("PIECES", _row_pieces(routed.ids.shape[1], split, matrix.cols))]
     kernel = _fused("q8_hc") if routed is None else _q8_hc_kernel(routed.tensor.type_name)
     y, *made = kernel(
         inputs=[matrix.codes, matrix.scales, x.astype(mx.float32), unused if add is None else add,

@@ -172,13 +172,16 @@ def routed_and_shared_mid(layer: LayerWeights, xf: mx.array, experts: mx.array, 
     share a block format, the routed pairs' SwiGLU and the shared expert's come from one launch
     (`kernels.expert_swiglu(shared=)`: both read the FFN input); there, with `down_later`, the
     routed output is left as its down products still to make (`kernels.RoutedDown`: the
-    shared expert's down launch makes them beside its own rows, `hc.hc_expand_q8`)."""
+    shared expert's down launch makes them beside its own rows, `hc.hc_expand_q8`, when the
+    two down matrices have one shape)."""
     gate_t, up_t, down_t = (layer.experts[f"ffn_{r}_exps.weight"] for r in ("gate", "up", "down"))
     one_launch = (mm.matvec(xf) and experts.size <= _GATHERED_MAX_PAIRS and gate_t.type_name == up_t.type_name
                   and all(kernels.available(w.type_name) for w in (gate_t, up_t, down_t)))
     if not one_launch:
         return routed_experts(layer, xf, experts, weights, clamp, mm, on_mid), shared_mid(layer, xf, clamp, mm)
     shared = (layer.q8["ffn_gate_shexp.weight"], layer.q8["ffn_up_shexp.weight"])
+    shared_down = layer.q8["ffn_down_shexp.weight"]               # beside whose rows q8_hc makes them
+    down_later = down_later and (down_t.rows, down_t.cols) == (shared_down.rows, shared_down.cols)
     return _routed_gathered(gate_t, up_t, down_t, mm.experts_in(xf), experts, weights, clamp, mm.experts_in, on_mid,
                             True, shared, down_later)
 

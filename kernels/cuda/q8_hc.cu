@@ -25,10 +25,13 @@
 // D: raw [n_expert, EXPERT_BYTES], ROW_BYTES a row of COLS values), so the FFN launches no
 // down expert_matvec: one launch fewer a layer, and the 16.5 MB of a flash layer's down rows
 // stream beside the shared expert's instead of in a launch of their own (in place, the down
-// launch took ~40 µs a layer of device time at ~0.4 TB/s). Warp part k of the SPLIT warps
-// sharing R rows (which split the Q8_0 columns) takes the pairs u = k, k + SPLIT, ...; its
-// lanes' sums join their Q8_0 sums before the warps' totals (one order of additions: not the
-// separate launch's bits, within float rounding of them).
+// launch took ~40 µs a layer of device time at ~0.4 TB/s). The SPLIT warps sharing R rows
+// (which split the Q8_0 columns) share the pairs' rows as K * PIECES pieces (pair u's row cut
+// into PIECES runs of whole blocks; kernels.py picks PIECES so that the pieces divide evenly:
+// 6 pairs over 4 warps are 12 half rows, 3 a warp, where whole rows would give two warps 2
+// and two warps 1, the block waiting on the slowest); warp part k takes pieces k, k + SPLIT,
+// ..., its lanes' sums joining their Q8_0 sums before the warps' totals (one order of
+// additions: not the separate launch's bits, within float rounding of them).
 // Inputs: codes [E, COLS / 4], scales [E, COLS / 32], x [T, COLS], add [T, E] (or one unused
 // value), streams [T, N, E], post [T, N], comb [T, N, N]; with NEXT the next sublayer's mixer
 // and its weights: mix, next_scale [3], next_base [M], next_norm [E], eps [2] (RMS, HC), and
@@ -60,12 +63,14 @@ if (r0 < E) {
     float acc[R];
     ds4lab_q8_dots<R, COLS, SPLIT>(w, s, xv, lane, acc, cols_part);
 #ifdef DS4LAB_DOT_STAGE
-    for (int u = cols_part; u < K; u += SPLIT) {
-        const uint8_t* expert = raw + (size_t)ids[(size_t)t * K + u] * EXPERT_BYTES;
+    for (int piece = cols_part; piece < K * PIECES; piece += SPLIT) {
+        const int u = piece / PIECES, from = piece % PIECES;
+        const uint8_t* expert = raw + (size_t)ids[(size_t)t * K + u] * EXPERT_BYTES + from * (ROW_BYTES / PIECES);
         const uint8_t* rows[R];
 #pragma unroll
         for (int i = 0; i < R; ++i) rows[i] = expert + (size_t)(r0 + i) * ROW_BYTES;
-        ds4lab_expert_dot<COLS, R>(rows, mid + ((size_t)t * K + u) * COLS, lane, acc DS4LAB_DOT_TABLES);
+        ds4lab_expert_dot<COLS / PIECES, R>(rows, mid + ((size_t)t * K + u) * COLS + from * (COLS / PIECES), lane,
+                                            acc DS4LAB_DOT_TABLES);
     }
 #endif
     ds4lab_q8_totals<R, SPLIT, GROUPS>(acc, cols_part, lane, warp / SPLIT);
