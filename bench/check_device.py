@@ -403,7 +403,7 @@ def check_fused_products() -> None:
         for tokens in (3, 1):
             routed = routed_all._replace(ids=routed_ids[:tokens], mid=mid[:tokens])
             args = (down, h[:tokens], streams[:tokens], control.post[:tokens], control.comb[:tokens])
-            fused, made = kernels.q8_hc(*args, next_input=nxt, routed=routed)
+            fused, made = kernels.q8_hc(*args, add=routed, next_input=nxt)
             # (a slot of arrival counters each: the two launches are unordered in one graph)
             apart, made_apart = kernels.q8_hc(*args, add=routed.product(), next_input=nxt, slot=1)
             err = max(_rel(a, b) for a, b in zip((fused, *made), (apart, *made_apart), strict=True))
@@ -413,7 +413,7 @@ def check_fused_products() -> None:
         # (timed without the next input: its arrival counters serve one launch at a time)
         one = routed_all._replace(ids=routed_ids[:1], mid=mid[:1])
         fused_s = _seconds(lambda v, one=one: kernels.q8_hc(down, v, streams[:1], control.post[:1],
-                                                            control.comb[:1], routed=one)[0], h[:1])
+                                                            control.comb[:1], add=one)[0], h[:1])
         apart_s = _seconds(lambda v, one=one: kernels.q8_hc(down, v, streams[:1], control.post[:1], control.comb[:1],
                                                             add=one.product())[0], h[:1])
         print(f"q8_hc with the routed down products ({type_name}), one token: {fused_s * 1e6:.1f} us vs "

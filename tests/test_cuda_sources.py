@@ -114,7 +114,7 @@ def test_every_launched_kernel_compiles_with_nvrtc(recorded_launches, nvrtc, tin
     for type_name in kernels._TYPES:
         down = ExpertBlocks(mx.zeros((2, 4096 * row_bytes(type_name, 2048)), mx.uint8), type_name, 4096, 2048)
         routed = kernels.RoutedDown(down, mx.array([[0, 1, 1, 0, 1, 0]], mx.int32), mx.ones((1, 6, 2048)))
-        kernels.q8_hc(q8, x, streams, post, comb, next_input=nxt, routed=routed)
+        kernels.q8_hc(q8, x, streams, post, comb, add=routed, next_input=nxt)
     # Decode attention over 1152 keys (a ratio-4 layer at 4096 tokens): shares of the keys.
     q, rope = mx.ones((1, 64, 512)), (mx.ones((1, 32)), mx.zeros((1, 32)))
     # The flash shape's indexer queries (also without their rounding, as check_device runs

@@ -373,7 +373,7 @@ def _q8_hc(inputs, t, grid, threadgroup):
 
 
 def _q8_hc_routed(type_name):
-    """q8_hc with a token's routed experts' down products beside its rows (`routed=`): the
+    """q8_hc with a token's routed experts' down products beside its rows (`add=` a RoutedDown): the
     warp parts of a row set take the pairs in turn, so every pair is summed once."""
     def run(inputs, t, grid, threadgroup):
         raw, ids, mid = inputs[14:17]
@@ -738,7 +738,7 @@ def test_q8_products_of_a_few_thousand_rows_split_their_columns_over_a_block(sta
     down = _expert_blocks("Q2_K", 3, 4096, 2048)
     routed = kernels.RoutedDown(down, mx.array([[0, 2, 1, 2, 0, 1]], mx.int32),
                                 mx.array(rng.standard_normal((1, 6, 2048)).astype(np.float32)))
-    beside, _ = kernels.q8_hc(q8, x, streams, post, comb, routed=routed)
+    beside, _ = kernels.q8_hc(q8, x, streams, post, comb, add=routed)
     apart, _ = kernels.q8_hc(q8, x, streams, post, comb, add=routed.product())
     assert np.allclose(np.array(beside), np.array(apart), rtol=1e-5, atol=1e-5)
     assert kernels._row_pieces(6, 4, 2048) == 2 and kernels._row_pieces(8, 4, 2048) == 1

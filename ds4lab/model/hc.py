@@ -119,11 +119,11 @@ def hc_expand_q8(matrix: Q8Matrix, x: mx.array, streams: mx.array, control: HCCo
     HC input weights) that kernel also makes the next sublayer's input, as `hc_fused_input`
     would. Returns (new streams, that input as (x, pre, post, comb), or None: the other paths
     make none). `slot`: the block's (`kernels._arrival_counters`)."""
-    routed = add if isinstance(add, kernels.RoutedDown) else None
     if mm.matvec(x) and streams.shape[1] <= kernels.HC_MAX_STREAMS:
-        return kernels.q8_hc(matrix, x, streams, control.post, control.comb, None if routed else add, next_input,
-                             slot, routed)
-    return hc_expand(mm.q8(matrix, x), streams, control, mm, add=routed.product() if routed else add), None
+        return kernels.q8_hc(matrix, x, streams, control.post, control.comb, add, next_input, slot)
+    if isinstance(add, kernels.RoutedDown):
+        add = add.product()
+    return hc_expand(mm.q8(matrix, x), streams, control, mm, add=add), None
 
 
 def hc_head_weights(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.array,

@@ -626,7 +626,7 @@ class HCInput(NamedTuple):
 
 class RoutedDown(NamedTuple):
     """A token's routed experts' down products still to make: sum over u of
-    tensor[ids[t, u]] · mid[t, u] ([T, rows]); `q8_hc(routed=)` makes them in its launch."""
+    tensor[ids[t, u]] · mid[t, u] ([T, rows]); `q8_hc(add=)` makes them in its launch."""
     tensor: ExpertBlocks
     ids: mx.array          # [T, K] int32
     mid: mx.array          # [T, K, cols]: the route-weighted SwiGLU
@@ -656,24 +656,25 @@ def _q8_hc_kernel(type_name: str):
 
 
 def q8_hc(matrix: Q8Matrix, x: mx.array, streams: mx.array, post: mx.array, comb: mx.array,
-          add: mx.array | None = None, next_input: HCInput | None = None,
-          slot: int | None = 0, routed: RoutedDown | None = None) -> tuple[mx.array, tuple[mx.array, ...] | None]:
+          add: mx.array | RoutedDown | None = None, next_input: HCInput | None = None,
+          slot: int | None = 0) -> tuple[mx.array, tuple[mx.array, ...] | None]:
     """`hc_post`(W·x, ...) in one launch: a sublayer's last product (x [T, cols], W with
     n_embd rows) and the new streams [T, N, E] from it; `add` [T, E] is added to W·x first
-    (the FFN's routed output beside the shared expert's), or, with `routed`, the routed
-    experts' down products made in the same launch (their rows beside W's). With
+    (the FFN's routed output beside the shared expert's), or, `add` a `RoutedDown`, the
+    routed experts' down products made in the same launch (their rows beside W's). With
     `next_input`, the same launch also makes the next sublayer's input from the new streams,
     as `hc_pre` would (its last block, from partial sums the others made): (x [T, E], pre
     [T, N], post [T, N], comb [T, N, N]). Returns (new streams, that input or None)."""
     t = _one_vector_tokens("q8_hc", (matrix,), x)
     n, e = streams.shape[1:]
-    if routed is not None and (add is not None or routed.tensor.rows != matrix.rows
+    routed, add = (add, None) if isinstance(add, RoutedDown) else (None, add)
+    if routed is not None and (routed.tensor.rows != matrix.rows
                                or routed.tensor.cols != matrix.cols or routed.ids.ndim != 2
                                or routed.ids.shape[0] != t
                                or routed.mid.shape != (*routed.ids.shape, matrix.cols)):
         raise ValueError(f"q8_hc: routed down {routed.tensor.rows}x{routed.tensor.cols}, ids "
                          f"{tuple(routed.ids.shape)}, mid {tuple(routed.mid.shape)} beside a {matrix.rows}x"
-                         f"{matrix.cols} product of {t} tokens (and no `add`)")
+                         f"{matrix.cols} product of {t} tokens")
     m = (2 + n) * n
     if streams.shape != (t, n, matrix.rows) or post.shape != (t, n) or comb.shape != (t, n, n) or n > HC_MAX_STREAMS:
         raise ValueError(f"q8_hc: streams {tuple(streams.shape)}, post {tuple(post.shape)}, comb {tuple(comb.shape)} "
@@ -900,10 +901,13 @@ def _iq2_grid() -> mx.array:
     return mx.array(IQ2XXS_GRID_BYTES.reshape(-1))
 
 
+_TABLE_ARRAYS = {"grid": _iq2_grid}
+
+
 def _tables(type_name: str) -> list[mx.array]:
-    """The lookup tables a block format's expert kernels read (IQ2_XXS: its grid, which the
-    kernels stage as level codes; the signs are computed)."""
-    return [_iq2_grid()] if type_name == "IQ2_XXS" else []
+    """The lookup tables a block format's expert kernels read, in `_TABLE_NAMES` order
+    (IQ2_XXS: its grid, which the kernels stage as level codes; the signs are computed)."""
+    return [_TABLE_ARRAYS[name]() for name in _TABLE_NAMES[type_name]]
 
 
 def expert_matvec(tensor: ExpertBlocks, ids: mx.array, x: mx.array, *, pairs_per_input: int = 1,
