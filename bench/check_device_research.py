@@ -29,6 +29,7 @@ import ds4lab
 import mlx.core as mx
 import numpy as np
 
+from ds4lab import generation
 from ds4lab.paths import synthetic_model
 from ds4lab.quants import imatrix
 from ds4lab.steering import SteeringVector
@@ -148,6 +149,24 @@ def main() -> None:
     results.append(report("boundary hook: effect, fast vs reference, max diff / std",
                           float(np.abs((fast_edit - fast_plain) - (ref_edit - ref_plain)).max() / std),
                           max(path_gap, 1e-4)))
+
+    # The greedy stream (a worker thread encodes its steps) straight after a prefill, with no
+    # plain step before it to launch the decode's kernels first: the tokens of plain decoding.
+    def streamed():
+        session = model.session()
+        session.prefill(tokens)
+        return [step.token for step in generation.stream(model, [], max_tokens=8, session=session)]
+
+    def plain():
+        session = model.session()
+        out, logits = [], session.prefill(tokens)
+        for _ in range(8):
+            out.append(int(mx.argmax(logits).item()))
+            logits = session.decode(out[-1])
+        return out
+
+    results.append(on(GPU, streamed) == on(GPU, plain))
+    print(f"{'greedy stream straight after a prefill: plain tokens':52s} {results[-1]}")
 
     folder = tempfile.mkdtemp()
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import ctypes
 import json
 import os
 import queue
@@ -247,6 +248,31 @@ def _any_thread_stream() -> mx.Stream:
     return _ANY_THREAD_STREAMS[key]
 
 
+def _cuda_driver() -> ctypes.CDLL | None:
+    """The CUDA driver library when MLX runs on a CUDA GPU, else None."""
+    if mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available():
+        return ctypes.CDLL("libcuda.so.1")
+    return None
+
+
+def _cuda_context(driver: ctypes.CDLL, context: ctypes.c_void_p | None = None) -> ctypes.c_void_p:
+    """This thread's current CUDA context, after making `context` current when given.
+
+    MLX CUDA (0.32.4) makes a thread's context current only when that thread first commits
+    work, after the work's kernels are loaded. A fresh thread whose first evaluation needs a
+    kernel not yet loaded in the process therefore failed: a custom kernel's module (`Failed to
+    load compiled ... kernel`) or one of MLX's own kernels loaded lazily (`cudaGraphAddKernelNode
+    ... invalid argument`: the vocabulary's argmax); seen on an H200 when a greedy stream
+    started straight after a prefill, with no plain step first (2026-12-04). The worker takes
+    the context of the thread that made it, which has evaluated on the GPU."""
+    if context is not None and (status := driver.cuCtxSetCurrent(context)) != 0:
+        raise RuntimeError(f"cuCtxSetCurrent failed with CUDA driver status {status}")
+    current = ctypes.c_void_p()
+    if (status := driver.cuCtxGetCurrent(ctypes.byref(current))) != 0:
+        raise RuntimeError(f"cuCtxGetCurrent failed with CUDA driver status {status}")
+    return current
+
+
 class _WorkerEncoder:
     """Steps queued by a worker thread: for the fast path on a GPU (hook-free), where host work
     bounds a step. MLX encodes a graph on the thread that evaluates it (on CUDA some 20 µs a
@@ -262,6 +288,8 @@ class _WorkerEncoder:
 
     def __init__(self, session, logits: mx.array, max_tokens: int) -> None:
         mx.eval(logits, *session.state.arrays())      # nothing lazy left on this thread's stream
+        self._driver = _cuda_driver()
+        self._context = None if self._driver is None else _cuda_context(self._driver)
         reserve_tables(session.state.n_tokens + max_tokens)
         self._queued, self._encoded = queue.Queue(), queue.Queue()
         self._busy = False                             # a step handed over, not yet encoded
@@ -269,8 +297,12 @@ class _WorkerEncoder:
         self._worker.start()
 
     def _encode(self) -> None:
+        unbound = self._driver is not None
         while (arrays := self._queued.get()) is not None:
             try:
+                if unbound:                    # the context first (`_cuda_context`)
+                    _cuda_context(self._driver, self._context)
+                    unbound = False
                 mx.async_eval(arrays)
                 self._encoded.put(None)
             except BaseException as error:     # handed to the generator, which raises it

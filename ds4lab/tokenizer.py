@@ -357,8 +357,12 @@ def load(gguf_path: str | os.PathLike[str] | None = None, mode: str = "reference
 
 
 def token_bytes(token: int) -> bytes:
-    """The bytes a token stands for: byte-level BPE tokens decoded, control tokens as their text."""
+    """The bytes a token stands for: byte-level BPE tokens decoded, control tokens as their text;
+    none for an id past the vocabulary (a model's output rows may outnumber its tokens, and a
+    random model picks those rows too)."""
     v = vocab()
+    if not 0 <= token < len(v.tokens):
+        return b""
     text = v.tokens[token]
     if v.token_types[token] != TOKEN_NORMAL:
         return text.encode("utf-8")

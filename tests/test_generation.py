@@ -5,12 +5,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4lab import load
+from ds4lab import load, tokenizer
 from ds4lab.eval import compare_vectors
-from ds4lab.generation import Sampling, dump_logprobs, generate, sample, stream, token_bytes
+from ds4lab.generation import Emitter, Sampling, dump_logprobs, generate, sample, stream, token_bytes
 
 ORACLE = Path(__file__).resolve().parents[2] / "shared" / "oracle" / "tiny-a"
 OFFICIAL = Path(__file__).resolve().parents[2] / "shared" / "vectors" / "official"
@@ -139,3 +140,13 @@ def test_greedy_stream_runs_ahead_yet_leaves_the_session_as_plain_decoding(tmp_p
     full = tiny.session()
     assert generate(tiny, prompt, max_tokens=6, session=full).tokens == tokens
     assert full.tokens == prompt + tokens[:5]                # the last token is not consumed
+
+
+def test_token_bytes_of_an_id_past_the_vocabulary_is_empty_and_the_stream_goes_on():
+    # A model's output rows may outnumber the tokenizer's tokens (a random model picks them).
+    v = tokenizer.vocab()
+    assert token_bytes(len(v.tokens)) == b"" and token_bytes(len(v.tokens) + 7) == b""
+    assert token_bytes(len(v.tokens) - 1) != b""
+    emitter = Emitter(3, (), 0)
+    step = emitter.step(len(v.tokens) + 1, mx.zeros((len(v.tokens) + 8,)))
+    assert step.token == len(v.tokens) + 1 and not step.finish
