@@ -264,7 +264,9 @@ def _cuda_context(driver: ctypes.CDLL, context: ctypes.c_void_p | None = None) -
     load compiled ... kernel`) or one of MLX's own kernels loaded lazily (`cudaGraphAddKernelNode
     ... invalid argument`: the vocabulary's argmax); seen on an H200 when a greedy stream
     started straight after a prefill, with no plain step first (2026-12-04). The worker takes
-    the context of the thread that made it, which has evaluated on the GPU."""
+    the context of the thread that made it, which has evaluated on the GPU. (Measured on the
+    H200: the context bound, a 4-layer stream straight after its prefill ran; the argmax
+    launched on the creating thread first, the checks' stream ran; each was needed once.)"""
     if context is not None and (status := driver.cuCtxSetCurrent(context)) != 0:
         raise RuntimeError(f"cuCtxSetCurrent failed with CUDA driver status {status}")
     current = ctypes.c_void_p()
@@ -287,7 +289,10 @@ class _WorkerEncoder:
     its own stream."""
 
     def __init__(self, session, logits: mx.array, max_tokens: int) -> None:
-        mx.eval(logits, *session.state.arrays())      # nothing lazy left on this thread's stream
+        # Nothing lazy left on this thread's stream, and the vocabulary's argmax launched here
+        # once (see `_cuda_context`: on the H200 its first launch on the worker failed even with
+        # the context bound there, when the process had run other work first).
+        mx.eval(logits, mx.argmax(logits), *session.state.arrays())
         self._driver = _cuda_driver()
         self._context = None if self._driver is None else _cuda_context(self._driver)
         reserve_tables(session.state.n_tokens + max_tokens)
