@@ -17,6 +17,9 @@
 #                                        # stalls by instruction for q8_hc's tail (~8 min)
 #   bash bench/device_checks.sh routed   # q8_hc with the routed down products against expert_matvec added,
 #                                        # a step's device time, the 43-layer stream at 4096 (~9 min: one call)
+#   bash bench/device_checks.sh stream   # the research checks (a greedy stream straight after a prefill among
+#                                        # them), then the 43-layer bench at 128 and 4096 with the
+#                                        # stream in 3 rounds of 64 steps (~6 min)
 #   bash bench/device_checks.sh warm     # every kernel variant of a 43-layer run compiled into .ptx_cache
 #                                        # (bench/warm_kernels.py; ~4 min on 2 cores, so best made on
 #                                        # the CPU machine and carried)
@@ -106,6 +109,10 @@ routed() {
     step decode43 150 python3 bench/bench_model.py --in-memory --layers 43 --prompt 4096 --steps 16
 }
 
+stream() {
+    step research 200 python3 bench/check_device_research.py
+    step decode43 280 python3 bench/bench_model.py --in-memory --layers 43 --prompt 128 4096 --steps 64 --rounds 3
+}
 case "${1:-all}" in
     checks) checks ;;
     speed) speed ;;
@@ -113,7 +120,8 @@ case "${1:-all}" in
     graphs) graph_commits ;;
     geometry) geometry ;;
     routed) routed ;;
+    stream) stream ;;
     warm) step warm 900 python3 bench/warm_kernels.py --cache .ptx_cache ;;
     all) checks; speed ;;
-    *) echo "usage: $0 [checks|speed|split|graphs|geometry|routed|warm|all]" >&2; exit 2 ;;
+    *) echo "usage: $0 [checks|speed|split|graphs|geometry|routed|stream|warm|all]" >&2; exit 2 ;;
 esac
