@@ -248,6 +248,10 @@ class Model:
         token_ids = mx.stack(tokens).reshape(-1).astype(mx.int32) if on_device else mx.array(tokens, dtype=mx.int32)
         x = self._hooks.fire("hook_embed", self.weights.token_embd[token_ids].astype(mx.float32))
         streams = mx.broadcast_to(x[:, None, :], (x.shape[0], cfg.n_hc, cfg.n_embd))
+        if self.numerics.fast:
+            # MLX copies each input of a custom kernel that is not row-contiguous, once for
+            # every kernel that reads it (three read the first block's streams): copied once here.
+            streams = mx.contiguous(streams)
         new = state.copy()
         experts = []
         rotations: dict[tuple, Rotation] = {}
