@@ -11,6 +11,7 @@ which arguments, shapes, templates and grid, and which blocks hooks send to the 
 from __future__ import annotations
 
 import math
+import re
 
 import mlx.core as mx
 import numpy as np
@@ -18,7 +19,7 @@ import pytest
 
 from ds4lab import generation
 from ds4lab.config import preset
-from ds4lab.model import Model, attention, compressor, hc, kernels, moe
+from ds4lab.model import Model, attention, compressor, hc, kernel_cache, kernels, moe
 from ds4lab.model import numerics as nm
 from ds4lab.model.random_weights import _expert_blocks, random_weights
 from ds4lab.model.rope import Rotation, apply_rope_tail, yarn_for
@@ -1074,3 +1075,27 @@ def test_f16_matrices_reach_the_kernels_as_f16_with_the_files_values(small_weigh
     comp = Model(small_weights)._compressors[layer.index]["attn"]
     kv, gate, *_ = comp._slot_inputs(compressor.Frontier.empty(4, comp.width))
     assert kv.dtype == gate.dtype == mx.float16
+
+
+def test_no_kernel_of_a_decode_step_reads_a_broadcast_or_transposed_view(tmp_path):
+    """MLX copies each input of a custom kernel that is not row-contiguous, at every launch
+    (`CustomKernel::eval_gpu`): a hidden copy kernel and buffer per reader. With every launch
+    stubbed (one `Depends` node on its inputs), no kernel of a prefill or a decode step may read
+    an array made by a broadcast or a transpose (the embedding's four streams once did: three
+    readers, three copies a step)."""
+    weights = random_weights(preset("tiny"), "q2", seed=4)
+    with kernel_cache.recorded_variants(record=False):
+        session = Model(weights).session()
+        for tokens in ([5, 6, 7, 8, 9, 10], [11]):
+            mx.eval(session.state.arrays())
+            result = session.model.forward(session.state, tokens, last_only=True)
+            mx.export_to_dot(str(tmp_path / "step.dot"), result.logits, *result.state.arrays())
+            text = (tmp_path / "step.dot").read_text()
+            labels = dict(re.findall(r'\{ (\d+) \[label ="?([A-Za-z]+)', text))
+            producer = {b: a for a, b in re.findall(r'(\d+) -> "(\w+)"', text)}
+            kernel_inputs = [a for a, b in re.findall(r'"(\w+)" -> (\d+)', text) if labels.get(b) == "Depends"]
+            assert kernel_inputs, "no kernel launch in the step"
+            views = [labels[producer[a]] for a in kernel_inputs if labels.get(producer.get(a)) in
+                     ("Broadcast", "BroadcastAxes", "Transpose", "AsStrided")]
+            assert views == [], f"{len(tokens)} tokens: kernels read views {views}"
+            session.state = result.state
