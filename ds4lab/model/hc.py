@@ -130,4 +130,4 @@ def hc_head_weights(streams: mx.array, fn: mx.array, scale: mx.array, base: mx.a
                     rms_eps: float, hc_eps: float, mm: Schedule) -> mx.array:
     """The output head's collapse weights: sigmoid without Sinkhorn, [T, n_hc]."""
     mix = _control_vector(streams, fn, rms_eps, mm)
-    return mx.sigmoid(mix * scale[0] + base) + hc_eps
+    return mx.sigmoid(mix * scale + base) + hc_eps    # scale [1] broadcast: `scale[0]` is a gather kernel

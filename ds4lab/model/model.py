@@ -276,8 +276,8 @@ class Model:
             streams, mm = streams[-1:], mm.rows(np.array([len(tokens) - 1]))
         logits = self._head(streams, mm)
         new.tokens = state.tokens + list(tokens)
-        new.logits = logits[-1]
-        new.hidden = hidden[-1]
+        new.logits = logits[-1:].squeeze(0)            # views: an integer index would be a gather kernel
+        new.hidden = hidden[-1:].squeeze(0)
         return ChunkResult(logits, experts, new, hidden)
 
     def block(self, layer: LayerWeights, cache: LayerCache, streams: mx.array, p0: int, rotation: Rotation,
