@@ -199,6 +199,8 @@ def main() -> None:
                         help="every custom kernel returns at once (launched with its inputs, outputs and grid, "
                              "its values garbage): the step's host and launch floor, without the kernels' work")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error("--rounds: at least 1")
     if args.empty_kernels:
         empty_kernel_bodies()
     device = mx.default_device()

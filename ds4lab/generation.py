@@ -272,6 +272,9 @@ def _cuda_context(driver: ctypes.CDLL, context: ctypes.c_void_p | None = None) -
     current = ctypes.c_void_p()
     if (status := driver.cuCtxGetCurrent(ctypes.byref(current))) != 0:
         raise RuntimeError(f"cuCtxGetCurrent failed with CUDA driver status {status}")
+    if current.value is None and context is None:       # none yet: device 0's primary context, MLX's
+        if (status := driver.cuDevicePrimaryCtxRetain(ctypes.byref(current), 0)) != 0:
+            raise RuntimeError(f"cuDevicePrimaryCtxRetain failed with CUDA driver status {status}")
     return current
 
 

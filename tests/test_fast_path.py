@@ -1080,9 +1080,10 @@ def test_f16_matrices_reach_the_kernels_as_f16_with_the_files_values(small_weigh
 def test_no_kernel_of_a_decode_step_reads_a_broadcast_or_transposed_view(tmp_path):
     """MLX copies each input of a custom kernel that is not row-contiguous, at every launch
     (`CustomKernel::eval_gpu`): a hidden copy kernel and buffer per reader. With every launch
-    stubbed (one `Depends` node on its inputs), no kernel of a prefill or a decode step may read
-    an array made by a broadcast or a transpose (the embedding's four streams once did: three
-    readers, three copies a step)."""
+    stubbed (one `Depends` node on its inputs), no kernel of a decode step may read an array
+    made by a broadcast or a transpose (the embedding's four streams once did: three readers,
+    three copies a step). A prefill chunk's graph is evaluated layer by layer, so its graph
+    here shows only the last layers and the head."""
     weights = random_weights(preset("tiny"), "q2", seed=4)
     with kernel_cache.recorded_variants(record=False):
         session = Model(weights).session()

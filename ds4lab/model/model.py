@@ -276,8 +276,10 @@ class Model:
             streams, mm = streams[-1:], mm.rows(np.array([len(tokens) - 1]))
         logits = self._head(streams, mm)
         new.tokens = state.tokens + list(tokens)
-        new.logits = logits[-1:].squeeze(0)            # views: an integer index would be a gather kernel
-        new.hidden = hidden[-1:].squeeze(0)
+        # A decode step's rows as views (an integer index is a gather kernel in MLX); a chunk's
+        # last row as its own copy (a view would keep the chunk's whole buffer alive).
+        last = (lambda a: a.squeeze(0)) if len(tokens) == 1 else (lambda a: a[-1])
+        new.logits, new.hidden = last(logits), last(hidden)
         return ChunkResult(logits, experts, new, hidden)
 
     def block(self, layer: LayerWeights, cache: LayerCache, streams: mx.array, p0: int, rotation: Rotation,
