@@ -26,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from .atomic import atomic_open
+from .model.kernels import on_cuda
 from .model.rope import reserve_tables
 from .tokenizer import token_bytes, vocab
 
@@ -250,9 +251,7 @@ def _any_thread_stream() -> mx.Stream:
 
 def _cuda_driver() -> ctypes.CDLL | None:
     """The CUDA driver library when MLX runs on a CUDA GPU, else None."""
-    if mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available():
-        return ctypes.CDLL("libcuda.so.1")
-    return None
+    return ctypes.CDLL("libcuda.so.1") if on_cuda() else None
 
 
 def _cuda_context(driver: ctypes.CDLL, context: ctypes.c_void_p | None = None) -> ctypes.c_void_p:

@@ -102,9 +102,14 @@ _HC_THREADS = 1024                       # hc_pre's block (one block a token; wa
 _HC_MIX_COLUMNS = 256                    # hc_mix's block: a column of the mixer product a thread
 
 
+def on_cuda() -> bool:
+    """True when the default device is a CUDA GPU."""
+    return mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
+
+
 def cuda_ready() -> bool:
     """True when CUDA kernels can run: the default device is a CUDA GPU and the sources exist."""
-    return mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available() and KERNEL_DIR.is_dir()
+    return on_cuda() and KERNEL_DIR.is_dir()
 
 
 def available(type_name: str) -> bool:
