@@ -451,6 +451,56 @@ def check_fused_products() -> None:
               f"swiglu: max rel err {errs[0]:.2e}, {errs[2]:.2e}; with the shared expert's (its rows vs "
               f"dequantize, multiply, swiglu; the routed ones the same bits) {errs[1]:.2e}, {errs[3]:.2e}; "
               f"one token (512x1024) {fused_s * 1e6:.1f} us vs two expert_matvec + swiglu {apart_s * 1e6:.1f} us")
+    check_routed_swiglu()
+
+
+def check_routed_swiglu() -> None:
+    """The router inside the routed experts' launch (`routed_swiglu`) against the router's own
+    launch and then `expert_swiglu`: the same experts and the same bits (the same sums in the
+    same order), on the real router's shape (256 experts over 128 threads: two a thread) with
+    a bias, and on a hash layer's, F16 router rows too; 1 and 3 tokens. Timed for one token:
+    each call its own slot, since launches that count their blocks must not share counters."""
+    n_expert, rows, cols = 256, 512, 1024
+    shared = (_q8_matrix(rows - 3, cols), _q8_matrix(rows - 3, cols))
+    for type_name in ("IQ2_XXS", "Q2_K", "Q4_K"):
+        g_t, u_t = (_expert_blocks(type_name, n_expert, rows, cols) for _ in range(2))
+        rw = mx.random.normal((n_expert, cols)) * 0.05
+        bias = mx.random.normal((n_expert,)) * 0.1
+        x = mx.random.normal((3, cols))
+        table = mx.random.randint(0, n_expert, (50, 6)).astype(mx.int32)
+        worst, same_experts = 0.0, True
+        for tokens in (3, 1):
+            xt = x[:tokens]
+            ids = mx.array([7, 41, 3][:tokens], dtype=mx.int32)
+            for w, b, hashed in ((rw, bias, None), (rw.astype(mx.float16), None, (table, ids))):
+                experts, mid, shared_mid = kernels.routed_swiglu(g_t, u_t, xt, kernels.Route(w, b, 1.5, 6, hashed),
+                                                                 10.0, shared)
+                _, ref_experts, ref_w = kernels.router(xt, b, 6, 1.5, weight=w, hashed=hashed, slot=1)
+                ref_mid, ref_shared = kernels.expert_swiglu(g_t, u_t, ref_experts, xt, ref_w, 10.0, shared)
+                same_experts &= bool(mx.array_equal(experts, ref_experts).item())
+                worst = max(worst, _rel(mid, ref_mid), _rel(shared_mid, ref_shared))
+        _bar(f"routed_swiglu {type_name}", same_experts and worst <= _KERNEL_BAR)
+        fused_s, apart_s = _routed_swiglu_seconds(g_t, u_t, rw, bias, shared, x[:1])
+        print(f"routed_swiglu {type_name} ({n_expert} experts, 6 used, {rows}x{cols}, with the shared expert; "
+              f"a biased layer and a hash layer's, 1 and 3 tokens) vs router then expert_swiglu: the same "
+              f"experts {same_experts}, max rel err {worst:.2e} (0: the same bits); one token "
+              f"{fused_s * 1e6:.1f} us vs {apart_s * 1e6:.1f} us")
+
+
+def _routed_swiglu_seconds(g_t, u_t, rw: mx.array, bias: mx.array, shared, one: mx.array) -> tuple[float, float]:
+    """Device seconds of `routed_swiglu` for one token, and of the router then `expert_swiglu`;
+    each call its own slot (launches that count their blocks must not share counters)."""
+    slots = iter(range(100, 10**6))
+
+    def fused(v):
+        return kernels.routed_swiglu(g_t, u_t, v, kernels.Route(rw, bias, 1.5, 6, None, next(slots)), 10.0,
+                                     shared)[1]
+
+    def apart(v):
+        _, chosen, weights = kernels.router(v, bias, 6, 1.5, weight=rw, slot=next(slots))
+        return kernels.expert_swiglu(g_t, u_t, chosen, v, weights, 10.0, shared)[0]
+
+    return _seconds(fused, one), _seconds(apart, one)
 
 
 def _q8_matrix(rows: int, cols: int) -> Q8Matrix:

@@ -19,7 +19,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import mlx.core as mx
 import pytest
-from test_fast_path import STAND_INS, _expert_matvec, _expert_swiglu, _launcher, _q8_hc_routed, _quant_gemm
+from test_fast_path import (
+    STAND_INS,
+    _expert_matvec,
+    _expert_swiglu,
+    _launcher,
+    _q8_hc_routed,
+    _quant_gemm,
+    _routed_swiglu,
+)
 
 from ds4lab.model import Model, kernel_cache, kernels
 from ds4lab.model.weights import ExpertBlocks, Q8Matrix
@@ -36,7 +44,8 @@ def _stand_in(short: str):
     """The stand-in of a kernel named ds4lab_<short>, and its name for `_launcher`."""
     types = {v: k for k, v in kernels._TYPES.items()} | {"q8_0": "Q8_0"}
     for prefix, make in (("expert_swiglu_", _expert_swiglu), ("expert_matvec_", _expert_matvec),
-                         ("quant_gemm_", _quant_gemm), ("q8_hc_", _q8_hc_routed)):
+                         ("routed_swiglu_", _routed_swiglu), ("quant_gemm_", _quant_gemm),
+                         ("q8_hc_", _q8_hc_routed)):
         if short.startswith(prefix):
             return prefix[:-1], make(types[short.removeprefix(prefix)])
     return short, STAND_INS[short]
@@ -98,6 +107,13 @@ def test_every_launched_kernel_compiles_with_nvrtc(recorded_launches, nvrtc, tin
         blocks = ExpertBlocks(mx.zeros((3, 5 * row_bytes(type_name, 512)), mx.uint8), type_name, 5, 512)
         kernels.expert_swiglu(blocks, blocks, ids, x, mx.ones((1, 2)), 0.0)
         kernels.expert_matvec(blocks, ids, x, pairs_per_input=2)
+        # with the router inside (E = 40 over 128 threads, biased top-2; a hash layer's rows),
+        # and the shared expert's rows in the launch
+        shared = Q8Matrix(mx.zeros((5, 128), mx.uint32), mx.zeros((5, 16)), mx.zeros((5, 16)), 5, 512)
+        for route in (kernels.Route(mx.ones((40, 512)), mx.zeros((40,)), 1.5, 2),
+                      kernels.Route(mx.ones((40, 512), mx.float16), None, 1.5, 2,
+                                    (mx.zeros((100, 2), mx.int32), mx.array([7], mx.int32)))):
+            kernels.routed_swiglu(blocks, blocks, x, route, 0.0, (shared, shared))
     # The Q8_0 products on matrices of a few thousand rows and columns, whose warps split the
     # columns (SPLIT): zero codes of 4096 x 2048, as the model's shared expert and HC output.
     q8 = Q8Matrix(mx.zeros((4096, 512), mx.uint32), mx.zeros((4096, 64)), mx.zeros((4096, 64)), 4096, 2048)
@@ -136,7 +152,7 @@ def test_every_launched_kernel_compiles_with_nvrtc(recorded_launches, nvrtc, tin
     # The step's kernels and a chunk's: the fused ones, an expert format's pair, the GEMM.
     assert {"ds4lab_hc_pre", "ds4lab_hc_mix", "ds4lab_q8_hc", "ds4lab_attention_heads", "ds4lab_attention_shares",
             "ds4lab_prefill_attention", "ds4lab_router", "ds4lab_indexer_queries"} <= names, names
-    experts = {f"ds4lab_{kind}_{name}" for kind in ("expert_swiglu", "expert_matvec", "q8_hc")
+    experts = {f"ds4lab_{kind}_{name}" for kind in ("expert_swiglu", "expert_matvec", "routed_swiglu", "q8_hc")
                for name in kernels._TYPES.values()}
     assert experts <= names, names
     assert any(n.startswith("ds4lab_quant_gemm_") for n in names)

@@ -453,6 +453,38 @@ def _expert_swiglu(type_name):
     return run
 
 
+def _routed_swiglu(type_name):
+    """routed_swiglu.cu: the router's stand-in (its logits made inside), then expert_swiglu's
+    with the experts and weights chosen; checks the job layout (a token's router blocks, a warp
+    a row, then its shared and pairs' blocks of output rows, all in grid x) and that the
+    counters come zeroed and the scratch holds the tokens' logits and weights."""
+    swiglu = _expert_swiglu(type_name)
+
+    def run(inputs, t, grid, threadgroup):
+        (raw_gate, raw_up, x, clamp, codes_g, scales_g, codes_u, scales_u, rw, bias, scale, table, token_ids,
+         counter, logits, route_w) = inputs[:16]
+        threads, k, e, rows, shared_rows = threadgroup[0], t["X_DIV"], t["E"], t["ROWS"], t["SHARED_ROWS"]
+        warps, tokens = threads // 32, x.shape[0]
+        assert grid[1] == grid[2] == 1 and threadgroup[1] == threadgroup[2] == 1 and threads % 32 == 0
+        assert rw.shape == (e, t["COLS"]) and t["EPT"] * threads >= e > (t["EPT"] - 1) * threads
+        assert t["ROUTER_BLOCKS"] * warps >= e > (t["ROUTER_BLOCKS"] - 1) * warps
+        assert t["X_BLOCKS"] * warps * t["P"] >= max(rows, shared_rows) > (t["X_BLOCKS"] - 1) * warps * t["P"]
+        per_token = t["ROUTER_BLOCKS"] + t["X_BLOCKS"] * (k + (1 if shared_rows else 0))
+        assert grid[0] == tokens * per_token * threads
+        assert counter.dtype == mx.int32 and counter.size >= 2 + 2 * tokens and not np.array(counter).any()
+        assert logits.size >= tokens * e and route_w.size >= tokens * k
+        block = -(-e // 32) * 32                    # the router's own launch: a thread an expert
+        _, experts, weights = _router([x, rw, bias, scale, mx.zeros((tokens,), mx.int32), table, token_ids],
+                                      {"E": e, "K": k, "N": t["COLS"], "HAS_BIAS": t["HAS_BIAS"],
+                                       "PRODUCT": True, "HASH": t["HASH"]},
+                                      (-(-e // (block // 32)) * block, tokens, 1), (block, 1, 1))
+        mid, shared = swiglu([raw_gate, raw_up, experts, x, weights, clamp, codes_g, scales_g, codes_u, scales_u,
+                              *inputs[16:]], t,
+                             (t["X_BLOCKS"] * threads, tokens * k + (tokens if shared_rows else 0), 1), threadgroup)
+        return [mid, shared, experts]
+    return run
+
+
 def _quant_gemm(type_name):
     """quant_gemm.cu's walk: each thread block a tile of 64 pairs of one expert (the last
     expert whose first tile is at or before it) times 64 output rows; every output row must
@@ -510,6 +542,8 @@ def stand_in_kernels(monkeypatch, batched):
     monkeypatch.setattr(kernels, "_kernel", lambda type_name, swiglu=False: (
         _launcher("expert_swiglu", _expert_swiglu(type_name), calls) if swiglu
         else _launcher("expert_matvec", _expert_matvec(type_name), calls)))
+    monkeypatch.setattr(kernels, "_routed_kernel", lambda type_name: _launcher("routed_swiglu",
+                                                                               _routed_swiglu(type_name), calls))
     monkeypatch.setattr(kernels, "_gemm_kernel", lambda type_name: _launcher("quant_gemm", _quant_gemm(type_name),
                                                                              calls))
     monkeypatch.setattr(kernels, "_q8_hc_kernel", lambda type_name: _launcher("q8_hc", _q8_hc_routed(type_name), calls))
@@ -541,8 +575,11 @@ def test_fast_path_wiring_matches_the_reference(request, weights_fixture, stand_
     # (decode attention over shares of its keys takes 1024 keys or more: its own test; the
     # shared expert's SwiGLU is made in the routed experts' launch unless ffn.hook_out is
     # hooked: q8_swiglu then, in the boundary-hook test; the routed down products are made
-    # by the FFN's q8_hc unless ffn.hook_routed_out is hooked: expert_matvec then)
-    every = (set(STAND_INS) - {"attention_shares", "q8_swiglu"}) | {"expert_swiglu", "quant_gemm"}
+    # by the FFN's q8_hc unless ffn.hook_routed_out is hooked: expert_matvec then; a decode
+    # step routes inside the routed experts' launch unless a hook reads the experts: router
+    # and expert_swiglu then, in the forced-experts test; a chunk's router reads its logits
+    # from a GEMM)
+    every = (set(STAND_INS) - {"attention_shares", "q8_swiglu"}) | {"routed_swiglu", "quant_gemm"}
     assert set(stand_in_kernels) == every, f"kernels never called: {every - set(stand_in_kernels)}"
     model.numerics.allow_fast = False
     ref_full, ref_decoded = _prefill_and_decode(model, tokens, 6)
@@ -885,9 +922,9 @@ def test_a_decode_step_finishes_q_and_kv_rows_without_launches_of_their_own(smal
 def test_a_decode_step_shares_launches_where_parts_read_the_same_input(small_weights, stand_in_kernels):
     """A decode step whose indexer chooses (small: top-4 of 5 ratio-4 rows at position 21; no
     window completes): each ratio-4 layer's indexer queries in one launch, its scores and
-    choice of rows in another and its two compressors' slots in a third, the router's logits
-    in the router's launch (a hash layer's too), the shared expert's SwiGLU in the routed
-    experts', the routed down products in the FFN's last product (q8_hc); no norm launch for
+    choice of rows in another and its two compressors' slots in a third, the router (its
+    logits too, a hash layer's as well) and the shared expert's SwiGLU in the routed experts'
+    launch, the routed down products in the FFN's last product (q8_hc); no norm launch for
     the indexer's q_a."""
     cfg = small_weights.config
     model = Model(small_weights)
@@ -899,8 +936,8 @@ def test_a_decode_step_shares_launches_where_parts_read_the_same_input(small_wei
     assert stand_in_kernels["indexer_queries"] == stand_in_kernels["indexer_scores"] == ratios.count(4) == 2
     assert stand_in_kernels["compressor_slot"] == sum(r > 0 for r in ratios)
     assert "compressor_pool" not in stand_in_kernels
-    assert cfg.n_hash_layer > 0 and stand_in_kernels["router"] == cfg.n_layer     # hash layers' too
-    assert stand_in_kernels["expert_swiglu"] == cfg.n_layer and "q8_swiglu" not in stand_in_kernels
+    assert cfg.n_hash_layer > 0 and stand_in_kernels["routed_swiglu"] == cfg.n_layer     # hash layers' too
+    assert not {"router", "expert_swiglu", "q8_swiglu"} & set(stand_in_kernels)
     assert "expert_matvec" not in stand_in_kernels and stand_in_kernels["q8_hc"] == 2 * cfg.n_layer
     assert stand_in_kernels["row_finish"] == 2
 
@@ -974,12 +1011,15 @@ def test_plan_in_ds4_cpu_numerics_is_reference(small_weights, stand_in_kernels):
 
 def test_forced_experts_on_the_fast_path_reweight_as_the_reference(small_weights, stand_in_kernels):
     """A replacement at `ffn.hook_experts` (here: forced experts) keeps the fast path; the route
-    weights then follow the router's scores of the forced experts, as on the reference path."""
+    weights then follow the router's scores of the forced experts, as on the reference path.
+    The router then has its own launch: the routed experts' launch does not route."""
     model = Model(small_weights)
     cfg = model.config
     tokens = [5, 6, 7, 8, 9]
     forced = np.random.default_rng(0).integers(0, cfg.n_expert, (len(tokens), cfg.n_layer, cfg.n_expert_used))
     fast = np.array(model(tokens, experts=forced))
+    assert stand_in_kernels["router"] == stand_in_kernels["expert_swiglu"] == cfg.n_layer
+    assert "routed_swiglu" not in stand_in_kernels
     model.numerics.allow_fast = False
     reference = np.array(model(tokens, experts=forced))
     free = np.array(model(tokens))

@@ -143,8 +143,8 @@ _KERNELS = {
                          "w_kv2", "w_gate2", "ape2", "kv2", "score2", "at"],
                         ["kv_out", "score_out", "kv_out2", "score_out2"]),
     "compressor_pool": ("compressor_pool.cu", (), ["old_kv", "old_score", "new_kv", "new_score"], ["out"]),
-    "router": ("router.cu", ("ds4lab_block.cuh",), ["x", "w", "bias", "scale", "counter", "table", "tokens"],
-               ["probs", "experts", "weights"]),
+    "router": ("router.cu", ("ds4lab_block.cuh", "router.cuh"),
+               ["x", "w", "bias", "scale", "counter", "table", "tokens"], ["probs", "experts", "weights"]),
     "q8_matvec": ("q8_matvec.cu", ("ds4lab_block.cuh", "q8_rows.cuh"), ["codes", "scales", "x"], ["y"]),
     "q8_pair": ("q8_pair.cu", ("ds4lab_block.cuh", "q8_rows.cuh"),
                 ["codes_a", "scales_a", "codes_b", "scales_b", "x", "norm_w", "eps", "counter"], ["ya", "yb", "ya_n"]),
@@ -247,7 +247,7 @@ def _fused(name: str):
 def forget_kernel_objects() -> None:
     """Drop the `mx.fast.cuda_kernel` objects made so far, so that the next launches make
     theirs again (after `mx.fast.cuda_kernel` is patched or restored: benches and tests)."""
-    for made in (_fused, _kernel, _gemm_kernel, _q8_hc_kernel):
+    for made in (_fused, _kernel, _routed_kernel, _gemm_kernel, _q8_hc_kernel):
         made.cache_clear()
 
 
@@ -779,7 +779,8 @@ def _arrival_counters(slot: int | None = 0) -> mx.array:
     """The zeroed ints in which kernels whose last thread block finishes a launch's work count
     their blocks (`ds4lab_last_block`): the router and the indexer's scores a counter per
     token, q8_pair's norm of q_a and q8_hc's next input the first, decode attention's shares
-    one per (token, head), of which there are fewer than _ATTENTION_MANY_BLOCKS. Each launch
+    one per (token, head), of which there are fewer than _ATTENTION_MANY_BLOCKS;
+    `routed_swiglu` its tickets, departures, and a router count and a flag per token. Each launch
     leaves them zero, so one set serves launches that run one after the other. In a CUDA
     graph MLX orders two launches only through a buffer one writes and the other reads (the
     counters are an input of both), so launches that count must be ordered by their data, as
@@ -896,9 +897,23 @@ def _kernel(type_name: str, swiglu: bool = False):
                                    input_names=["raw_gate", "raw_up", "ids", "x", "w", "clamp", "codes_g", "scales_g",
                                                 "codes_u", "scales_u", *tables],
                                    output_names=["mid", "shared"],
-                                   **kernel_texts("expert_swiglu.cu", *headers, "q8_rows.cuh"))
+                                   **kernel_texts("expert_swiglu.cu", *headers, "q8_rows.cuh", "expert_swiglu.cuh"))
     return mx.fast.cuda_kernel(name=f"ds4lab_expert_matvec_{name}", input_names=["raw", "ids", "x", *tables],
                                output_names=["y"], **kernel_texts("expert_matvec.cu", *headers))
+
+
+@cache
+def _routed_kernel(type_name: str):
+    """The routed experts' gate-and-up form with the router inside (`routed_swiglu`)."""
+    name = _TYPES[type_name]
+    headers = ("ds4lab_block.cuh", "expert_matvec_common.cuh", f"expert_dot_{name}.cuh", "q8_rows.cuh",
+               "expert_swiglu.cuh", "router.cuh")
+    return mx.fast.cuda_kernel(name=f"ds4lab_routed_swiglu_{name}",
+                               input_names=["raw_gate", "raw_up", "x", "clamp", "codes_g", "scales_g", "codes_u",
+                                            "scales_u", "rw", "bias", "scale", "table", "tokens", "counter", "logits",
+                                            "route_w", *_TABLE_NAMES[type_name]],
+                               output_names=["mid", "shared", "experts"],
+                               **kernel_texts("routed_swiglu.cu", *headers))
 
 
 @cache
@@ -981,3 +996,67 @@ def expert_swiglu(gate: ExpertBlocks, up: ExpertBlocks, ids: mx.array, x: mx.arr
         threadgroup=(threads, 1, 1),
         output_shapes=[(*ids.shape, rows), (t, shared_rows) if shared else (1, 1)], output_dtypes=[mx.float32] * 2)
     return (mid, shared_mid) if shared is not None else mid
+
+
+class Route(NamedTuple):
+    """A layer's router as `router(weight=...)` takes it, for `routed_swiglu` to run inside the
+    routed experts' launch: the matrix [E, cols] (float32, or F16 as `kernel_dense` gives it),
+    the selection bias [E] or None, the weights' scale, n_used experts a token, the hash
+    table and token ids of a hash layer or None, and the block's `slot`."""
+    weight: mx.array
+    bias: mx.array | None
+    scale: float
+    n_used: int
+    hashed: tuple[mx.array, mx.array] | None = None
+    slot: int | None = 0
+
+
+def routed_swiglu(gate: ExpertBlocks, up: ExpertBlocks, x: mx.array, route: Route, clamp: float,
+                  shared: tuple[Q8Matrix, Q8Matrix] | None = None) -> tuple[mx.array, mx.array, mx.array]:
+    """`router` then `expert_swiglu` in one launch (routed_swiglu.cu), for up to
+    MATVEC_MAX_TOKENS tokens x [T, cols]: (experts [T, n_used] int32, as `router` chooses them;
+    mid [T, n_used, rows], as `expert_swiglu` makes it with the router's weights; the shared
+    expert's SwiGLU [T, rows] with `shared`, else a [1, 1] placeholder). The route weights and
+    probs stay inside: used where no hook reads them."""
+    rows, cols, t, e = gate.rows, gate.cols, x.shape[0], route.weight.shape[0]
+    if (gate.type_name, gate.rows, gate.cols) != (up.type_name, up.rows, up.cols):
+        raise ValueError(f"routed_swiglu: gate {gate.type_name} {gate.rows}x{gate.cols}, "
+                         f"up {up.type_name} {up.rows}x{up.cols} (one format and shape)")
+    if x.ndim != 2 or x.shape[1] != cols or not 1 <= t <= MATVEC_MAX_TOKENS or route.weight.shape[1] != cols:
+        raise ValueError(f"routed_swiglu: input {tuple(x.shape)} and router {tuple(route.weight.shape)} "
+                         f"(expected [T <= {MATVEC_MAX_TOKENS}, {cols}] and [E, {cols}])")
+    if cols % 4 or route.n_used > 32:
+        raise ValueError(f"routed_swiglu: rows of {cols} values (a multiple of 4) and {route.n_used} experts "
+                         f"a token (at most 32)")
+    if route.hashed is not None and (route.hashed[0].ndim != 2 or route.hashed[0].shape[1] != route.n_used
+                                     or route.hashed[1].size != t):
+        raise ValueError(f"routed_swiglu: a hash table {tuple(route.hashed[0].shape)} and {route.hashed[1].size} "
+                         f"tokens for {t} tokens of {route.n_used} experts")
+    shared_rows = 0
+    none = [_constant((0,), mx.uint32), _scalar(0.0)] * 2                       # no shared expert: typed stand-ins
+    if shared is not None:
+        shared_rows = shared[0].rows
+        if any((m.rows, m.cols) != (shared_rows, cols) for m in shared):
+            raise ValueError(f"routed_swiglu: shared gate and up {[(m.rows, m.cols) for m in shared]} "
+                             f"(expected equal, {cols} columns)")
+    q8 = [a for m in shared for a in (m.codes, m.scales)] if shared is not None else none
+    threads = 32 * _EXPERT_WARPS
+    router_blocks, x_blocks = -(-e // _EXPERT_WARPS), -(-max(rows, shared_rows) // (_SWIGLU_ROWS * _EXPERT_WARPS))
+    per_token = router_blocks + x_blocks * (route.n_used + (1 if shared is not None else 0))
+    table, tokens = ((route.hashed[0].astype(mx.int32), route.hashed[1].astype(mx.int32)) if route.hashed is not None
+                     else (_scalar(0, mx.int32), _scalar(0, mx.int32)))
+    n_row_bytes = row_bytes(gate.type_name, cols)
+    mid, shared_mid, experts = _routed_kernel(gate.type_name)(
+        inputs=[gate.raw, up.raw, x.astype(mx.float32), _scalar(clamp), *q8, route.weight,
+                _scalar(0.0) if route.bias is None else route.bias, _scalar(route.scale), table, tokens,
+                _arrival_counters(route.slot), _launch_scratch("router_logits", t * e, route.slot),
+                _launch_scratch("route_weights", t * route.n_used, route.slot), *_tables(gate.type_name)],
+        template=[("ROWS", rows), ("COLS", cols), ("ROW_BYTES", n_row_bytes), ("EXPERT_BYTES", rows * n_row_bytes),
+                  ("X_DIV", route.n_used), ("SHARED_ROWS", shared_rows), ("P", _SWIGLU_ROWS), ("E", e),
+                  ("EPT", -(-e // threads)), ("HAS_BIAS", route.bias is not None), ("HASH", route.hashed is not None),
+                  ("ROUTER_BLOCKS", router_blocks), ("X_BLOCKS", x_blocks)],
+        grid=(t * per_token * threads, 1, 1), threadgroup=(threads, 1, 1),
+        output_shapes=[(t, route.n_used, rows), (t, shared_rows) if shared is not None else (1, 1),
+                       (t, route.n_used)],
+        output_dtypes=[mx.float32, mx.float32, mx.int32])
+    return experts, mid, shared_mid

@@ -509,6 +509,37 @@ class Model:
         cfg = self.config
         h = self._hooks.scope(f"{_prefix(layer)}.ffn")
         xf, control = self._sublayer_input(h, streams, "ffn", layer, mm, ready)
+        clamp = cfg.swiglu_clamp[MTP_LAYER if layer.index is None else layer.index]
+        on_mid = (lambda mid: h("hook_routed_mid", mid)) if h.wants("hook_routed_mid") else None
+        one_kernel = not (h.wants("hook_shared_out") or h.wants("hook_out"))    # the down products and HC
+        down_later = not h.wants("hook_routed_out")
+        made = None
+        if mm.fast and one_kernel and not (h.wants("hook_experts") or h.wants("hook_expert_weights")):
+            # the router inside the routed experts' launch, where that launch serves
+            made = moe.routed_and_shared_mid_routing(layer, xf, token_ids, cfg.n_expert_used,
+                                                     cfg.expert_weight_scale, clamp, mm, on_mid, down_later)
+        if made is not None:
+            experts, routed, mid = made
+        else:
+            experts, weights = self._route(h, layer, xf, token_ids, mm)
+            if one_kernel:
+                routed, mid = moe.routed_and_shared_mid(layer, xf, experts, weights, clamp, mm, on_mid, down_later)
+        if one_kernel:                           # the down products and the HC step: one kernel
+            streams, ready = hc_expand_q8(layer.q8["ffn_down_shexp.weight"], mid, streams, control, mm,
+                                          add=routed if down_later else h("hook_routed_out", routed),
+                                          next_input=next_input, slot=layer.index)
+            return streams, experts, ready
+        routed = h("hook_routed_out", moe.routed_experts(layer, xf, experts, weights, clamp, mm, on_mid))
+        shared = h("hook_shared_out", moe.shared_expert(layer, xf, clamp, mm))
+        if h.wants("hook_out"):
+            routed, shared = h("hook_out", routed + shared), None
+        return hc_expand(routed, streams, control, mm, add=shared), experts, None
+
+    def _route(self, h: Scope, layer: LayerWeights, xf: mx.array, token_ids: mx.array,
+               mm: Schedule) -> tuple[mx.array, mx.array]:
+        """The router of the FFN input xf: (experts, weights), each hooked (`hook_router_probs`
+        off the fast path), each replacement used by the next step."""
+        cfg = self.config
         if mm.fast:
             probs, chosen, weights = moe.route_fused(layer, xf, token_ids, cfg.n_expert_used, cfg.expert_weight_scale)
             experts = h("hook_experts", chosen)
@@ -530,21 +561,7 @@ class Model:
             probs = h("hook_router_probs", moe.router_probs(layer, xf, mm))
             experts = h("hook_experts", moe.select_experts(layer, probs, token_ids, cfg.n_expert_used))
             weights = moe.route_weights(probs, experts, cfg.expert_weight_scale)
-        weights = h("hook_expert_weights", weights)
-        clamp = cfg.swiglu_clamp[MTP_LAYER if layer.index is None else layer.index]
-        on_mid = (lambda mid: h("hook_routed_mid", mid)) if h.wants("hook_routed_mid") else None
-        if not (h.wants("hook_shared_out") or h.wants("hook_out")):     # the down products and HC: one kernel
-            down_later = not h.wants("hook_routed_out")
-            routed, mid = moe.routed_and_shared_mid(layer, xf, experts, weights, clamp, mm, on_mid, down_later)
-            streams, ready = hc_expand_q8(layer.q8["ffn_down_shexp.weight"], mid, streams, control, mm,
-                                          add=routed if down_later else h("hook_routed_out", routed),
-                                          next_input=next_input, slot=layer.index)
-            return streams, experts, ready
-        routed = h("hook_routed_out", moe.routed_experts(layer, xf, experts, weights, clamp, mm, on_mid))
-        shared = h("hook_shared_out", moe.shared_expert(layer, xf, clamp, mm))
-        if h.wants("hook_out"):
-            routed, shared = h("hook_out", routed + shared), None
-        return hc_expand(routed, streams, control, mm, add=shared), experts, None
+        return experts, h("hook_expert_weights", weights)
 
     def _head(self, streams: mx.array, mm: Schedule, prefix: str = "") -> mx.array:
         """Collapse, norm and output matrix; with prefix "mtp." the MTP head's own collapse and

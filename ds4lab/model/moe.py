@@ -174,16 +174,51 @@ def routed_and_shared_mid(layer: LayerWeights, xf: mx.array, experts: mx.array, 
     routed output is left as its down products still to make (`kernels.RoutedDown`: the
     shared expert's down launch makes them beside its own rows, `hc.hc_expand_q8`, when the
     two down matrices have one shape)."""
-    gate_t, up_t, down_t = (layer.experts[f"ffn_{r}_exps.weight"] for r in ("gate", "up", "down"))
-    one_launch = (mm.matvec(xf) and experts.size <= _GATHERED_MAX_PAIRS and gate_t.type_name == up_t.type_name
-                  and all(kernels.available(w.type_name) for w in (gate_t, up_t, down_t)))
-    if not one_launch:
+    if not _in_one_launch(layer, xf, experts.size, mm):
         return routed_experts(layer, xf, experts, weights, clamp, mm, on_mid), shared_mid(layer, xf, clamp, mm)
-    shared = (layer.q8["ffn_gate_shexp.weight"], layer.q8["ffn_up_shexp.weight"])
-    shared_down = layer.q8["ffn_down_shexp.weight"]               # beside whose rows q8_hc makes them
-    down_later = down_later and (down_t.rows, down_t.cols) == (shared_down.rows, shared_down.cols)
+    gate_t, up_t, down_t = (layer.experts[f"ffn_{r}_exps.weight"] for r in ("gate", "up", "down"))
     return _routed_gathered(gate_t, up_t, down_t, mm.experts_in(xf), experts, weights, clamp, mm.experts_in, on_mid,
-                            True, shared, down_later)
+                            True, _shared_gate_up(layer), _down_later(layer, down_later))
+
+
+def routed_and_shared_mid_routing(layer: LayerWeights, xf: mx.array, tokens: mx.array, n_used: int, scale: float,
+                                  clamp: float, mm: Schedule, on_mid: Callable[[mx.array], object] | None = None,
+                                  down_later: bool = False
+                                  ) -> tuple[mx.array, mx.array | kernels.RoutedDown, mx.array] | None:
+    """`route_fused` and then `routed_and_shared_mid` where one launch makes the three
+    (`kernels.routed_swiglu`: the router inside the routed experts' launch, a fast-path
+    decode step whose experts and weights no hook reads): (experts, routed, shared_mid), as
+    the two calls give them; None where that launch does not serve (route first then)."""
+    if not _in_one_launch(layer, xf, xf.shape[0] * n_used, mm) or mm.experts_in(xf) is not xf:
+        return None
+    gate_t, up_t, down_t = (layer.experts[f"ffn_{r}_exps.weight"] for r in ("gate", "up", "down"))
+    hashed = (layer.tid2eid, tokens) if layer.tid2eid is not None else None
+    route = kernels.Route(layer.kernel_dense("ffn_gate_inp.weight"), layer.dense.get("exp_probs_b.bias"), scale,
+                          n_used, hashed, layer.index)
+    experts, mid, shared = kernels.routed_swiglu(gate_t, up_t, xf, route, clamp, _shared_gate_up(layer))
+    if on_mid is not None:
+        on_mid(mid)
+    routed = kernels.RoutedDown(down_t, experts, mid)
+    return experts, (routed if _down_later(layer, down_later) else routed.product()), shared
+
+
+def _in_one_launch(layer: LayerWeights, xf: mx.array, n_pairs: int, mm: Schedule) -> bool:
+    """Whether the routed pairs' gate and up and the shared expert's come from one launch: a
+    fast-path decode step of few pairs, gate and up in one block format the kernels read."""
+    gate_t, up_t, down_t = (layer.experts[f"ffn_{r}_exps.weight"] for r in ("gate", "up", "down"))
+    return (mm.matvec(xf) and n_pairs <= _GATHERED_MAX_PAIRS and gate_t.type_name == up_t.type_name
+            and all(kernels.available(w.type_name) for w in (gate_t, up_t, down_t)))
+
+
+def _shared_gate_up(layer: LayerWeights) -> tuple[Q8Matrix, Q8Matrix]:
+    return layer.q8["ffn_gate_shexp.weight"], layer.q8["ffn_up_shexp.weight"]
+
+
+def _down_later(layer: LayerWeights, wanted: bool) -> bool:
+    """Whether the routed down products are left to the shared expert's down launch: asked
+    for, and the two down matrices of one shape (it makes them beside its own rows)."""
+    down_t, shared_down = layer.experts["ffn_down_exps.weight"], layer.q8["ffn_down_shexp.weight"]
+    return wanted and (down_t.rows, down_t.cols) == (shared_down.rows, shared_down.cols)
 
 
 def _native_form(tensor: ExpertBlocks) -> tuple[mx.array, str] | None:

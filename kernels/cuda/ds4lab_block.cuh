@@ -118,6 +118,24 @@ __device__ bool ds4lab_last_block(int* counter, int blocks) {
     return last;
 }
 
+// A flag one thread block raises for others of the same launch once what it wrote is visible
+// to them: called by the thread that wrote it, after the writes. The waiting block's thread
+// reads the flag with acquire semantics, then what it guards through L2 (__ldcg), and hands
+// that to its block after a __syncthreads. The flag must be zero at launch (and set back to
+// zero by the launch, for the next).
+__device__ __forceinline__ void ds4lab_raise_flag(int* flag) {
+    __threadfence();
+    atomicExch(flag, 1);
+}
+__device__ __forceinline__ void ds4lab_wait_flag(const int* flag) {
+    for (;;) {
+        int v;
+        asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
+        if (v) return;
+        __nanosleep(100);
+    }
+}
+
 // RMSNorm's 1 / sqrt(mean(x^2) + eps) of the row xr (D values) over the thread block: each
 // thread sums every blockDim.x-th square, then the block sums. row_finish (NORM) and q8_pair
 // (NORM_A: q_a's norm) share it, so with equal blocks they give the same bits.
