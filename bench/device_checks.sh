@@ -68,7 +68,7 @@ host_and_device() {
         python3 bench/step_costs.py --layers 43 --context 4096 --chain 0
     step default_graphs 300 python3 bench/step_costs.py --layers 43 --context 4096 --chain 0
     step profile 480 bash bench/sample_stacks.sh 3000 60 --layers 43 --context 4096
-    for kernel in attention_heads expert_swiglu hc_pre; do
+    for kernel in attention_heads routed_swiglu hc_pre; do
         step "details_$kernel" 240 python3 bench/kernel_times.py --layers 4 --context 4096 --steps 2 --details "$kernel"
     done
 }

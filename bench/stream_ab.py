@@ -11,8 +11,10 @@ decodes the same tokens), and the medians are compared.
 Variants (`--variant`):
 - `hc_input`: the sublayer's HC input made by the last launch of the sublayer before (A, the
   default: `q8_hc`'s last block) or apart (B: `hc_mix` + `hc_pre`, two launches a sublayer).
+- `router`: a decode step's router inside the routed experts' launch (A, the default:
+  `routed_swiglu`) or in its own launch before them (B: `router` + `expert_swiglu`).
 
-    python bench/stream_ab.py [--layers 43] [--context 4096] [--steps 16] [--rounds 5] [--variant hc_input]
+    python bench/stream_ab.py [--layers 43] [--context 4096] [--steps 16] [--rounds 5] [--variant hc_input|router]
 
 On a CUDA device (elsewhere both variants are the same computation, the reference path's).
 """
@@ -40,9 +42,14 @@ def _hc_input(model: Model, a: bool) -> None:
     model.hc_input_in_product = a
 
 
+def _router(model: Model, a: bool) -> None:
+    model.router_in_experts_launch = a
+
+
 # name -> (what A and B are, the setter: variant A when given True)
 VARIANTS: dict[str, tuple[str, str, Callable[[Model, bool], None]]] = {
     "hc_input": ("HC input in the product's last block", "HC input apart (hc_mix + hc_pre)", _hc_input),
+    "router": ("router in the routed experts' launch", "router in its own launch", _router),
 }
 
 

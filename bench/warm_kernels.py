@@ -43,11 +43,13 @@ def main() -> None:
         weights = random_weights(preset("flash-dims", args.layers), quant)
         with kernel_cache.recorded_variants() as recorded:
             for context in args.contexts:
-                session = Model(weights).session()
+                model = Model(weights)
+                session = model.session()
                 logits = session.prefill([1000 + i for i in range(context)])
                 for _ in range(args.steps):
                     logits = session.decode(mx.argmax(logits))
-                mx.eval(logits)
+                model.router_in_experts_launch = False      # `stream_ab.py --variant router`'s B
+                mx.eval(session.decode(mx.argmax(logits)))
         variants += [v for v in recorded if v not in variants]
     recorded_at = time.perf_counter()
     directory = args.cache.absolute() if args.cache else kernel_cache.cache_dir()

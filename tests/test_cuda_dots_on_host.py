@@ -97,13 +97,14 @@ def host_dots(request, tmp_path_factory):
                                     "ds4lab_block.cuh", "expert_matvec_common.cuh", f"expert_dot_{name}.cuh")
 
 
-def _host_library(folder, driver: str, *headers: str) -> ctypes.CDLL:
-    """`driver` after the CUDA headers (cut to what it uses) compiled for the host, loaded."""
-    (folder / "cuda_fp16.h").write_text("")          # the headers' include: _HOST_CUDA replaces it
+def _host_library(folder, driver: str, *headers: str, prelude: str = _HOST_CUDA, std: str = "c++17") -> ctypes.CDLL:
+    """`driver` after the CUDA headers (cut to what it uses) compiled for the host, loaded;
+    `prelude` stands in for what CUDA provides."""
+    (folder / "cuda_fp16.h").write_text("")          # the headers' include: the prelude replaces it
     source, library = folder / "host.cpp", folder / "host.so"
-    source.write_text(f"{_HOST_CUDA}\n{kernels.header_for(driver, *headers)}\n{driver}\n")
-    subprocess.run([os.environ.get("CXX", "c++"), "-std=c++17", "-O1", "-shared", "-fPIC", f"-I{folder}",
-                    str(source), "-o", str(library)], check=True, capture_output=True)
+    source.write_text(f"{prelude}\n{kernels.header_for(driver, *headers)}\n{driver}\n")
+    subprocess.run([os.environ.get("CXX", "c++"), f"-std={std}", "-O1", "-shared", "-fPIC", "-pthread",
+                    f"-I{folder}", str(source), "-o", str(library)], check=True, capture_output=True)
     return ctypes.CDLL(str(library))
 
 

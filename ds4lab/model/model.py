@@ -89,6 +89,9 @@ class Model:
         # makes it apart (hc_mix + hc_pre), the same values: for measuring the two in one
         # process (`bench/stream_ab.py`).
         self.hc_input_in_product = True
+        # ... and its FFN routes inside the routed experts' launch (`routed_swiglu`) where no
+        # hook reads the experts; False gives the router its own launch, the same values.
+        self.router_in_experts_launch = True
 
     # ---- public entry points --------------------------------------------------------
     def __call__(self, tokens, experts=None) -> mx.array:
@@ -408,7 +411,7 @@ class Model:
         if hooked or not mm.fast or arrays[0].shape[0] > kernels.MATVEC_MAX_TOKENS:
             return fn(layer, mm, *arrays, **weights)
         key = (layer.index, part, len(arrays), tuple(name for name, w in weights.items() if w is not None),
-               self.hc_input_in_product)
+               self.hc_input_in_product, self.router_in_experts_launch)
         if key not in self._compiled:
             # Weights enter the traced graph as constants: evaluated first, so that none of
             # them brings its own graph (a lazy view) into every call.
@@ -514,7 +517,8 @@ class Model:
         one_kernel = not (h.wants("hook_shared_out") or h.wants("hook_out"))    # the down products and HC
         down_later = not h.wants("hook_routed_out")
         made = None
-        if mm.fast and one_kernel and not (h.wants("hook_experts") or h.wants("hook_expert_weights")):
+        if (mm.fast and one_kernel and self.router_in_experts_launch
+                and not (h.wants("hook_experts") or h.wants("hook_expert_weights"))):
             # the router inside the routed experts' launch, where that launch serves
             made = moe.routed_and_shared_mid_routing(layer, xf, token_ids, cfg.n_expert_used,
                                                      cfg.expert_weight_scale, clamp, mm, on_mid, down_later)
