@@ -357,6 +357,7 @@ def check_fused_products() -> None:
         _bar(f"q8_pair with q_a's norm, {what}", err <= _KERNEL_BAR and exact and same)
         print(f"q8_pair with q_a's norm (1024 + 512 rows of 4096, {what}) vs rms_norm of quantized_matmul: "
               f"max rel err {err:.2e}; the same bits as row_finish of its q_a: {exact}; products as without: {same}")
+    check_q8_pair_then(q_a, kv, x, norm)
     gate, up = _q8_matrix(2048, 4096), _q8_matrix(2048, 4096)
     for clamp in (0.0, 10.0):
         xs = x * 0.5                           # products of ~10: the clamp bites on some
@@ -485,6 +486,34 @@ def check_routed_swiglu() -> None:
               f"a biased layer and a hash layer's, 1 and 3 tokens) vs router then expert_swiglu: the same "
               f"experts {same_experts}, max rel err {worst:.2e} (0: the same bits); one token "
               f"{fused_s * 1e6:.1f} us vs {apart_s * 1e6:.1f} us")
+
+
+def check_q8_pair_then(q_a: Q8Matrix, kv: Q8Matrix, x: mx.array, norm: mx.array) -> None:
+    """q8_pair with q_b's product of the norm in its launch (the flash shape's q_b: 32768 rows
+    of 1024) against q8_pair with the norm and then q8_matvec of it: the same bits expected
+    (the same sums, the input read from shared memory instead of L1); 3 tokens and 1, then
+    one token's time against the two launches (each call its own slot: the launch counts
+    tickets in its counters)."""
+    q_b = _q8_matrix(32768, 1024)
+    worst, equal = 0.0, True
+    for xs in (x, x[:1]):
+        t = xs.shape[0]
+        ya, yb, ya_n, q = kernels.q8_pair(q_a, kv, xs, norm_a=(norm, 1e-6), then=(q_b, (t, 64, 512)))
+        ref = kernels.q8_pair(q_a, kv, xs, norm_a=(norm, 1e-6), slot=1)
+        ref_q = kernels.q8_matvec(q_b, ref[2], shape=(t, 64, 512))
+        for got, want in zip((ya, yb, ya_n, q), (*ref, ref_q), strict=True):
+            worst = max(worst, _rel(got, want))
+            equal &= bool(mx.array_equal(got, want).item())
+    _bar("q8_pair with q_b's product", worst <= _KERNEL_BAR)
+    slots = iter(range(100, 10**6))
+    one = x[:1]
+    fused_s = _seconds(lambda v: kernels.q8_pair(q_a, kv, v, norm_a=(norm, 1e-6), slot=next(slots),
+                                                 then=(q_b, (1, 64, 512)))[3], one)
+    apart_s = _seconds(lambda v: kernels.q8_matvec(q_b, kernels.q8_pair(q_a, kv, v, norm_a=(norm, 1e-6),
+                                                                        slot=next(slots))[2]), one)
+    print(f"q8_pair with q_b's product of the norm (1024 + 512 rows of 4096, then 32768 of 1024; 3 tokens and 1) "
+          f"vs q8_pair, then q8_matvec: max rel err {worst:.2e}, the same bits {equal}; one token "
+          f"{fused_s * 1e6:.1f} us vs {apart_s * 1e6:.1f} us")
 
 
 def _routed_swiglu_seconds(g_t, u_t, rw: mx.array, bias: mx.array, shared, one: mx.array) -> tuple[float, float]:

@@ -76,7 +76,7 @@ def recorded_launches(monkeypatch, batched):
 
 
 # Integer templates that choose a code path, as the boolean ones do.
-_PATH_TEMPLATES = {"SPLIT"}
+_PATH_TEMPLATES = {"SPLIT", "SPLIT_C"}
 
 
 def _code_paths(launches: list[dict]) -> dict:
@@ -122,6 +122,12 @@ def test_every_launched_kernel_compiles_with_nvrtc(recorded_launches, nvrtc, tin
     kernels.q8_matvec(q8, x)
     kernels.q8_pair(q8, q8, x)
     kernels.q8_pair(q8, q8, x, norm_a=(mx.ones((4096,)), 1e-6))
+    # and with q_b's product of the norm: C's warps splitting its columns, and not
+    c_split = Q8Matrix(mx.zeros((2048, 1024), mx.uint32), mx.zeros((2048, 128)), mx.zeros((2048, 128)), 2048, 4096)
+    kernels.q8_pair(q8, q8, x, norm_a=(mx.ones((4096,)), 1e-6), then=(c_split, (1, 2048)))
+    q8_a = Q8Matrix(mx.zeros((512, 512), mx.uint32), mx.zeros((512, 64)), mx.zeros((512, 64)), 512, 2048)
+    c_rows = Q8Matrix(mx.zeros((16384, 128), mx.uint32), mx.zeros((16384, 16)), mx.zeros((16384, 16)), 16384, 512)
+    kernels.q8_pair(q8_a, q8_a, x, norm_a=(mx.ones((512,)), 1e-6), then=(c_rows, (1, 32, 512)))
     kernels.q8_swiglu(q8, q8, x, 0.0)
     kernels.q8_hc(q8, x, mx.ones((1, 6, 4096)), mx.ones((1, 6)), mx.ones((1, 6, 6)))   # more streams than a split
     nxt = kernels.HCInput(mx.ones((24, 4 * 4096)), mx.ones((3,)), mx.ones((24,)), mx.ones((4096,)), 20, 1e-6, 1e-6)

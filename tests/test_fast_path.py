@@ -326,17 +326,37 @@ def _q8_matvec(inputs, t, grid, threadgroup):
 
 
 def _q8_pair(inputs, t, grid, threadgroup):
-    codes_a, scales_a, codes_b, scales_b, x, norm_w, eps, counter = inputs
-    _q8_warps(t, grid, t["ROWS_A"], x.shape[0])
-    _q8_warps(t, grid, t["ROWS_A"] + t["ROWS_B"], x.shape[0])
+    """With THEN, the q_b product of the norm too, its blocks after the pair's in grid x (a
+    token's PAIR_BLOCKS, then its C_BLOCKS), each geometry a Q8_0 matvec's."""
+    codes_a, scales_a, codes_b, scales_b, x, norm_w, eps, counter, codes_c, scales_c = inputs
+    n_tok, block = x.shape[0], threadgroup[0]
+    pair_grid = (t["PAIR_BLOCKS"] * block, n_tok) if t["THEN"] else grid
+    _q8_warps(t, pair_grid, t["ROWS_A"], n_tok)
+    _q8_warps(t, pair_grid, t["ROWS_A"] + t["ROWS_B"], n_tok)
     a, b = _q8_rows(codes_a, scales_a, t["COLS"]), _q8_rows(codes_b, scales_b, t["COLS"])
     assert a.shape[0] == t["ROWS_A"] and b.shape[0] == t["ROWS_B"]
     ya = _q8_products(a, x)
     if not t["NORM_A"]:
-        return [ya, _q8_products(b, x), mx.zeros((1, 1))]
+        assert not t["THEN"]
+        return [ya, _q8_products(b, x), mx.zeros((1, 1)), mx.zeros((1, 1))]
     # q_a's norm sums over the launch's block as row_finish's does (the same bits)
-    assert norm_w.shape == (t["ROWS_A"],) and threadgroup[0] == kernels._THREADS and counter.dtype == mx.int32
-    return [ya, _q8_products(b, x), _rms_weighted(ya, eps, norm_w)]
+    assert norm_w.shape == (t["ROWS_A"],) and block == kernels._THREADS and counter.dtype == mx.int32
+    ya_n = _rms_weighted(ya, eps, norm_w)
+    if not t["THEN"]:
+        return [ya, _q8_products(b, x), ya_n, mx.zeros((1, 1))]
+    assert grid[1] == 1 and grid[0] == n_tok * (t["PAIR_BLOCKS"] + t["C_BLOCKS"]) * block
+    assert counter.size >= 4 and not np.array(counter).any()
+    c_t = {"SPLIT": t["SPLIT_C"], "R": t["R_C"]}
+    _q8_warps(c_t, (t["C_BLOCKS"] * block, n_tok), t["ROWS_C"], n_tok)
+    assert _q8_launch_blocks(t["ROWS_C"], t["R_C"], t["SPLIT_C"]) == t["C_BLOCKS"]
+    c = _q8_rows(codes_c, scales_c, t["ROWS_A"])
+    assert c.shape[0] == t["ROWS_C"]
+    return [ya, _q8_products(b, x), ya_n, _q8_products(c, ya_n)]
+
+
+def _q8_launch_blocks(rows: int, r: int, split: int) -> int:
+    """The thread blocks a Q8_0 matvec of `rows` takes for a token (R rows a warp, SPLIT warps a row)."""
+    return -(-rows // (r * kernels._Q8_WARPS // split))
 
 
 def _q8_swiglu(inputs, t, grid, threadgroup):
@@ -526,7 +546,7 @@ def _launcher(name, emulate, calls):
     def launch(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
         calls[name] = calls.get(name, 0) + 1
         outs = emulate(inputs, dict(template), grid, threadgroup)
-        if name == "q8_matvec":          # it writes its values in the shape it is asked for (q heads)
+        if name in ("q8_matvec", "q8_pair"):     # they write their values in the shape asked for (q heads)
             outs = [o.reshape(shape) for o, shape in zip(outs, output_shapes, strict=True)]
         assert [tuple(o.shape) for o in outs] == [tuple(s) for s in output_shapes], name
         return [o.astype(dt) for o, dt in zip(outs, output_dtypes, strict=True)]
@@ -857,25 +877,29 @@ def test_a_hook_off_the_boundaries_sends_only_its_block_to_the_reference(small_w
     assert "hc_pre" not in stand_in_kernels and stand_in_kernels["hc_post"] == 1
 
 
-def test_q_a_is_normed_by_the_launch_of_its_product(small_weights, stand_in_kernels):
-    """A decode token's q_a norm: made by the q_a and kv launch (its last block), no launch of
-    its own; the q_b product then multiplies it, the same values as the reference's
-    composition (q_a and kv products, rms_norm, q_b)."""
+def test_q_a_is_normed_and_multiplied_by_q_b_in_the_launch_of_its_product(small_weights, stand_in_kernels):
+    """A decode token's q_a norm and q_b product: made by the q_a and kv launch (its last
+    block, then more blocks), no launch of their own; the same values as the reference's
+    composition (q_a and kv products, rms_norm, q_b). Without q_b, `project_q` makes it of
+    the norm (a chunk's way): the same values as the reference's too."""
     cfg, layer = small_weights.config, small_weights.layers[2]
     mm = Model(small_weights).numerics.schedule(np.arange(40, 41))
     reference = Model(small_weights).numerics.schedule(np.arange(40, 41)).reference()
     assert mm.fast and not reference.fast
     xa = mx.random.normal((1, cfg.n_embd), key=mx.random.key(3))
-    qr, kv, qr_n = attention.input_products(layer, xa, cfg.rms_eps, mm)
-    assert stand_in_kernels["q8_pair"] == 1 and stand_in_kernels.get("row_finish", 0) == 0
-    expected = attention.input_products(layer, xa, cfg.rms_eps, reference)
-    for got, want in zip((qr, kv, qr_n), expected, strict=True):
-        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+    heads = (cfg.n_head, cfg.head_dim)
+    made = attention.input_products(layer, xa, cfg.rms_eps, mm, heads)
+    assert stand_in_kernels == {"q8_pair": 1}
+    expected = attention.input_products(layer, xa, cfg.rms_eps, reference, heads)
+    assert made[3].shape == (1, *heads)
+    for got, want in zip(made, expected, strict=True):
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-4, atol=1e-5)
+    qr_n = attention.input_products(layer, xa, cfg.rms_eps, mm)[2]
     rotation = Rotation.at(40, 1, cfg.n_rot, cfg.rope_base(2), yarn_for(cfg, layer.ratio))
     args = (layer, qr_n, rotation, cfg.n_head, cfg.head_dim, cfg.rms_eps)
     np.testing.assert_allclose(np.array(attention.project_q(*args, mm)),
                                np.array(attention.project_q(*args, reference)), rtol=1e-4, atol=1e-5)
-    assert stand_in_kernels["q8_matvec"] == 1
+    assert stand_in_kernels["q8_pair"] == 2 and stand_in_kernels["q8_matvec"] == 1
 
 
 def test_kv_rows_are_finished_after_the_window_in_one_launch(small_weights, stand_in_kernels):
@@ -895,10 +919,11 @@ def test_kv_rows_are_finished_after_the_window_in_one_launch(small_weights, stan
 
 def test_a_decode_step_finishes_q_and_kv_rows_without_launches_of_their_own(small_weights, stand_in_kernels):
     """A decode step (no window completed, no indexer) launches row_finish only for the head
-    (its HC weights' and its output norm): q_a's norm is made by the q_a and kv launch, and the q
-    heads and the KV row (written after the window: the keys) are finished by the attention
-    kernel. And hc_pre (with its hc_mix) once: every other sublayer's HC input is made by the
-    q8_hc before it, and q8_hc runs twice a layer."""
+    (its HC weights' and its output norm): q_a's norm and q_b's product are made by the q_a and
+    kv launch, and the q heads and the KV row (written after the window: the keys) are finished
+    by the attention kernel. And hc_pre (with its hc_mix) once: every other sublayer's HC input
+    is made by the q8_hc before it, and q8_hc runs twice a layer. q8_matvec: the grouped output
+    product a layer and the output head."""
     model = Model(small_weights)
     session = model.session()
     session.prefill([(37 * i + 11) % 1000 + 100 for i in range(10)])
@@ -908,7 +933,7 @@ def test_a_decode_step_finishes_q_and_kv_rows_without_launches_of_their_own(smal
     assert stand_in_kernels["row_finish"] == 2
     assert stand_in_kernels["attention_heads"] == stand_in_kernels["q8_pair"] == n_layer
     assert stand_in_kernels["hc_pre"] == stand_in_kernels["hc_mix"] == 1
-    assert stand_in_kernels["q8_hc"] == 2 * n_layer
+    assert stand_in_kernels["q8_hc"] == 2 * n_layer and stand_in_kernels["q8_matvec"] == n_layer + 1
     # made apart (for measuring the two): each sublayer's own hc_mix and hc_pre, the same logits
     state, logits = session.state, np.array(session.decode(321))
     model.hc_input_in_product = False

@@ -20,22 +20,24 @@ from .rope import Rotation
 from .weights import LayerWeights, Q8Matrix
 
 
-def input_products(layer: LayerWeights, xa: mx.array, eps: float,
-                   mm: Schedule) -> tuple[mx.array, mx.array, mx.array]:
+def input_products(layer: LayerWeights, xa: mx.array, eps: float, mm: Schedule,
+                   q_heads: tuple[int, int] | None = None) -> tuple[mx.array, ...]:
     """(qr = attn_q_a · xa, attn_kv · xa, qr RMS-normed with attn_q_a_norm): the two products
-    of the sublayer input and the norm q_b and the indexer read (one kernel on the fast
-    path's matvec)."""
+    of the sublayer input and the norm q_b and the indexer read; with `q_heads` = (H, D) also
+    q_b's product of that norm, [T, H, D] (`project_q`'s unfinished q). One kernel for all on
+    the fast path's matvec."""
+    then = None if q_heads is None else (layer.q8["attn_q_b.weight"], (xa.shape[0], *q_heads))
     return mm.q8_pair(layer.q8["attn_q_a.weight"], layer.q8["attn_kv.weight"], xa,
-                      norm_a=(layer.dense["attn_q_a_norm.weight"], eps), slot=layer.index)
+                      norm_a=(layer.dense["attn_q_a_norm.weight"], eps), slot=layer.index, then=then)
 
 
 def project_q(layer: LayerWeights, qr_n: mx.array, rotation: Rotation, n_head: int, head_dim: int, eps: float,
-              mm: Schedule, finish: bool = True) -> mx.array:
+              mm: Schedule) -> mx.array:
     """From qr_n (q_a's product RMS-normed, `input_products`): q [T, H, D] with per-head
-    weightless RMS, rotated. Without `finish` q is the q_b product, its heads not yet normed
-    nor rotated (decode attention on the fast path does both: `attend_heads(q_eps=)`)."""
+    weightless RMS, rotated. (A fast-path decode step takes q_b's product unfinished from
+    `input_products(q_heads=)`: decode attention finishes its heads, `attend_heads(q_eps=)`.)"""
     q = mm.q8(layer.q8["attn_q_b.weight"], qr_n, shape=(qr_n.shape[0], n_head, head_dim))
-    return mm.finish_rows(q, eps=eps, rotation=rotation) if finish else q
+    return mm.finish_rows(q, eps=eps, rotation=rotation)
 
 
 def kv_row(layer: LayerWeights, kv: mx.array, rotation: Rotation, eps: float, mm: Schedule,
@@ -71,7 +73,7 @@ def attend_heads(q: mx.array, keys: mx.array, mask: mx.array, sinks: mx.array, r
     given), then turned back by the query position's angle (ds4's inverse RoPE). One kernel on
     the fast path (`kernels.attention_heads`) and on the native CPU path
     (`cpu_kernels.attention`), which read only the visible keys. With `q_eps`, q is the q_b
-    product (`project_q(finish=False)`): its heads are finished first, inside the fast path's
+    product (`input_products(q_heads=)`): its heads are finished first, inside the fast path's
     decode kernel. `slot`: the block's (`kernels._arrival_counters`)."""
     if mm.fast:
         return kernels.attention_heads(q, keys, mask, sinks, (rotation.cos, rotation.sin), comp, q_eps, slot=slot)

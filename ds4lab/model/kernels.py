@@ -147,7 +147,8 @@ _KERNELS = {
                ["x", "w", "bias", "scale", "counter", "table", "tokens"], ["probs", "experts", "weights"]),
     "q8_matvec": ("q8_matvec.cu", ("ds4lab_block.cuh", "q8_rows.cuh"), ["codes", "scales", "x"], ["y"]),
     "q8_pair": ("q8_pair.cu", ("ds4lab_block.cuh", "q8_rows.cuh"),
-                ["codes_a", "scales_a", "codes_b", "scales_b", "x", "norm_w", "eps", "counter"], ["ya", "yb", "ya_n"]),
+                ["codes_a", "scales_a", "codes_b", "scales_b", "x", "norm_w", "eps", "counter", "codes_c", "scales_c"],
+                ["ya", "yb", "ya_n", "yc"]),
     "q8_swiglu": ("q8_swiglu.cu", ("ds4lab_block.cuh", "q8_rows.cuh"),
                   ["codes_g", "scales_g", "codes_u", "scales_u", "x", "clamp"], ["y"]),
     "q8_hc": ("q8_hc.cu", ("ds4lab_block.cuh", "q8_rows.cuh", "hc_split.cuh"),
@@ -576,25 +577,41 @@ def _one_vector_tokens(name: str, matrices: tuple[Q8Matrix, ...], x: mx.array) -
 
 
 def q8_pair(a: Q8Matrix, b: Q8Matrix, x: mx.array, norm_a: tuple[mx.array, float] | None = None,
-            slot: int | None = 0) -> tuple[mx.array, ...]:
+            slot: int | None = 0, then: tuple[Q8Matrix, tuple[int, ...]] | None = None) -> tuple[mx.array, ...]:
     """(A·x, B·x) for x [T, cols] in one launch: two products of one input (the attention's
     q_a and kv projections), each [T, rows of its matrix]. With `norm_a` = (weight [rows of
     A], eps) also `row_finish`(A·x, eps=eps, weight=weight) (the same bits: q_a normed for
-    q_b), made by the launch's last block."""
+    q_b), made by the launch's last block; with `then` = (C, shape) as well (q_b, and the
+    shape of its output: the q heads [T, H, D]) also C times that norm, as `q8_matvec`(C,
+    norm, shape=shape) makes it, by more thread blocks of the launch (q8_pair.cu's THEN)."""
     t = _one_vector_tokens("q8_pair", (a, b), x)
     if norm_a is not None and norm_a[0].shape != (a.rows,):
         raise ValueError(f"q8_pair: a norm of weight {tuple(norm_a[0].shape)} for {a.rows} rows")
+    if then is not None and (norm_a is None or then[0].cols != a.rows or int(np.prod(then[1])) != t * then[0].rows):
+        raise ValueError(f"q8_pair: then {then[0].rows}x{then[0].cols} into {tuple(then[1])} after {a.rows} rows "
+                         f"of {t} tokens (needs norm_a; its columns are A's rows)")
     r, split = _rows_per_warp(a.rows + b.rows, a.cols, math.gcd(a.rows, b.rows))
     norm_w, eps = (norm_a[0].astype(mx.float32), norm_a[1]) if norm_a is not None else (_scalar(0.0), 0.0)
-    ya, yb, ya_n = _fused("q8_pair")(
+    launch = _q8_launch(a.rows + b.rows, r, split, t)
+    c = then[0] if then is not None else None
+    r_c, split_c = _rows_per_warp(c.rows, c.cols) if c is not None else (1, 1)
+    pair_blocks = launch["grid"][0] // launch["threadgroup"][0]
+    c_blocks = _q8_launch(c.rows, r_c, split_c, t)["grid"][0] // launch["threadgroup"][0] if c is not None else 0
+    if c is not None:
+        launch["grid"] = (t * (pair_blocks + c_blocks) * launch["threadgroup"][0], 1, 1)
+    none = [_constant((0,), mx.uint32), _scalar(0.0)]                           # no C: typed stand-ins
+    ya, yb, ya_n, yc = _fused("q8_pair")(
         inputs=[a.codes, a.scales, b.codes, b.scales, x.astype(mx.float32), norm_w, _scalar(eps),
-                _arrival_counters(slot) if norm_a is not None else _scalar(0, mx.int32)],
+                _arrival_counters(slot) if norm_a is not None else _scalar(0, mx.int32),
+                *([c.codes, c.scales] if c is not None else none)],
         template=[("ROWS_A", a.rows), ("ROWS_B", b.rows), ("COLS", a.cols), ("R", r), ("SPLIT", split),
-                  ("NORM_A", norm_a is not None)],
-        **_q8_launch(a.rows + b.rows, r, split, t),
-        output_shapes=[(t, a.rows), (t, b.rows), (t, a.rows) if norm_a is not None else (1, 1)],
-        output_dtypes=[mx.float32] * 3)
-    return (ya, yb, ya_n) if norm_a is not None else (ya, yb)
+                  ("NORM_A", norm_a is not None), ("THEN", c is not None), ("ROWS_C", c.rows if c else 1),
+                  ("R_C", r_c), ("SPLIT_C", split_c), ("PAIR_BLOCKS", pair_blocks), ("C_BLOCKS", c_blocks)],
+        **launch,
+        output_shapes=[(t, a.rows), (t, b.rows), (t, a.rows) if norm_a is not None else (1, 1),
+                       tuple(then[1]) if then is not None else (1, 1)],
+        output_dtypes=[mx.float32] * 4)
+    return (ya, yb) if norm_a is None else (ya, yb, ya_n) if then is None else (ya, yb, ya_n, yc)
 
 
 def q8_swiglu(gate: Q8Matrix, up: Q8Matrix, x: mx.array, clamp: float) -> mx.array:
@@ -778,7 +795,8 @@ def _launch_scratch(use: str, n: int, slot: int | None = 0) -> mx.array:
 def _arrival_counters(slot: int | None = 0) -> mx.array:
     """The zeroed ints in which kernels whose last thread block finishes a launch's work count
     their blocks (`ds4lab_last_block`): the router and the indexer's scores a counter per
-    token, q8_pair's norm of q_a and q8_hc's next input the first, decode attention's shares
+    token, q8_pair's norm of q_a (and with q_b its tickets, departures and flag: the first
+    four) and q8_hc's next input the first, decode attention's shares
     one per (token, head), of which there are fewer than _ATTENTION_MANY_BLOCKS;
     `routed_swiglu` its tickets, departures, and a router count and a flag per token. Each launch
     leaves them zero, so one set serves launches that run one after the other. In a CUDA

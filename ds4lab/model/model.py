@@ -373,10 +373,11 @@ class Model:
         h = self._hooks.scope(f"{_prefix(layer)}.attn")
         rotation = Rotation(cos, sin)
         xa, control = self._sublayer_input(h, streams, "attn", layer, mm, ready)
-        qr, kv, qr_n = attention.input_products(layer, xa, cfg.rms_eps, mm)
-        q = attention.project_q(layer, qr_n, rotation, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm, finish=finish_q)
         if finish_q:
-            q = h("hook_q", q)
+            qr, kv, qr_n = attention.input_products(layer, xa, cfg.rms_eps, mm)
+            q = h("hook_q", attention.project_q(layer, qr_n, rotation, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm))
+        else:                                    # q_b's product in the launch of q_a's
+            qr, kv, qr_n, q = attention.input_products(layer, xa, cfg.rms_eps, mm, (cfg.n_head, cfg.head_dim))
         if finish_kv:
             kv = h("hook_kv", attention.kv_row(layer, kv, rotation, cfg.rms_eps, mm))
         queries = indexer.indexer_queries(layer, xa, qr, qr_n, rotation, cfg.indexer_heads, cfg.indexer_head_dim,

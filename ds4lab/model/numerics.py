@@ -422,14 +422,18 @@ class Schedule:
         return self.fast and x.size // x.shape[-1] <= kernels.MATVEC_MAX_TOKENS
 
     def q8_pair(self, a: Q8Matrix, b: Q8Matrix, x: mx.array, norm_a: tuple[mx.array, float] | None = None,
-                slot: int | None = 0) -> tuple[mx.array, ...]:
+                slot: int | None = 0, then: tuple[Q8Matrix, tuple[int, ...]] | None = None) -> tuple[mx.array, ...]:
         """(`q8`(a, x), `q8`(b, x)), and with `norm_a` = (weight, eps) also `rms_norm` of the
-        first: one kernel for all on the fast path's matvec (the same values; `slot`: the
-        block's, `kernels._arrival_counters`)."""
+        first, and with `then` = (C, shape) also `q8`(C, that norm, shape=shape): one kernel for
+        all on the fast path's matvec (the same values; `slot`: the block's,
+        `kernels._arrival_counters`)."""
         if self.matvec(x):
-            return kernels.q8_pair(a, b, x, norm_a, slot)
+            return kernels.q8_pair(a, b, x, norm_a, slot, then)
         ya, yb = self.q8(a, x), self.q8(b, x)
-        return (ya, yb) if norm_a is None else (ya, yb, self.rms_norm(ya, *norm_a))
+        if norm_a is None:
+            return ya, yb
+        normed = self.rms_norm(ya, *norm_a)
+        return (ya, yb, normed) if then is None else (ya, yb, normed, self.q8(then[0], normed, shape=then[1]))
 
     def _q8(self, matrix: Q8Matrix, x: mx.array) -> mx.array:
         if self.numerics.emulate:

@@ -7,14 +7,37 @@
 // through L2). q_b multiplies ya_n: the norm made once a token, where the q_b product made it
 // in each of its 2048 blocks (ncu: 31 µs for its 35.6 MB, 1.2 TB/s, the warps waiting on the
 // norm's loads and barriers before their first weights).
+// THEN (with NORM_A): the launch also makes yc[t] = C ya_n[t] (q_b's product, C [ROWS_C,
+// ROWS_A]; R_C rows a warp, SPLIT_C as SPLIT), one launch fewer a layer (the host's encoding
+// and build of a launch, ~25 µs on the H200 machines). Its blocks need ya_n, so thread blocks
+// take their jobs in arrival order (counter[1], a ticket): the first T * PAIR_BLOCKS make the
+// pair's rows, the last of them the norm, then it raises a flag (counter[3]); the others
+// (C_BLOCKS a token) first ask L2 for their rows of C (the weights stream in while the pair
+// and the norm run), wait for the flag, copy ya_n[t] into shared memory and make their rows.
+// A block waits only for tickets taken before its own, by running blocks that wait for
+// nothing (no deadlock, whatever fits on the device). The last block to leave (counter[2])
+// sets the ticket and the flag back to zero.
 // Inputs: codes_a [ROWS_A, COLS / 4], scales_a [ROWS_A, COLS / 32], the same of B, x [T, COLS],
-// norm_w [ROWS_A] and eps [1] (NORM_A), counter (an arrival counter, NORM_A).
-// Grid: x = 32 threads per warp, R rows per warp over ROWS_A + ROWS_B; y = the token.
+// norm_w [ROWS_A] and eps [1] (NORM_A), counter (arrival counters, NORM_A), the same of C (THEN).
+// Grid: x = 32 threads per warp, R rows per warp over ROWS_A + ROWS_B; y = the token. THEN:
+// x = T * (PAIR_BLOCKS + C_BLOCKS) blocks, y = 1.
 const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-const int r0 = (SPLIT > 1 ? blockIdx.x : blockIdx.x * (blockDim.x >> 5) + warp) * R;
+int* const count = const_cast<int*>(counter);
+const int n_tokens = THEN ? gridDim.x / (PAIR_BLOCKS + C_BLOCKS) : gridDim.y;
+int bx = blockIdx.x, t = blockIdx.y;
+bool product_c = false;
+if (THEN) {
+    __shared__ int job_s;
+    if (threadIdx.x == 0) job_s = atomicAdd(count + 1, 1);
+    __syncthreads();
+    product_c = job_s >= n_tokens * PAIR_BLOCKS;
+    const int job = product_c ? job_s - n_tokens * PAIR_BLOCKS : job_s, per = product_c ? C_BLOCKS : PAIR_BLOCKS;
+    bx = job % per;
+    t = job / per;
+}
+const int r0 = (SPLIT > 1 ? bx : bx * (blockDim.x >> 5) + warp) * R;
 const int cols_part = SPLIT > 1 ? warp : 0;
-const int t = blockIdx.y;
-if (r0 < ROWS_A + ROWS_B) {
+if (!product_c && r0 < ROWS_A + ROWS_B) {
     const bool in_a = r0 < ROWS_A;
     const int rb = in_a ? r0 : r0 - ROWS_A;
     const float4* xv = reinterpret_cast<const float4*>(x + (size_t)t * COLS);
@@ -33,39 +56,83 @@ if (r0 < ROWS_A + ROWS_B) {
         if (lane == 0 && cols_part == 0) (in_a ? ya + (size_t)t * ROWS_A : yb + (size_t)t * ROWS_B)[rb + i] = acc[i];
     }
 }
-if (NORM_A) {
-    // Every thread of every block gets here (a block's warps past the rows included): the
-    // arrival count is the grid's.
+if (NORM_A && !product_c) {
+    // Every thread of every pair block gets here (a block's warps past the rows included):
+    // the arrival count is the pair's blocks.
     __shared__ float scratch[32];
     __shared__ float row[NORM_A ? ROWS_A : 1];
     __shared__ float row_w[NORM_A ? ROWS_A : 1];
-    if (!ds4lab_last_block(const_cast<int*>(counter), gridDim.x * gridDim.y)) return;
-    for (int tt = 0; tt < (int)gridDim.y; ++tt) {
-        // The row and the norm's weights into shared memory, eight of each in flight a thread:
-        // as plain loops (the block size known only at run time) each load waited for the one
-        // before, eight L2 round trips for the row and then eight DRAM ones for the weights.
-        constexpr int LOADS = 8;
-        for (int i0 = threadIdx.x; i0 < ROWS_A; i0 += LOADS * blockDim.x) {
-            float v[LOADS], w[LOADS];
+    if (ds4lab_last_block(count, n_tokens * (THEN ? PAIR_BLOCKS : gridDim.x))) {
+        for (int tt = 0; tt < n_tokens; ++tt) {
+            // The row and the norm's weights into shared memory, eight of each in flight a
+            // thread: as plain loops (the block size known only at run time) each load waited
+            // for the one before, eight L2 round trips for the row and then eight DRAM ones
+            // for the weights.
+            constexpr int LOADS = 8;
+            for (int i0 = threadIdx.x; i0 < ROWS_A; i0 += LOADS * blockDim.x) {
+                float v[LOADS], w[LOADS];
 #pragma unroll
-            for (int k = 0; k < LOADS; ++k) {
-                const int i = i0 + k * (int)blockDim.x;
-                v[k] = i < ROWS_A ? __ldcg(ya + (size_t)tt * ROWS_A + i) : 0.0f;
-                w[k] = i < ROWS_A ? norm_w[i] : 0.0f;
-            }
+                for (int k = 0; k < LOADS; ++k) {
+                    const int i = i0 + k * (int)blockDim.x;
+                    v[k] = i < ROWS_A ? __ldcg(ya + (size_t)tt * ROWS_A + i) : 0.0f;
+                    w[k] = i < ROWS_A ? norm_w[i] : 0.0f;
+                }
 #pragma unroll
-            for (int k = 0; k < LOADS; ++k) {
-                const int i = i0 + k * (int)blockDim.x;
-                if (i < ROWS_A) {
-                    row[i] = v[k];
-                    row_w[i] = w[k];
+                for (int k = 0; k < LOADS; ++k) {
+                    const int i = i0 + k * (int)blockDim.x;
+                    if (i < ROWS_A) {
+                        row[i] = v[k];
+                        row_w[i] = w[k];
+                    }
                 }
             }
+            __syncthreads();
+            const float inv = ds4lab_rms_inverse(row, ROWS_A, eps[0], scratch);
+            for (int i = threadIdx.x; i < ROWS_A; i += blockDim.x)
+                ya_n[(size_t)tt * ROWS_A + i] = __fmul_rn(__fmul_rn(row[i], inv), row_w[i]);
+            __syncthreads();
         }
-        __syncthreads();
-        const float inv = ds4lab_rms_inverse(row, ROWS_A, eps[0], scratch);
-        for (int i = threadIdx.x; i < ROWS_A; i += blockDim.x)
-            ya_n[(size_t)tt * ROWS_A + i] = __fmul_rn(__fmul_rn(row[i], inv), row_w[i]);
-        __syncthreads();
+        if (THEN) {                             // every thread's ya_n visible, then the flag
+            __threadfence();
+            __syncthreads();
+            if (threadIdx.x == 0) ds4lab_raise_flag(count + 3);
+        }
     }
+}
+if (THEN && product_c) {
+    __shared__ float4 xs[THEN ? ROWS_A / 4 : 1];
+    const int c0 = (SPLIT_C > 1 ? bx : bx * (blockDim.x >> 5)) * R_C;
+    const int c_rows = min(SPLIT_C > 1 ? R_C : (int)(blockDim.x >> 5) * R_C, ROWS_C - c0);
+    // This block's rows of C asked of L2 while the pair runs: ROWS_A code bytes and
+    // ROWS_A / 32 scales a row, 128-byte lines.
+    const char* codes_at = reinterpret_cast<const char*>(codes_c) + (size_t)c0 * ROWS_A;
+    const char* scales_at = reinterpret_cast<const char*>(scales_c + (size_t)c0 * (ROWS_A / 32));
+    for (int i = threadIdx.x; i < (c_rows * ROWS_A + 127) / 128; i += blockDim.x)
+        ds4lab_prefetch_l2(codes_at + (size_t)i * 128);
+    for (int i = threadIdx.x; i < (c_rows * (ROWS_A / 32) * 4 + 127) / 128; i += blockDim.x)
+        ds4lab_prefetch_l2(scales_at + (size_t)i * 128);
+    if (threadIdx.x == 0) ds4lab_wait_flag(count + 3);
+    __syncthreads();
+    for (int i = threadIdx.x; i < ROWS_A / 4; i += blockDim.x)
+        xs[i] = __ldcg(reinterpret_cast<const float4*>(ya_n + (size_t)t * ROWS_A) + i);
+    __syncthreads();
+    const int rc = (SPLIT_C > 1 ? bx : bx * (blockDim.x >> 5) + warp) * R_C;
+    const int c_part = SPLIT_C > 1 ? warp : 0;
+    if (rc < ROWS_C) {
+        const uint4* w[R_C];
+        const float* s[R_C];
+        float acc[R_C];
+#pragma unroll
+        for (int i = 0; i < R_C; ++i) ds4lab_q8_row<THEN ? ROWS_A : 32>(codes_c, scales_c, rc + i, w[i], s[i]);
+        ds4lab_q8_dots<R_C, THEN ? ROWS_A : 32, SPLIT_C>(w, s, xs, lane, acc, c_part);
+        ds4lab_q8_totals<R_C, SPLIT_C>(acc, c_part, lane);
+#pragma unroll
+        for (int i = 0; i < R_C; ++i) {
+            if (lane == 0 && c_part == 0) yc[(size_t)t * ROWS_C + rc + i] = acc[i];
+        }
+    }
+}
+if (THEN && ds4lab_last_block(count + 2, gridDim.x) && threadIdx.x == 0) {
+    count[1] = 0;
+    count[3] = 0;
 }
