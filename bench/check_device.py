@@ -395,6 +395,7 @@ def check_fused_products() -> None:
         _bar(f"q8_hc with the next sublayer's input, {tokens} tokens", max(err_streams, err_input) <= _KERNEL_BAR)
         print(f"q8_hc with the next sublayer's input (4096 x 2048, {tokens} tokens): streams vs without "
               f"{err_streams:.2e}; x, pre, post, comb vs hc_pre of them {err_input:.2e}")
+    check_q8_hc_pre(control, nxt)
     # With the routed experts' down products made beside the shared expert's rows (the FFN's
     # form), against their own launch (expert_matvec) added: each block format, 3 tokens and 1.
     routed_ids = mx.array([[3, 15, 0, 9, 7, 12], [1, 3, 5, 15, 2, 8], [4, 14, 6, 11, 13, 2]], dtype=mx.int32)
@@ -486,6 +487,35 @@ def check_routed_swiglu() -> None:
               f"a biased layer and a hash layer's, 1 and 3 tokens) vs router then expert_swiglu: the same "
               f"experts {same_experts}, max rel err {worst:.2e} (0: the same bits); one token "
               f"{fused_s * 1e6:.1f} us vs {apart_s * 1e6:.1f} us")
+
+
+def check_q8_hc_pre(control: hc.HCControl, nxt: kernels.HCInput) -> None:
+    """q8_hc with the attention's grouped output product made first in its launch (the flash
+    shape: 8192 rows of 4096 in 8 groups, then 4096 of 8192, the next input made) against
+    q8_matvec's grouped product and then q8_hc: the same bits expected; 3 tokens and 1, then
+    one token's time against the two launches (each call its own slot)."""
+    out_a, out_b = _q8_matrix(8192, 4096), _q8_matrix(4096, 8192)
+    heads = mx.random.normal((3, 64, 512))
+    streams = mx.random.normal((3, 4, 4096))
+    worst, equal = 0.0, True
+    for t in (3, 1):
+        args = (streams[:t], control.post[:t], control.comb[:t])
+        fused, made = kernels.q8_hc(out_b, heads[:t], *args, next_input=nxt, pre=(out_a, 8))
+        low = kernels.q8_matvec(out_a, heads[:t], groups=8)
+        apart, made_apart = kernels.q8_hc(out_b, low, *args, next_input=nxt, slot=1)
+        for got, want in zip((fused, *made), (apart, *made_apart), strict=True):
+            worst = max(worst, _rel(got, want))
+            equal &= bool(mx.array_equal(got, want).item())
+    _bar("q8_hc with the grouped output product", worst <= _KERNEL_BAR)
+    slots = iter(range(100, 10**6))
+    fused_s = _seconds(lambda v: kernels.q8_hc(out_b, v, streams[:1], control.post[:1], control.comb[:1],
+                                               next_input=nxt, slot=next(slots), pre=(out_a, 8))[0], heads[:1])
+    apart_s = _seconds(lambda v: kernels.q8_hc(out_b, kernels.q8_matvec(out_a, v, groups=8), streams[:1],
+                                               control.post[:1], control.comb[:1], next_input=nxt,
+                                               slot=next(slots))[0], heads[:1])
+    print(f"q8_hc with the grouped output product first (8192 x 4096 in 8 groups, then 4096 x 8192, the next "
+          f"input; 3 tokens and 1) vs q8_matvec, then q8_hc: streams and next input max rel err {worst:.2e}, the "
+          f"same bits {equal}; one token {fused_s * 1e6:.1f} us vs {apart_s * 1e6:.1f} us")
 
 
 def check_q8_pair_then(q_a: Q8Matrix, kv: Q8Matrix, x: mx.array, norm: mx.array) -> None:

@@ -11,10 +11,12 @@ decodes the same tokens), and the medians are compared.
 Variants (`--variant`):
 - `hc_input`: the sublayer's HC input made by the last launch of the sublayer before (A, the
   default: `q8_hc`'s last block) or apart (B: `hc_mix` + `hc_pre`, two launches a sublayer).
-- `router`: a decode step's router inside the routed experts' launch (A, the default:
-  `routed_swiglu`) or in its own launch before them (B: `router` + `expert_swiglu`).
+- `router`, `q_b`, `output_a`: that step in the launch of the step after it (A, the default:
+  `Model.merged_launches`) or in its own launch (B): the router before the routed experts
+  (`routed_swiglu`, or `router` + `expert_swiglu`), q_b's product after q_a's (`q8_pair`,
+  then `q8_matvec`), the grouped output product before output_b's (`q8_hc`, `q8_matvec` first).
 
-    python bench/stream_ab.py [--layers 43] [--context 4096] [--steps 16] [--rounds 5] [--variant hc_input|router]
+    python bench/stream_ab.py [--layers 43] [--context 4096] [--steps 16] [--rounds 5] [--variant NAME]
 
 On a CUDA device (elsewhere both variants are the same computation, the reference path's).
 """
@@ -42,14 +44,17 @@ def _hc_input(model: Model, a: bool) -> None:
     model.hc_input_in_product = a
 
 
-def _router(model: Model, a: bool) -> None:
-    model.router_in_experts_launch = a
+def _merged(step: str) -> Callable[[Model, bool], None]:
+    def choose(model: Model, a: bool) -> None:
+        (model.merged_launches.add if a else model.merged_launches.discard)(step)
+    return choose
 
 
 # name -> (what A and B are, the setter: variant A when given True)
 VARIANTS: dict[str, tuple[str, str, Callable[[Model, bool], None]]] = {
     "hc_input": ("HC input in the product's last block", "HC input apart (hc_mix + hc_pre)", _hc_input),
-    "router": ("router in the routed experts' launch", "router in its own launch", _router),
+    **{step: (f"{step} in the next step's launch", f"{step} in its own launch", _merged(step))
+       for step in ("router", "q_b", "output_a")},
 }
 
 

@@ -48,7 +48,7 @@ def main() -> None:
                 logits = session.prefill([1000 + i for i in range(context)])
                 for _ in range(args.steps):
                     logits = session.decode(mx.argmax(logits))
-                model.router_in_experts_launch = False      # `stream_ab.py --variant router`'s B
+                model.merged_launches.clear()              # `stream_ab.py`'s B variants
                 mx.eval(session.decode(mx.argmax(logits)))
         variants += [v for v in recorded if v not in variants]
     recorded_at = time.perf_counter()

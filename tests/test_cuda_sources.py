@@ -76,7 +76,7 @@ def recorded_launches(monkeypatch, batched):
 
 
 # Integer templates that choose a code path, as the boolean ones do.
-_PATH_TEMPLATES = {"SPLIT", "SPLIT_C"}
+_PATH_TEMPLATES = {"SPLIT", "SPLIT_C", "PRE_SPLIT"}
 
 
 def _code_paths(launches: list[dict]) -> dict:
@@ -132,6 +132,15 @@ def test_every_launched_kernel_compiles_with_nvrtc(recorded_launches, nvrtc, tin
     kernels.q8_hc(q8, x, mx.ones((1, 6, 4096)), mx.ones((1, 6)), mx.ones((1, 6, 6)))   # more streams than a split
     nxt = kernels.HCInput(mx.ones((24, 4 * 4096)), mx.ones((3,)), mx.ones((24,)), mx.ones((4096,)), 20, 1e-6, 1e-6)
     kernels.q8_hc(q8, x, streams, post, comb, next_input=nxt)
+    # and with the grouped output product made first in the launch: the flash shape's (its
+    # warps splitting the columns), and one whose warps take whole rows
+    out_a = Q8Matrix(mx.zeros((8192, 1024), mx.uint32), mx.zeros((8192, 128)), mx.zeros((8192, 128)), 8192, 4096)
+    out_b = Q8Matrix(mx.zeros((4096, 2048), mx.uint32), mx.zeros((4096, 256)), mx.zeros((4096, 256)), 4096, 8192)
+    kernels.q8_hc(out_b, mx.ones((1, 64, 512)), streams, post, comb, next_input=nxt, pre=(out_a, 8))
+    wide = Q8Matrix(mx.zeros((16384, 128), mx.uint32), mx.zeros((16384, 16)), mx.zeros((16384, 16)), 16384, 512)
+    narrow = Q8Matrix(mx.zeros((512, 4096), mx.uint32), mx.zeros((512, 512)), mx.zeros((512, 512)), 512, 16384)
+    nxt_512 = kernels.HCInput(mx.ones((24, 4 * 512)), mx.ones((3,)), mx.ones((24,)), mx.ones((512,)), 20, 1e-6, 1e-6)
+    kernels.q8_hc(narrow, mx.ones((1, 2, 512)), mx.ones((1, 4, 512)), post, comb, next_input=nxt_512, pre=(wide, 2))
     # and with a token's routed down products beside its rows, in each block format
     for type_name in kernels._TYPES:
         down = ExpertBlocks(mx.zeros((2, 4096 * row_bytes(type_name, 2048)), mx.uint8), type_name, 4096, 2048)

@@ -368,7 +368,22 @@ def _q8_swiglu(inputs, t, grid, threadgroup):
 
 
 def _q8_hc(inputs, t, grid, threadgroup):
-    codes, scales, x, add, streams, post, comb, mix, next_scale, next_base, next_norm, eps, counter, part = inputs
+    """With PRE, x is first made: the grouped product of pre_x, by the first PRE_BLOCKS blocks
+    of each token in grid x (each of PRE_SETS row sets of PRE_R rows, PRE_SPLIT warps a set),
+    the product's PARTS blocks after them."""
+    (codes, scales, x, add, streams, post, comb, mix, next_scale, next_base, next_norm, eps, counter, part,
+     pre_codes, pre_scales, pre_x) = inputs
+    if t["PRE"]:
+        n_tok, warps = streams.shape[0], threadgroup[0] // 32
+        assert t["NEXT"] and not np.array(counter).any() and counter.size >= 4
+        assert grid[1] == 1 and grid[0] == n_tok * (t["PRE_BLOCKS"] + t["PARTS"]) * threadgroup[0]
+        assert t["PRE_SETS"] * (t["PRE_SPLIT"] if t["PRE_SPLIT"] > 1 else 1) == warps
+        assert t["PRE_BLOCKS"] * t["PRE_SETS"] * t["PRE_R"] == t["PRE_ROWS"] and x.size >= n_tok * t["PRE_ROWS"]
+        x = _q8_matvec([pre_codes, pre_scales, pre_x], {"ROWS": t["PRE_ROWS"], "COLS": t["PRE_COLS"],
+                                                        "GROUP_ROWS": t["PRE_GROUP_ROWS"], "R": t["PRE_R"],
+                                                        "SPLIT": t["PRE_SPLIT"]},
+                       (t["PRE_BLOCKS"] * threadgroup[0], n_tok), threadgroup)[0]
+        grid = (t["PARTS"] * threadgroup[0], n_tok)
     _q8_warps(t, grid, t["E"], x.shape[0])
     # GROUPS sets of rows a block (the next input's tail), each of SPLIT warps with rows
     assert threadgroup[0] == 32 * kernels._Q8_WARPS * t["GROUPS"] and t["E"] % (t["R"] * t["GROUPS"]) == 0
@@ -397,17 +412,17 @@ def _q8_hc_routed(type_name):
     """q8_hc with a token's routed experts' down products beside its rows (`add=` a RoutedDown): the
     warp parts of a row set take the pairs in turn, so every pair is summed once."""
     def run(inputs, t, grid, threadgroup):
-        raw, ids, mid = inputs[14:17]
+        raw, ids, mid = inputs[17:20]
         k, rows, cols = t["K"], t["E"], t["COLS"]
         assert not t["ADD"] and ids.dtype == mx.int32 and ids.shape == (grid[1], k) and mid.shape == (*ids.shape, cols)
         # the pairs' rows cut into PIECES runs of whole blocks, evenly over a row set's warps
         assert t["PIECES"] == 1 or (cols % (256 * t["PIECES"]) == 0 and k * t["PIECES"] % t["SPLIT"] == 0)
         assert t["ROW_BYTES"] * rows == t["EXPERT_BYTES"] == raw.shape[1]
-        assert len(inputs) == 17 + (type_name == "IQ2_XXS")          # its grid
+        assert len(inputs) == 20 + (type_name == "IQ2_XXS") and not t["PRE"]          # its grid
         flat = ids.reshape(-1)
         down = (gather_experts(raw, flat, type_name, rows, cols) @ mid.reshape(-1, cols)[:, :, None])[..., 0]
         add = down.reshape(*ids.shape, rows).sum(axis=1)
-        return _q8_hc([*inputs[:3], add, *inputs[4:14]], {**t, "ADD": True}, grid, threadgroup)
+        return _q8_hc([*inputs[:3], add, *inputs[4:17]], {**t, "ADD": True}, grid, threadgroup)
     return run
 
 
@@ -922,8 +937,9 @@ def test_a_decode_step_finishes_q_and_kv_rows_without_launches_of_their_own(smal
     (its HC weights' and its output norm): q_a's norm and q_b's product are made by the q_a and
     kv launch, and the q heads and the KV row (written after the window: the keys) are finished
     by the attention kernel. And hc_pre (with its hc_mix) once: every other sublayer's HC input
-    is made by the q8_hc before it, and q8_hc runs twice a layer. q8_matvec: the grouped output
-    product a layer and the output head."""
+    is made by the q8_hc before it, and q8_hc runs twice a layer, the attention's making the
+    grouped output product first: q8_matvec for the output head only. Each merged step in its
+    own launch again (`Model.merged_launches` emptied, as stream_ab.py's B): the same logits."""
     model = Model(small_weights)
     session = model.session()
     session.prefill([(37 * i + 11) % 1000 + 100 for i in range(10)])
@@ -933,9 +949,16 @@ def test_a_decode_step_finishes_q_and_kv_rows_without_launches_of_their_own(smal
     assert stand_in_kernels["row_finish"] == 2
     assert stand_in_kernels["attention_heads"] == stand_in_kernels["q8_pair"] == n_layer
     assert stand_in_kernels["hc_pre"] == stand_in_kernels["hc_mix"] == 1
-    assert stand_in_kernels["q8_hc"] == 2 * n_layer and stand_in_kernels["q8_matvec"] == n_layer + 1
-    # made apart (for measuring the two): each sublayer's own hc_mix and hc_pre, the same logits
+    assert stand_in_kernels["q8_hc"] == 2 * n_layer and stand_in_kernels["q8_matvec"] == 1
     state, logits = session.state, np.array(session.decode(321))
+    model.merged_launches.clear()
+    stand_in_kernels.clear()
+    session.state = state
+    unmerged = np.array(session.decode(321))
+    assert stand_in_kernels["q8_matvec"] == 2 * n_layer + 1
+    assert stand_in_kernels["router"] == stand_in_kernels["expert_swiglu"] == n_layer
+    assert np.abs(unmerged - logits).max() < 1e-5 * logits.std()
+    # made apart (for measuring the two): each sublayer's own hc_mix and hc_pre, the same logits
     model.hc_input_in_product = False
     stand_in_kernels.clear()
     session.state = state

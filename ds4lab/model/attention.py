@@ -32,12 +32,13 @@ def input_products(layer: LayerWeights, xa: mx.array, eps: float, mm: Schedule,
 
 
 def project_q(layer: LayerWeights, qr_n: mx.array, rotation: Rotation, n_head: int, head_dim: int, eps: float,
-              mm: Schedule) -> mx.array:
+              mm: Schedule, finish: bool = True) -> mx.array:
     """From qr_n (q_a's product RMS-normed, `input_products`): q [T, H, D] with per-head
-    weightless RMS, rotated. (A fast-path decode step takes q_b's product unfinished from
-    `input_products(q_heads=)`: decode attention finishes its heads, `attend_heads(q_eps=)`.)"""
+    weightless RMS, rotated. Without `finish` q is the q_b product, its heads not yet normed
+    nor rotated (decode attention on the fast path does both: `attend_heads(q_eps=)`; a
+    fast-path decode step takes it from `input_products(q_heads=)`, in q_a's launch)."""
     q = mm.q8(layer.q8["attn_q_b.weight"], qr_n, shape=(qr_n.shape[0], n_head, head_dim))
-    return mm.finish_rows(q, eps=eps, rotation=rotation)
+    return mm.finish_rows(q, eps=eps, rotation=rotation) if finish else q
 
 
 def kv_row(layer: LayerWeights, kv: mx.array, rotation: Rotation, eps: float, mm: Schedule,

@@ -153,7 +153,7 @@ _KERNELS = {
                   ["codes_g", "scales_g", "codes_u", "scales_u", "x", "clamp"], ["y"]),
     "q8_hc": ("q8_hc.cu", ("ds4lab_block.cuh", "q8_rows.cuh", "hc_split.cuh"),
               ["codes", "scales", "x", "add", "streams", "post", "comb", "mix", "next_scale", "next_base", "next_norm",
-               "eps", "counter", "part"],
+               "eps", "counter", "part", "pre_codes", "pre_scales", "pre_x"],
               ["y", "x_next", "pre", "post_next", "comb_next"]),
     "gemm_split_x": ("gemm_split_x.cu", ("ds4lab_block.cuh", "gemm_common.cuh"), ["x"], ["xh", "xl", "xsum", "xexp"]),
 }
@@ -679,15 +679,28 @@ def _q8_hc_kernel(type_name: str):
 
 def q8_hc(matrix: Q8Matrix, x: mx.array, streams: mx.array, post: mx.array, comb: mx.array,
           add: mx.array | RoutedDown | None = None, next_input: HCInput | None = None,
-          slot: int | None = 0) -> tuple[mx.array, tuple[mx.array, ...] | None]:
+          slot: int | None = 0,
+          pre: tuple[Q8Matrix, int] | None = None) -> tuple[mx.array, tuple[mx.array, ...] | None]:
     """`hc_post`(W·x, ...) in one launch: a sublayer's last product (x [T, cols], W with
     n_embd rows) and the new streams [T, N, E] from it; `add` [T, E] is added to W·x first
     (the FFN's routed output beside the shared expert's), or, `add` a `RoutedDown`, the
     routed experts' down products made in the same launch (their rows beside W's). With
     `next_input`, the same launch also makes the next sublayer's input from the new streams,
     as `hc_pre` would (its last block, from partial sums the others made): (x [T, E], pre
-    [T, N], post [T, N], comb [T, N, N]). Returns (new streams, that input or None)."""
-    t = _one_vector_tokens("q8_hc", (matrix,), x)
+    [T, N], post [T, N], comb [T, N, N]). With `pre` = (P, G) as well (the attention's grouped
+    output: P's rows in G groups), x is P's input and W's input is `q8_matvec`(P, x,
+    groups=G), made by more thread blocks of the launch (q8_hc.cu's PRE). Returns (new
+    streams, the next input or None)."""
+    if pre is not None:
+        low, groups_pre = pre
+        t = _grouped_tokens("q8_hc", low, x, groups_pre)
+        if next_input is None or low.rows != matrix.cols or isinstance(add, RoutedDown):
+            raise ValueError(f"q8_hc: a grouped product of {low.rows} rows before {matrix.cols} columns (with the "
+                             f"next input, no routed rows)")
+        # W's input: scratch the launch's first blocks write and its others read
+        pre_x, x = x.astype(mx.float32), _launch_scratch("q8_hc_low", t * low.rows, slot)
+    else:
+        t = _one_vector_tokens("q8_hc", (matrix,), x)
     n, e = streams.shape[1:]
     routed, add = (add, None) if isinstance(add, RoutedDown) else (None, add)
     if routed is not None and (routed.tensor.rows != matrix.rows
@@ -718,6 +731,21 @@ def q8_hc(matrix: Q8Matrix, x: mx.array, streams: mx.array, post: mx.array, comb
     launch = _q8_launch(e, r, split, t, groups)
     parts = launch["grid"][0] // launch["threadgroup"][0]
     unused = _scalar(0.0)
+    pre_inputs, pre_template = [_constant((0,), mx.uint32), unused, unused], [
+        ("PRE", False), ("PRE_ROWS", 1), ("PRE_COLS", 32), ("PRE_GROUP_ROWS", 1), ("PRE_R", 1), ("PRE_SPLIT", 1),
+        ("PRE_SETS", 1), ("PRE_BLOCKS", 0)]
+    if pre is not None:
+        warps = launch["threadgroup"][0] // 32
+        pre_r, pre_split = _rows_per_warp(low.rows, low.cols, low.rows // groups_pre)
+        sets = warps // pre_split
+        if pre_split > warps or low.rows % (pre_r * sets):
+            raise ValueError(f"q8_hc: a grouped product of {low.rows} rows in blocks of {warps} warps")
+        pre_blocks = low.rows // (pre_r * sets)
+        pre_inputs = [low.codes, low.scales, pre_x]
+        pre_template = [("PRE", True), ("PRE_ROWS", low.rows), ("PRE_COLS", low.cols),
+                        ("PRE_GROUP_ROWS", low.rows // groups_pre), ("PRE_R", pre_r), ("PRE_SPLIT", pre_split),
+                        ("PRE_SETS", sets), ("PRE_BLOCKS", pre_blocks)]
+        launch["grid"] = (t * (pre_blocks + parts) * launch["threadgroup"][0], 1, 1)
     weights = ([next_input.fn, next_input.scale, next_input.base, next_input.norm,
                 _constant((next_input.rms_eps, next_input.hc_eps)), _arrival_counters(slot),
                 _launch_scratch("q8_hc", t * (m + 1) * parts, slot)] if nxt
@@ -733,10 +761,10 @@ def q8_hc(matrix: Q8Matrix, x: mx.array, streams: mx.array, post: mx.array, comb
     kernel = _fused("q8_hc") if routed is None else _q8_hc_kernel(routed.tensor.type_name)
     y, *made = kernel(
         inputs=[matrix.codes, matrix.scales, x.astype(mx.float32), unused if add is None else add,
-                streams, post, comb, *weights, *down],
+                streams, post, comb, *weights, *pre_inputs, *down],
         template=[("E", e), ("COLS", matrix.cols), ("R", r), ("SPLIT", split), ("N", n), ("ADD", add is not None),
                   ("NEXT", nxt), ("PARTS", parts), ("ITERS", next_input.sinkhorn_iters if nxt else 1),
-                  ("GROUPS", groups), *down_template],
+                  ("GROUPS", groups), *pre_template, *down_template],
         **launch,
         output_shapes=[streams.shape] + ([(t, e), (t, n), (t, n), (t, n, n)] if nxt else [(1,)] * 4),
         output_dtypes=[mx.float32] * 5)

@@ -89,9 +89,12 @@ class Model:
         # makes it apart (hc_mix + hc_pre), the same values: for measuring the two in one
         # process (`bench/stream_ab.py`).
         self.hc_input_in_product = True
-        # ... and its FFN routes inside the routed experts' launch (`routed_swiglu`) where no
-        # hook reads the experts; False gives the router its own launch, the same values.
-        self.router_in_experts_launch = True
+        # ... and these steps run in the launch of the step after them (the same values; a
+        # name taken out gives that step its own launch again, for `bench/stream_ab.py`):
+        # "q_b", q_b's product in the q_a / kv launch; "output_a", the grouped output product
+        # in the launch of output_b and the HC step (with the FFN's input made there); "router",
+        # the router in the routed experts' launch where no hook reads the experts.
+        self.merged_launches = {"q_b", "output_a", "router"}
 
     # ---- public entry points --------------------------------------------------------
     def __call__(self, tokens, experts=None) -> mx.array:
@@ -376,8 +379,11 @@ class Model:
         if finish_q:
             qr, kv, qr_n = attention.input_products(layer, xa, cfg.rms_eps, mm)
             q = h("hook_q", attention.project_q(layer, qr_n, rotation, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm))
-        else:                                    # q_b's product in the launch of q_a's
+        elif "q_b" in self.merged_launches:      # q_b's product in the launch of q_a's, unfinished
             qr, kv, qr_n, q = attention.input_products(layer, xa, cfg.rms_eps, mm, (cfg.n_head, cfg.head_dim))
+        else:
+            qr, kv, qr_n = attention.input_products(layer, xa, cfg.rms_eps, mm)
+            q = attention.project_q(layer, qr_n, rotation, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm, finish=False)
         if finish_kv:
             kv = h("hook_kv", attention.kv_row(layer, kv, rotation, cfg.rms_eps, mm))
         queries = indexer.indexer_queries(layer, xa, qr, qr_n, rotation, cfg.indexer_heads, cfg.indexer_head_dim,
@@ -391,13 +397,18 @@ class Model:
         last product and the HC step one kernel on the fast path's matvec, unless hooked,
         which also makes the FFN's input of them: see `block`)."""
         h = self._hooks.scope(f"{_prefix(layer)}.attn")
+        out_a, out_b = layer.q8["attn_output_a.weight"], layer.q8["attn_output_b.weight"]
+        control = HCControl(pre, post, comb)
+        next_input = self._hc_input(layer, "ffn") if self.hc_input_in_product else None
+        if (mm.fast and next_input is not None and "output_a" in self.merged_launches and not h.wants("hook_out")
+                and heads.shape[0] <= kernels.MATVEC_MAX_TOKENS and streams.shape[1] <= kernels.HC_MAX_STREAMS):
+            # the grouped product by the first thread blocks of the launch of the product after it
+            return kernels.q8_hc(out_b, heads, streams, control.post, control.comb, next_input=next_input,
+                                 slot=layer.index, pre=(out_a, self.config.n_out_group))
         low = attention.grouped_low(layer, heads, self.config.n_out_group, mm)
-        out_b, control = layer.q8["attn_output_b.weight"], HCControl(pre, post, comb)
         if h.wants("hook_out"):
             return hc_expand(h("hook_out", mm.q8(out_b, low)), streams, control, mm), None
-        return hc_expand_q8(out_b, low, streams, control, mm,
-                            next_input=self._hc_input(layer, "ffn") if self.hc_input_in_product else None,
-                            slot=layer.index)
+        return hc_expand_q8(out_b, low, streams, control, mm, next_input=next_input, slot=layer.index)
 
     def _sublayer(self, part: str, layer: LayerWeights, mm: Schedule, fn: Callable, *arrays: mx.array,
                   **weights: mx.array | None):
@@ -412,7 +423,7 @@ class Model:
         if hooked or not mm.fast or arrays[0].shape[0] > kernels.MATVEC_MAX_TOKENS:
             return fn(layer, mm, *arrays, **weights)
         key = (layer.index, part, len(arrays), tuple(name for name, w in weights.items() if w is not None),
-               self.hc_input_in_product, self.router_in_experts_launch)
+               self.hc_input_in_product, frozenset(self.merged_launches))
         if key not in self._compiled:
             # Weights enter the traced graph as constants: evaluated first, so that none of
             # them brings its own graph (a lazy view) into every call.
@@ -518,7 +529,7 @@ class Model:
         one_kernel = not (h.wants("hook_shared_out") or h.wants("hook_out"))    # the down products and HC
         down_later = not h.wants("hook_routed_out")
         made = None
-        if (mm.fast and one_kernel and self.router_in_experts_launch
+        if (mm.fast and one_kernel and "router" in self.merged_launches
                 and not (h.wants("hook_experts") or h.wants("hook_expert_weights"))):
             # the router inside the routed experts' launch, where that launch serves
             made = moe.routed_and_shared_mid_routing(layer, xf, token_ids, cfg.n_expert_used,

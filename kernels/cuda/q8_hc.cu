@@ -37,6 +37,18 @@
 // and its weights: mix, next_scale [3], next_base [M], next_norm [E], eps [2] (RMS, HC), and
 // counter (an arrival counter), part [T, M + 1, PARTS] (the blocks' partial sums, scratch the
 // last block reads: an input, kernels.py `_launch_scratch`), else one unused value each;
+// pre_codes, pre_scales and pre_x [T, PRE_ROWS / PRE_GROUP_ROWS * PRE_COLS] with PRE, else one
+// unused value each.
+// PRE (with NEXT; the attention's output): x is first made in the launch, the grouped product
+// x[t] = P pre_x[t] (as q8_matvec.cu: PRE_ROWS rows of PRE_COLS in groups of PRE_GROUP_ROWS,
+// group g times its own slice of pre_x; PRE_R rows a warp, PRE_SPLIT warps sharing them,
+// PRE_SETS such sets a block), one launch fewer a layer. Thread blocks take their jobs in
+// arrival order (counter[3], a ticket, set back to zero by the block that takes the last):
+// the first T * PRE_BLOCKS make x (into the input buffer x: scratch of this launch) and the
+// last of them (counter[1]) raises a flag (counter[2]); the rest, PARTS a token, wait for it
+// and run as above, bx and t their job's. A block waits only for tickets taken before its own,
+// by running blocks that wait for nothing. The tail's block, which every other has reached
+// after its wait, sets the flag back to zero.
 // routed: raw, ids [T, K] int32, mid [T, K, COLS] and the format's tables.
 // Outputs: y [T, N, E]; with NEXT x_next [T, E], pre [T, N], post_next [T, N],
 // comb_next [T, N, N] (one unused value each without).
@@ -44,15 +56,53 @@
 // split the columns, q8_rows.cuh; the first writes; GROUPS such sets a block), PARTS blocks;
 // y = the token. GROUPS > 1 is for the tail: the last block's threads collapse the streams
 // and add the partials, and there are 1 / GROUPS as many partials (E: a multiple of
-// R * GROUPS, so that every warp of a block has rows).
+// R * GROUPS, so that every warp of a block has rows). PRE: x = T * (PRE_BLOCKS + PARTS)
+// blocks, y = 1.
 #ifdef DS4LAB_DOT_STAGE
 DS4LAB_DOT_STAGE
 #endif
 constexpr int M = (2 + N) * N;
 const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-const int r0 = (SPLIT > 1 ? blockIdx.x * GROUPS + warp / SPLIT : blockIdx.x * (blockDim.x >> 5) + warp) * R;
+int* const count = const_cast<int*>(counter);
+const int n_tokens = PRE ? gridDim.x / (PRE_BLOCKS + PARTS) : gridDim.y;
+int bx = blockIdx.x, t = blockIdx.y;
+if (PRE) {
+    __shared__ int job_s;
+    if (threadIdx.x == 0) {
+        const int ticket = atomicAdd(count + 3, 1);
+        if (ticket == (int)gridDim.x - 1) atomicExch(count + 3, 0);      // the last: none left to take
+        job_s = ticket;
+    }
+    __syncthreads();
+    const bool pre_job = job_s < n_tokens * PRE_BLOCKS;
+    const int job = pre_job ? job_s : job_s - n_tokens * PRE_BLOCKS, per = pre_job ? PRE_BLOCKS : PARTS;
+    bx = job % per;
+    t = job / per;
+    if (pre_job) {
+        const int p0 = (bx * PRE_SETS + (PRE_SPLIT > 1 ? warp / PRE_SPLIT : warp)) * PRE_R;
+        const int p_part = PRE_SPLIT > 1 ? warp % PRE_SPLIT : 0;
+        if (p0 < PRE_ROWS) {
+            const float* xt = pre_x + ((size_t)t * (PRE_ROWS / PRE_GROUP_ROWS) + p0 / PRE_GROUP_ROWS) * PRE_COLS;
+            const uint4* w[PRE_R];
+            const float* s[PRE_R];
+            float acc[PRE_R];
+#pragma unroll
+            for (int i = 0; i < PRE_R; ++i) ds4lab_q8_row<PRE_COLS>(pre_codes, pre_scales, p0 + i, w[i], s[i]);
+            ds4lab_q8_dots<PRE_R, PRE_COLS, PRE_SPLIT>(w, s, reinterpret_cast<const float4*>(xt), lane, acc, p_part);
+            ds4lab_q8_totals<PRE_R, PRE_SPLIT, PRE_SETS>(acc, p_part, lane, PRE_SPLIT > 1 ? warp / PRE_SPLIT : 0);
+#pragma unroll
+            for (int i = 0; i < PRE_R; ++i) {
+                if (lane == 0 && p_part == 0) const_cast<float*>(x)[(size_t)t * PRE_ROWS + p0 + i] = acc[i];
+            }
+        }
+        if (ds4lab_last_block(count + 1, n_tokens * PRE_BLOCKS) && threadIdx.x == 0) ds4lab_raise_flag(count + 2);
+        return;
+    }
+    if (threadIdx.x == 0) ds4lab_wait_flag(count + 2);
+    __syncthreads();
+}
+const int r0 = (SPLIT > 1 ? bx * GROUPS + warp / SPLIT : bx * (blockDim.x >> 5) + warp) * R;
 const int cols_part = SPLIT > 1 ? warp % SPLIT : 0;
-const int t = blockIdx.y;
 float mixed[NEXT ? M + 1 : 1] = {};
 if (r0 < E) {
     const float4* xv = reinterpret_cast<const float4*>(x + (size_t)t * COLS);
@@ -94,12 +144,12 @@ if (r0 < E) {
 // instantiates must hold for any N: the split's a-lane-a-cell warp is for N * N <= 32.)
 if (NEXT) {
     __shared__ float warp_mixed[NEXT ? 32 * (M + 1) : 1];
-    ds4lab_block_sums<M + 1>(mixed, warp_mixed, const_cast<float*>(part) + (size_t)t * (M + 1) * PARTS + blockIdx.x,
-                             PARTS);
+    ds4lab_block_sums<M + 1>(mixed, warp_mixed, const_cast<float*>(part) + (size_t)t * (M + 1) * PARTS + bx, PARTS);
     __shared__ float m[NEXT ? M + 1 : 1];
     __shared__ float scratch[32];
     __shared__ float4 stage[NEXT ? E / 4 : 1];
-    if (!ds4lab_last_block(const_cast<int*>(counter), gridDim.x * gridDim.y)) return;
+    if (!ds4lab_last_block(count, PARTS * n_tokens)) return;
+    if (PRE && threadIdx.x == 0) count[2] = 0;      // every other block is past its wait
     // The weights the tail reads after its sums (the norm's, the split's) have not been read
     // this step: into L2 now, while the partials are added (from DRAM, each later loop would
     // wait ~1 µs a step).
@@ -109,7 +159,7 @@ if (NEXT) {
         for (int i = 0; i < M; i += 32) ds4lab_prefetch_l2(next_base + i);
     }
     const int threads = (int)blockDim.x - 32, id = (int)threadIdx.x - 32;
-    for (int tt = 0; tt < (int)gridDim.y; ++tt) {
+    for (int tt = 0; tt < n_tokens; ++tt) {
         const int n_warps = (int)(blockDim.x >> 5);
         for (int i = warp; i <= M; i += 2 * n_warps) {             // sums i and i + n_warps
             const int count = i + n_warps <= M ? 2 : 1;
