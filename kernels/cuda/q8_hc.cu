@@ -81,20 +81,10 @@ if (PRE) {
     if (pre_job) {
         const int p0 = (bx * PRE_SETS + (PRE_SPLIT > 1 ? warp / PRE_SPLIT : warp)) * PRE_R;
         const int p_part = PRE_SPLIT > 1 ? warp % PRE_SPLIT : 0;
-        if (p0 < PRE_ROWS) {
-            const float* xt = pre_x + ((size_t)t * (PRE_ROWS / PRE_GROUP_ROWS) + p0 / PRE_GROUP_ROWS) * PRE_COLS;
-            const uint4* w[PRE_R];
-            const float* s[PRE_R];
-            float acc[PRE_R];
-#pragma unroll
-            for (int i = 0; i < PRE_R; ++i) ds4lab_q8_row<PRE_COLS>(pre_codes, pre_scales, p0 + i, w[i], s[i]);
-            ds4lab_q8_dots<PRE_R, PRE_COLS, PRE_SPLIT>(w, s, reinterpret_cast<const float4*>(xt), lane, acc, p_part);
-            ds4lab_q8_totals<PRE_R, PRE_SPLIT, PRE_SETS>(acc, p_part, lane, PRE_SPLIT > 1 ? warp / PRE_SPLIT : 0);
-#pragma unroll
-            for (int i = 0; i < PRE_R; ++i) {
-                if (lane == 0 && p_part == 0) const_cast<float*>(x)[(size_t)t * PRE_ROWS + p0 + i] = acc[i];
-            }
-        }
+        if (p0 < PRE_ROWS)
+            ds4lab_q8_grouped_rows<PRE_ROWS, PRE_COLS, PRE_GROUP_ROWS, PRE_R, PRE_SPLIT, PRE_SETS>(
+                pre_codes, pre_scales, pre_x, const_cast<float*>(x), t, p0, p_part, lane,
+                PRE_SPLIT > 1 ? warp / PRE_SPLIT : 0);
         if (ds4lab_last_block(count + 1, n_tokens * PRE_BLOCKS) && threadIdx.x == 0) ds4lab_raise_flag(count + 2);
         return;
     }

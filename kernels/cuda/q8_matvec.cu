@@ -11,15 +11,4 @@ const int r0 = (SPLIT > 1 ? blockIdx.x : blockIdx.x * (blockDim.x >> 5) + warp) 
 const int cols_part = SPLIT > 1 ? warp : 0;
 const int t = blockIdx.y;
 if (r0 >= ROWS) return;
-const float* xt = x + ((size_t)t * (ROWS / GROUP_ROWS) + r0 / GROUP_ROWS) * COLS;
-const uint4* w[R];
-const float* s[R];
-float acc[R];
-#pragma unroll
-for (int i = 0; i < R; ++i) ds4lab_q8_row<COLS>(codes, scales, r0 + i, w[i], s[i]);
-ds4lab_q8_dots<R, COLS, SPLIT>(w, s, reinterpret_cast<const float4*>(xt), lane, acc, cols_part);
-ds4lab_q8_totals<R, SPLIT>(acc, cols_part, lane);
-#pragma unroll
-for (int i = 0; i < R; ++i) {
-    if (lane == 0 && cols_part == 0) y[(size_t)t * ROWS + r0 + i] = acc[i];
-}
+ds4lab_q8_grouped_rows<ROWS, COLS, GROUP_ROWS, R, SPLIT>(codes, scales, x, y, t, r0, cols_part, lane);
