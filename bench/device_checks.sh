@@ -15,8 +15,10 @@
 #   bash bench/device_checks.sh geometry # a step's device time under the expert kernels' and q8_hc's
 #                                        # geometry constants (device_time_ab.py), then ncu's warp
 #                                        # stalls by instruction for q8_hc's tail (~8 min)
-#   bash bench/device_checks.sh routed   # q8_hc with the routed down products against expert_matvec added,
-#                                        # a step's device time, the 43-layer stream at 4096 (~9 min: one call)
+#   bash bench/device_checks.sh merged   # the merged launches (routed_swiglu, q8_pair with q_b, q8_hc with
+#                                        # output_a) against the launches they replace, fast vs reference,
+#                                        # then each merge's stream A/B at 4096 (~12 min, two calls:
+#                                        # `merged checks`, `merged speed`)
 #   bash bench/device_checks.sh stream   # the research checks (a greedy stream straight after a prefill among
 #                                        # them), then the issue's 43-layer bench at 128 and 4096 with the
 #                                        # stream in 3 rounds of 64 steps (~6 min)
@@ -101,12 +103,19 @@ geometry() {
         --details q8_hc_4096_8192 --launches 1 --sections SourceCounters WarpStateStats
 }
 
-routed() {
-    # The FFN's q8_hc making the routed down products (2026-12-04, not yet run on a GPU): its
-    # bars, then the step's device time (9.58 ms with the down expert_matvec) and the stream.
-    step fused 240 env MLX_ENABLE_TF32=0 python3 bench/check_device.py --parts fused
-    step device_time 180 python3 bench/device_time_ab.py --layers 43 --context 4096 --repeat 6 --variants base
-    step decode43 150 python3 bench/bench_model.py --in-memory --layers 43 --prompt 4096 --steps 16
+merged() {
+    # The three steps run in the launch of the step after them (2026-12-04, not yet run on a
+    # GPU): their bars first (each against its two launches: the same bits expected), the
+    # paths, then each merge's stream against its two launches in one process.
+    if [ "${1:-checks}" = checks ]; then
+        step fused 300 env MLX_ENABLE_TF32=0 python3 bench/check_device.py --parts fused
+        step paths 240 env MLX_ENABLE_TF32=0 python3 bench/check_device.py --parts paths
+    else
+        for variant in router q_b output_a; do
+            step "ab_$variant" 180 python3 bench/stream_ab.py --layers 43 --context 4096 --steps 16 --rounds 3 \
+                --variant "$variant"
+        done
+    fi
 }
 
 stream() {
@@ -119,9 +128,9 @@ case "${1:-all}" in
     split) host_and_device ;;
     graphs) graph_commits ;;
     geometry) geometry ;;
-    routed) routed ;;
+    merged) merged "${2:-checks}" ;;
     stream) stream ;;
     warm) step warm 900 python3 bench/warm_kernels.py --cache .ptx_cache ;;
     all) checks; speed ;;
-    *) echo "usage: $0 [checks|speed|split|graphs|geometry|routed|stream|warm|all]" >&2; exit 2 ;;
+    *) echo "usage: $0 [checks|speed|split|graphs|geometry|merged [checks|speed]|stream|warm|all]" >&2; exit 2 ;;
 esac
