@@ -824,7 +824,8 @@ def _arrival_counters(slot: int | None = 0) -> mx.array:
     """The zeroed ints in which kernels whose last thread block finishes a launch's work count
     their blocks (`ds4lab_last_block`): the router and the indexer's scores a counter per
     token, q8_pair's norm of q_a (and with q_b its tickets, departures and flag: the first
-    four) and q8_hc's next input the first, decode attention's shares
+    four) and q8_hc's next input the first (with the grouped product before it the first
+    four: its blocks, flag and tickets), decode attention's shares
     one per (token, head), of which there are fewer than _ATTENTION_MANY_BLOCKS;
     `routed_swiglu` its tickets, departures, and a router count and a flag per token. Each launch
     leaves them zero, so one set serves launches that run one after the other. In a CUDA

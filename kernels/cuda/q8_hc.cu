@@ -63,15 +63,16 @@ DS4LAB_DOT_STAGE
 #endif
 constexpr int M = (2 + N) * N;
 const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-int* const count = const_cast<int*>(counter);
+int* const arrivals = const_cast<int*>(counter);
 const int n_tokens = PRE ? gridDim.x / (PRE_BLOCKS + PARTS) : gridDim.y;
 int bx = blockIdx.x, t = blockIdx.y;
 if (PRE) {
     __shared__ int job_s;
     if (threadIdx.x == 0) {
-        const int ticket = atomicAdd(count + 3, 1);
-        if (ticket == (int)gridDim.x - 1) atomicExch(count + 3, 0);      // the last: none left to take
+        const int ticket = atomicAdd(arrivals + 3, 1);
+        if (ticket == (int)gridDim.x - 1) atomicExch(arrivals + 3, 0);   // the last: none left to take
         job_s = ticket;
+        if (ticket >= (int)gridDim.x) __trap();         // counters not zero at launch: fail, not corrupt
     }
     __syncthreads();
     const bool pre_job = job_s < n_tokens * PRE_BLOCKS;
@@ -85,10 +86,13 @@ if (PRE) {
             ds4lab_q8_grouped_rows<PRE_ROWS, PRE_COLS, PRE_GROUP_ROWS, PRE_R, PRE_SPLIT, PRE_SETS>(
                 pre_codes, pre_scales, pre_x, const_cast<float*>(x), t, p0, p_part, lane,
                 PRE_SPLIT > 1 ? warp / PRE_SPLIT : 0);
-        if (ds4lab_last_block(count + 1, n_tokens * PRE_BLOCKS) && threadIdx.x == 0) ds4lab_raise_flag(count + 2);
+        if (ds4lab_last_block(arrivals + 1, n_tokens * PRE_BLOCKS) && threadIdx.x == 0) ds4lab_raise_flag(arrivals + 2);
         return;
     }
-    if (threadIdx.x == 0) ds4lab_wait_flag(count + 2);
+    // After the wait the block reads x with plain loads: thread 0's acquire, then the barrier,
+    // orders them after the pre blocks' writes (and the acquire leaves no stale line in this
+    // SM's L1). x must stay a plain pointer: no __ldg, no __restrict__.
+    if (threadIdx.x == 0) ds4lab_wait_flag(arrivals + 2);
     __syncthreads();
 }
 const int r0 = (SPLIT > 1 ? bx * GROUPS + warp / SPLIT : bx * (blockDim.x >> 5) + warp) * R;
@@ -138,8 +142,8 @@ if (NEXT) {
     __shared__ float m[NEXT ? M + 1 : 1];
     __shared__ float scratch[32];
     __shared__ float4 stage[NEXT ? E / 4 : 1];
-    if (!ds4lab_last_block(count, PARTS * n_tokens)) return;
-    if (PRE && threadIdx.x == 0) count[2] = 0;      // every other block is past its wait
+    if (!ds4lab_last_block(arrivals, PARTS * n_tokens)) return;
+    if (PRE && threadIdx.x == 0) arrivals[2] = 0;      // every other block is past its wait
     // The weights the tail reads after its sums (the norm's, the split's) have not been read
     // this step: into L2 now, while the partials are added (from DRAM, each later loop would
     // wait ~1 µs a step).

@@ -28,7 +28,10 @@ int bx = blockIdx.x, t = blockIdx.y;
 bool product_c = false;
 if (THEN) {
     __shared__ int job_s;
-    if (threadIdx.x == 0) job_s = atomicAdd(count + 1, 1);
+    if (threadIdx.x == 0) {
+        job_s = atomicAdd(count + 1, 1);
+        if (job_s >= (int)gridDim.x) __trap();          // counters not zero at launch: fail, not corrupt
+    }
     __syncthreads();
     product_c = job_s >= n_tokens * PAIR_BLOCKS;
     const int job = product_c ? job_s - n_tokens * PAIR_BLOCKS : job_s, per = product_c ? C_BLOCKS : PAIR_BLOCKS;

@@ -30,7 +30,10 @@ int* const count = const_cast<int*>(counter);
 constexpr int PER_TOKEN = ROUTER_BLOCKS + X_BLOCKS * (X_DIV + (SHARED_ROWS > 0 ? 1 : 0));
 const int n_tokens = gridDim.x / PER_TOKEN, n_pairs = n_tokens * X_DIV;
 const int routers = n_tokens * ROUTER_BLOCKS, shared_jobs = SHARED_ROWS > 0 ? n_tokens * X_BLOCKS : 0;
-if (threadIdx.x == 0) job_s = atomicAdd(count, 1);
+if (threadIdx.x == 0) {
+    job_s = atomicAdd(count, 1);
+    if (job_s >= (int)gridDim.x) __trap();              // counters not zero at launch: fail, not corrupt
+}
 __syncthreads();
 const int job = job_s;
 if (job < routers) {
