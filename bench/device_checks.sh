@@ -16,9 +16,9 @@
 #                                        # geometry constants (device_time_ab.py), then ncu's warp
 #                                        # stalls by instruction for q8_hc's tail (~8 min)
 #   bash bench/device_checks.sh merged   # the merged launches (routed_swiglu, q8_pair with q_b, q8_hc with
-#                                        # output_a) against the launches they replace, fast vs reference,
-#                                        # then each merge's stream A/B at 4096 (~12 min, two calls:
-#                                        # `merged checks`, `merged speed`)
+#                                        # output_a) against the launches they replace, then fast vs
+#                                        # reference and the research checks, then each merge's stream A/B
+#                                        # at 4096 (~20 min: `merged checks`, `merged paths`, `merged speed`)
 #   bash bench/device_checks.sh stream   # the research checks (a greedy stream straight after a prefill among
 #                                        # them), then the 43-layer bench at 128 and 4096 with the
 #                                        # stream in 3 rounds of 64 steps (~6 min)
@@ -105,17 +105,20 @@ geometry() {
 
 merged() {
     # The three steps run in the launch of the step after them (2026-12-04, not yet run on a
-    # GPU): their bars first (each against its two launches: the same bits expected), the
-    # paths, then each merge's stream against its two launches in one process.
-    if [ "${1:-checks}" = checks ]; then
-        step fused 300 env MLX_ENABLE_TF32=0 python3 bench/check_device.py --parts fused
-        step paths 240 env MLX_ENABLE_TF32=0 python3 bench/check_device.py --parts paths
-    else
-        for variant in router q_b output_a; do
-            step "ab_$variant" 180 python3 bench/stream_ab.py --layers 43 --context 4096 --steps 16 --rounds 3 \
-                --variant "$variant"
-        done
-    fi
+    # GPU): their bars first (each against its two launches: the same bits expected), then the
+    # paths and the research checks, then each merge's stream against its two launches in one
+    # process. One call each (a call may run 10 minutes).
+    case "${1:-checks}" in
+        checks) step fused 420 env MLX_ENABLE_TF32=0 python3 bench/check_device.py --parts fused ;;
+        paths)
+            step paths 300 env MLX_ENABLE_TF32=0 python3 bench/check_device.py --parts paths
+            step research 200 python3 bench/check_device_research.py ;;
+        speed)
+            for variant in router q_b output_a; do
+                step "ab_$variant" 180 python3 bench/stream_ab.py --layers 43 --context 4096 --steps 16 \
+                    --rounds 3 --variant "$variant"
+            done ;;
+    esac
 }
 
 stream() {
@@ -132,5 +135,5 @@ case "${1:-all}" in
     stream) stream ;;
     warm) step warm 900 python3 bench/warm_kernels.py --cache .ptx_cache ;;
     all) checks; speed ;;
-    *) echo "usage: $0 [checks|speed|split|graphs|geometry|merged [checks|speed]|stream|warm|all]" >&2; exit 2 ;;
+    *) echo "usage: $0 [checks|speed|split|graphs|geometry|merged [checks|paths|speed]|stream|warm|all]" >&2; exit 2 ;;
 esac
