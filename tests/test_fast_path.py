@@ -10,8 +10,10 @@ which arguments, shapes, templates and grid, and which blocks hooks send to the 
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
+from pathlib import Path
 
 import mlx.core as mx
 import numpy as np
@@ -372,7 +374,7 @@ def _q8_hc(inputs, t, grid, threadgroup):
     of each token in grid x (each of PRE_SETS row sets of PRE_R rows, PRE_SPLIT warps a set),
     the product's PARTS blocks after them."""
     (codes, scales, x, add, streams, post, comb, mix, next_scale, next_base, next_norm, eps, counter, part,
-     pre_codes, pre_scales, pre_x) = inputs
+     pre_next, pre_codes, pre_scales, pre_x) = inputs
     if t["PRE"]:
         n_tok, warps = streams.shape[0], threadgroup[0] // 32
         assert t["NEXT"] and not np.array(counter).any() and counter.size >= 4
@@ -392,7 +394,7 @@ def _q8_hc(inputs, t, grid, threadgroup):
     n, e = t["N"], t["E"]
     assert w.shape[0] == e and streams.shape == (x.shape[0], n, e)
     (y,) = _hc_post([_q8_products(w, x), add, streams, post, comb, mx.array(x.shape[0])], t, (streams.size,), None)
-    unused = [mx.zeros((1,))] * 4
+    unused = [mx.zeros((1,))] * 3
     if not t["NEXT"]:
         return [y, *unused]
     # The next sublayer's input, as hc_pre makes it (its last block: warp 0 splits while the
@@ -400,29 +402,30 @@ def _q8_hc(inputs, t, grid, threadgroup):
     assert counter.dtype == mx.int32 and threadgroup[0] >= 64 and _blocks(grid, threadgroup)[0] == t["PARTS"]
     m = (2 + n) * n
     assert mix.shape == (m, n * e) and next_norm.shape == (e,) and part.size >= y.shape[0] * (m + 1) * t["PARTS"]
+    assert pre_next.dtype == mx.float32 and pre_next.size >= y.shape[0] * n       # the split's pre: scratch
     summed = (y.reshape(y.shape[0], -1) @ mix.T)[:, :, None]
     tokens = mx.array(y.shape[0])
-    x_next, pre, post_next, comb_next = _hc_pre([y, summed, next_scale, next_base, next_norm, eps, tokens],
+    x_next, _, post_next, comb_next = _hc_pre([y, summed, next_scale, next_base, next_norm, eps, tokens],
                                                 {"N": n, "E": e, "ITERS": t["ITERS"], "PARTS": 1, "COLS_PER": e},
                                                 (y.shape[0] * 64, 1, 1), (64, 1, 1))
-    return [y, x_next, pre, post_next, comb_next]
+    return [y, x_next, post_next, comb_next]
 
 
 def _q8_hc_routed(type_name):
     """q8_hc with a token's routed experts' down products beside its rows (`add=` a RoutedDown): the
     warp parts of a row set take the pairs in turn, so every pair is summed once."""
     def run(inputs, t, grid, threadgroup):
-        raw, ids, mid = inputs[17:20]
+        raw, ids, mid = inputs[18:21]
         k, rows, cols = t["K"], t["E"], t["COLS"]
         assert not t["ADD"] and ids.dtype == mx.int32 and ids.shape == (grid[1], k) and mid.shape == (*ids.shape, cols)
         # the pairs' rows cut into PIECES runs of whole blocks, evenly over a row set's warps
         assert t["PIECES"] == 1 or (cols % (256 * t["PIECES"]) == 0 and k * t["PIECES"] % t["SPLIT"] == 0)
         assert t["ROW_BYTES"] * rows == t["EXPERT_BYTES"] == raw.shape[1]
-        assert len(inputs) == 20 + (type_name == "IQ2_XXS") and not t["PRE"]          # its grid
+        assert len(inputs) == 21 + (type_name == "IQ2_XXS") and not t["PRE"]          # its grid
         flat = ids.reshape(-1)
         down = (gather_experts(raw, flat, type_name, rows, cols) @ mid.reshape(-1, cols)[:, :, None])[..., 0]
         add = down.reshape(*ids.shape, rows).sum(axis=1)
-        return _q8_hc([*inputs[:3], add, *inputs[4:17]], {**t, "ADD": True}, grid, threadgroup)
+        return _q8_hc([*inputs[:3], add, *inputs[4:18]], {**t, "ADD": True}, grid, threadgroup)
     return run
 
 
@@ -1188,3 +1191,20 @@ def test_no_kernel_of_a_decode_step_reads_a_broadcast_or_transposed_view(tmp_pat
                      ("Broadcast", "BroadcastAxes", "Transpose", "AsStrided")]
             assert views == [], f"{len(tokens)} tokens: kernels read views {views}"
             session.state = result.state
+
+
+def test_the_device_check_of_the_merged_launches_runs_on_the_stand_ins(stand_in_kernels, monkeypatch):
+    """bench/check_device.py's fused part runs through on the CPU with the stand-ins (a broken
+    call there would cost device time), and its lines for the merged launches (the router in
+    the routed experts' launch, q_b in q_a's, output_a in output_b's) meet their bars: the
+    wrappers hand each merged kernel what the separate kernels get."""
+    spec = importlib.util.spec_from_file_location(
+        "check_device", Path(__file__).resolve().parents[1] / "bench" / "check_device.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    monkeypatch.setattr(check, "_seconds", lambda fn, x, calls=20: (mx.eval(fn(x)), 0.0)[1])
+    check.check_fused_products()
+    assert stand_in_kernels["routed_swiglu"] and stand_in_kernels["router"] and stand_in_kernels["q8_pair"]
+    merged = ("routed_swiglu", "q8_pair with q_b", "q8_hc with the grouped output product")
+    assert not [m for m in check._MISSED if m.startswith(merged)], check._MISSED
+

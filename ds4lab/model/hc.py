@@ -117,8 +117,8 @@ def hc_expand_q8(matrix: Q8Matrix, x: mx.array, streams: mx.array, control: HCCo
     to the product first (routed experts' down products still to make, `kernels.RoutedDown`:
     made in that kernel, beside the product's rows). With `next_input` (the next sublayer's
     HC input weights) that kernel also makes the next sublayer's input, as `hc_fused_input`
-    would. Returns (new streams, that input as (x, pre, post, comb), or None: the other paths
-    make none). `slot`: the block's (`kernels._arrival_counters`)."""
+    would. Returns (new streams, that input as (x, None, post, comb) (its pre left unread),
+    or None: the other paths make none). `slot`: the block's (`kernels._arrival_counters`)."""
     if mm.matvec(x) and streams.shape[1] <= kernels.HC_MAX_STREAMS:
         return kernels.q8_hc(matrix, x, streams, control.post, control.comb, add, next_input, slot)
     if isinstance(add, kernels.RoutedDown):

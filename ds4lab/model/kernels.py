@@ -153,8 +153,8 @@ _KERNELS = {
                   ["codes_g", "scales_g", "codes_u", "scales_u", "x", "clamp"], ["y"]),
     "q8_hc": ("q8_hc.cu", ("ds4lab_block.cuh", "q8_rows.cuh", "hc_split.cuh"),
               ["codes", "scales", "x", "add", "streams", "post", "comb", "mix", "next_scale", "next_base", "next_norm",
-               "eps", "counter", "part", "pre_codes", "pre_scales", "pre_x"],
-              ["y", "x_next", "pre", "post_next", "comb_next"]),
+               "eps", "counter", "part", "pre_next", "pre_codes", "pre_scales", "pre_x"],
+              ["y", "x_next", "post_next", "comb_next"]),
     "gemm_split_x": ("gemm_split_x.cu", ("ds4lab_block.cuh", "gemm_common.cuh"), ["x"], ["xh", "xl", "xsum", "xexp"]),
 }
 
@@ -686,11 +686,11 @@ def q8_hc(matrix: Q8Matrix, x: mx.array, streams: mx.array, post: mx.array, comb
     (the FFN's routed output beside the shared expert's), or, `add` a `RoutedDown`, the
     routed experts' down products made in the same launch (their rows beside W's). With
     `next_input`, the same launch also makes the next sublayer's input from the new streams,
-    as `hc_pre` would (its last block, from partial sums the others made): (x [T, E], pre
-    [T, N], post [T, N], comb [T, N, N]). With `pre` = (P, G) as well (the attention's grouped
-    output: P's rows in G groups), x is P's input and W's input is `q8_matvec`(P, x,
-    groups=G), made by more thread blocks of the launch (q8_hc.cu's PRE). Returns (new
-    streams, the next input or None)."""
+    as `hc_pre` would (its last block, from partial sums the others made): (x [T, E], None,
+    post [T, N], comb [T, N, N]) (a decode step reads no `pre` once the input is made). With
+    `pre` = (P, G) as well (the attention's grouped output: P's rows in G groups), x is P's
+    input and W's input is `q8_matvec`(P, x, groups=G), made by more thread blocks of the
+    launch (q8_hc.cu's PRE). Returns (new streams, the next input or None)."""
     if pre is not None:
         low, groups_pre = pre
         t = _grouped_tokens("q8_hc", low, x, groups_pre)
@@ -748,8 +748,8 @@ def q8_hc(matrix: Q8Matrix, x: mx.array, streams: mx.array, post: mx.array, comb
         launch["grid"] = (t * (pre_blocks + parts) * launch["threadgroup"][0], 1, 1)
     weights = ([next_input.fn, next_input.scale, next_input.base, next_input.norm,
                 _constant((next_input.rms_eps, next_input.hc_eps)), _arrival_counters(slot),
-                _launch_scratch("q8_hc", t * (m + 1) * parts, slot)] if nxt
-               else [unused] * 5 + [_scalar(0, mx.int32), unused])
+                _launch_scratch("q8_hc", t * (m + 1) * parts, slot), _launch_scratch("q8_hc_pre", t * n, slot)]
+               if nxt else [unused] * 5 + [_scalar(0, mx.int32), unused, unused])
     down, down_template = [], []
     if routed is not None:
         n_row_bytes = row_bytes(routed.tensor.type_name, routed.tensor.cols)
@@ -766,9 +766,9 @@ def q8_hc(matrix: Q8Matrix, x: mx.array, streams: mx.array, post: mx.array, comb
                   ("NEXT", nxt), ("PARTS", parts), ("ITERS", next_input.sinkhorn_iters if nxt else 1),
                   ("GROUPS", groups), *pre_template, *down_template],
         **launch,
-        output_shapes=[streams.shape] + ([(t, e), (t, n), (t, n), (t, n, n)] if nxt else [(1,)] * 4),
-        output_dtypes=[mx.float32] * 5)
-    return y, tuple(made) if nxt else None
+        output_shapes=[streams.shape] + ([(t, e), (t, n), (t, n, n)] if nxt else [(1,)] * 3),
+        output_dtypes=[mx.float32] * 4)
+    return y, (made[0], None, *made[1:]) if nxt else None
 
 
 def router(x: mx.array, bias: mx.array | None, n_used: int, scale: float, weight: mx.array | None = None,

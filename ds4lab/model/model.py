@@ -495,7 +495,8 @@ class Model:
                         mm: Schedule, ready: tuple[mx.array, ...] = ()) -> tuple[mx.array, HCControl]:
         """A sublayer's HC control (pre, post, comb; hooked) and its input: the streams collapsed
         by `pre` and RMS-normed (`hook_in`). One kernel on the fast path, or none: `ready`,
-        (x, pre, post, comb) when the launch before made them (`hc_expand_q8`)."""
+        (x, pre, post, comb) when the launch before made them (`hc_expand_q8`; pre None: a
+        decode step reads only post and comb once the input is made)."""
         cfg, d = self.config, layer.dense
         scale, base, norm = d[f"hc_{sub}_scale.weight"], d[f"hc_{sub}_base.weight"], d[f"{sub}_norm.weight"]
         if mm.fast and ready:

@@ -50,8 +50,10 @@
 // by running blocks that wait for nothing. The tail's block, which every other has reached
 // after its wait, sets the flag back to zero.
 // routed: raw, ids [T, K] int32, mid [T, K, COLS] and the format's tables.
-// Outputs: y [T, N, E]; with NEXT x_next [T, E], pre [T, N], post_next [T, N],
-// comb_next [T, N, N] (one unused value each without).
+// Outputs: y [T, N, E]; with NEXT x_next [T, E], post_next [T, N], comb_next [T, N, N] (one
+// unused value each without). The split's pre weights go to the input pre_next [T, N]:
+// scratch, since a decode step reads only x, post and comb of a sublayer's input (an output
+// costs the host ~2 µs of encoding a launch).
 // Grid: x = 32 threads per warp, R rows per warp (with SPLIT, R rows per SPLIT warps, which
 // split the columns, q8_rows.cuh; the first writes; GROUPS such sets a block), PARTS blocks;
 // y = the token. GROUPS > 1 is for the tail: the last block's threads collapse the streams
@@ -170,8 +172,9 @@ if (NEXT) {
         for (int i = threadIdx.x; i < M; i += blockDim.x) m[i] *= inv;
         __syncthreads();
         if (warp == 0) {
-            ds4lab_hc_split<NEXT ? N : 1, ITERS>(m, next_scale, next_base, eps[1], pre + tt * N, post_next + tt * N,
-                                      comb_next + (size_t)tt * N * N, lane);
+            ds4lab_hc_split<NEXT ? N : 1, ITERS>(m, next_scale, next_base, eps[1],
+                                                 const_cast<float*>(pre_next) + tt * N, post_next + tt * N,
+                                                 comb_next + (size_t)tt * N * N, lane);
         } else {
             float weights[N];
 #pragma unroll
