@@ -481,7 +481,7 @@ def check_routed_swiglu() -> None:
                 ref_mid, ref_shared = kernels.expert_swiglu(g_t, u_t, ref_experts, xt, ref_w, 10.0, shared)
                 same_experts &= bool(mx.array_equal(experts, ref_experts).item())
                 worst = max(worst, _rel(mid, ref_mid), _rel(shared_mid, ref_shared))
-        _bar(f"routed_swiglu {type_name}", same_experts and worst <= _KERNEL_BAR)
+        _bar(f"routed_swiglu {type_name}", same_experts and worst <= _KERNEL_BAR and _counters_left_zero())
         fused_s, apart_s = _routed_swiglu_seconds(g_t, u_t, rw, bias, shared, x[:1])
         print(f"routed_swiglu {type_name} ({n_expert} experts, 6 used, {rows}x{cols}, with the shared expert; "
               f"a biased layer and a hash layer's, 1 and 3 tokens) vs router then expert_swiglu: the same "
@@ -508,7 +508,7 @@ def check_q8_hc_pre(control: hc.HCControl, nxt: kernels.HCInput) -> None:
                 continue
             worst = max(worst, _rel(got, want))
             equal &= bool(mx.array_equal(got, want).item())
-    _bar("q8_hc with the grouped output product", worst <= _KERNEL_BAR)
+    _bar("q8_hc with the grouped output product", worst <= _KERNEL_BAR and _counters_left_zero())
     slots = iter(range(100, 10**6))
     fused_s = _seconds(lambda v: kernels.q8_hc(out_b, v, streams[:1], control.post[:1], control.comb[:1],
                                                next_input=nxt, slot=next(slots), pre=(out_a, 8))[0], heads[:1])
@@ -536,7 +536,7 @@ def check_q8_pair_then(q_a: Q8Matrix, kv: Q8Matrix, x: mx.array, norm: mx.array)
         for got, want in zip((ya, yb, ya_n, q), (*ref, ref_q), strict=True):
             worst = max(worst, _rel(got, want))
             equal &= bool(mx.array_equal(got, want).item())
-    _bar("q8_pair with q_b's product", worst <= _KERNEL_BAR)
+    _bar("q8_pair with q_b's product", worst <= _KERNEL_BAR and _counters_left_zero())
     slots = iter(range(100, 10**6))
     one = x[:1]
     fused_s = _seconds(lambda v: kernels.q8_pair(q_a, kv, v, norm_a=(norm, 1e-6), slot=next(slots),
@@ -546,6 +546,17 @@ def check_q8_pair_then(q_a: Q8Matrix, kv: Q8Matrix, x: mx.array, norm: mx.array)
     print(f"q8_pair with q_b's product of the norm (1024 + 512 rows of 4096, then 32768 of 1024; 3 tokens and 1) "
           f"vs q8_pair, then q8_matvec: max rel err {worst:.2e}, the same bits {equal}; one token "
           f"{fused_s * 1e6:.1f} us vs {apart_s * 1e6:.1f} us")
+
+
+def _counters_left_zero() -> bool:
+    """Whether the launches so far left slots 0 and 1's arrival counters zero, as each launch
+    must for the next (a merged launch's tickets, flags and departures included); printed
+    when not."""
+    mx.synchronize()
+    left = {slot: np.flatnonzero(np.array(kernels._arrival_counters(slot))) for slot in (0, 1)}
+    if any(len(at) for at in left.values()):
+        print(f"arrival counters left non-zero (slot: indices): {left}")
+    return not any(len(at) for at in left.values())
 
 
 def _routed_swiglu_seconds(g_t, u_t, rw: mx.array, bias: mx.array, shared, one: mx.array) -> tuple[float, float]:
