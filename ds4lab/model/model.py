@@ -393,9 +393,10 @@ class Model:
     def _attention_output(self, layer: LayerWeights, mm: Schedule, heads: mx.array, streams: mx.array,
                           pre: mx.array, post: mx.array,
                           comb: mx.array) -> tuple[mx.array, tuple[mx.array, ...] | None]:
-        """The heads through the grouped output projection (`hook_out`) into new streams (the
-        last product and the HC step one kernel on the fast path's matvec, unless hooked,
-        which also makes the FFN's input of them: see `block`)."""
+        """The heads through the grouped output projection (`hook_out`) into new streams (both
+        products and the HC step one kernel on the fast path's matvec, which also makes the
+        FFN's input of them: see `block`; with `hook_out` the products and the HC step apart,
+        so that a replacement feeds the HC step)."""
         h = self._hooks.scope(f"{_prefix(layer)}.attn")
         out_a, out_b = layer.q8["attn_output_a.weight"], layer.q8["attn_output_b.weight"]
         control = HCControl(pre, post, comb)
