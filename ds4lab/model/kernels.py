@@ -35,11 +35,17 @@ reference's steps in the same order, so a Metal port can translate them line by 
   the columns: `_rows_per_warp`); rows may come in groups that each read their own vector (the
   grouped output projection). Every Q8_0 product of a decode step goes through its loop
   (`q8_rows.cuh`), some with the step after them in the same launch: `q8_pair` (two matrices,
-  one input: q_a and kv, and q_a's norm for q_b made by its last block), `q8_swiglu` (the
-  shared expert's gate, up and SwiGLU), `q8_hc` (a sublayer's last
-  product and the HC output step, then the next sublayer's HC input as hc_pre makes it: the
-  blocks' partial sums of the next mixer's product, added, split and collapsed by the
-  launch's last block).
+  one input: q_a and kv, and q_a's norm for q_b made by its last block, then in a decode
+  step q_b's product of it by more blocks), `q8_swiglu` (the shared expert's gate, up and
+  SwiGLU), `q8_hc` (a sublayer's last product and the HC output step, then the next
+  sublayer's HC input as hc_pre makes it: the blocks' partial sums of the next mixer's
+  product, added, split and collapsed by the launch's last block; in a decode step the
+  attention's grouped output product first, by more blocks).
+- Launches that hold a step and the step after it (`q8_pair` with q_b, `q8_hc` with the
+  grouped product, `routed_swiglu`) hand out their thread blocks' jobs by arrival ticket:
+  the blocks that wait for another step's results take later tickets than all the blocks
+  making them, which never wait, so none can wait for a block that is not running; a flag
+  (`ds4lab_raise_flag`, `ds4lab_wait_flag`) says when the results are there.
 - `quant_gemm`: prefill's products on the tensor cores, exact to float32, from the block
   bytes: Q8_0 matrices (`q8_gemm`) and the routed experts grouped by expert on the device
   (`expert_tiles`, `expert_gemm`: each expert's tile of pairs reads its weights once); its
@@ -56,6 +62,8 @@ reference's steps in the same order, so a Metal port can translate them line by 
   projections and the route-weighted SwiGLU of each pair in one launch (the down
   projection's input), a warp per row of gate and up in one pass; in a decode step the
   shared expert's gate, up and SwiGLU in the same launch (`q8_swiglu`'s work, more blocks).
+  `routed_swiglu`: a decode step's router and then `expert_swiglu` in one launch (unless a
+  hook reads the experts or their weights).
 
 Float sums run in another order than the reference's (same values up to float32
 reassociation); `bench/check_device.py` checks each kernel against its composition. The
