@@ -195,6 +195,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="greedy streams of --steps timed from one state")
     parser.add_argument("--prefill-only", action="store_true", help="only prefill tok/s of each --prompt length")
     parser.add_argument("--op-histogram", action="store_true", help="print a decode step's primitives by name")
+    parser.add_argument("--separate", nargs="+", default=[], choices=["router", "q_b", "output_a"],
+                        help="steps given their own launch again (out of `Model.merged_launches`; in-memory)")
     parser.add_argument("--empty-kernels", action="store_true",
                         help="every custom kernel returns at once (launched with its inputs, outputs and grid, "
                              "its values garbage): the step's host and launch floor, without the kernels' work")
@@ -212,11 +214,13 @@ def main() -> None:
         weights = random_weights(cfg, args.variant)
         print(f"built {cfg.n_layer}-layer flash-dims {args.variant} in memory: {weights.nbytes / 2**30:.1f} GiB "
               f"in {time.perf_counter() - t:.0f} s")
-        name = f"flash-dims {cfg.n_layer}L {args.variant} (memory)"
+        name = f"flash-dims {cfg.n_layer}L {args.variant} (memory)" + "".join(f", {s} apart" for s in args.separate)
+        model = Model(weights)
+        model.merged_launches -= set(args.separate)
         if args.prefill_only:
-            bench_prefill(name, Model(weights), args.prompt)
+            bench_prefill(name, model, args.prompt)
         else:
-            bench(name, Model(weights), args.prompt, args.steps, bw, args.op_histogram, args.rounds)
+            bench(name, model, args.prompt, args.steps, bw, args.op_histogram, args.rounds)
         return
     from ds4lab.synth import make_model
 
