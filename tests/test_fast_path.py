@@ -1194,15 +1194,17 @@ def test_no_kernel_of_a_decode_step_reads_a_broadcast_or_transposed_view(tmp_pat
 
 
 def test_the_device_check_of_the_merged_launches_runs_on_the_stand_ins(stand_in_kernels, monkeypatch):
-    """bench/check_device.py's fused part runs through on the CPU with the stand-ins (a broken
-    call there would cost device time), and its lines for the merged launches (the router in
-    the routed experts' launch, q_b in q_a's, output_a in output_b's) meet their bars: the
-    wrappers hand each merged kernel what the separate kernels get."""
+    """bench/check_device.py's kernel parts run through on the CPU with the stand-ins (a broken
+    call there would cost device time), and the fused part's lines for the merged launches
+    (the router in the routed experts' launch, q_b in q_a's, output_a in output_b's) meet
+    their bars: the wrappers hand each merged kernel what the separate kernels get."""
     spec = importlib.util.spec_from_file_location(
         "check_device", Path(__file__).resolve().parents[1] / "bench" / "check_device.py")
     check = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(check)
     monkeypatch.setattr(check, "_seconds", lambda fn, x, calls=20: (mx.eval(fn(x)), 0.0)[1])
+    check.check_fused_kernels()
+    check.check_fused_experts()
     check.check_fused_products()
     assert stand_in_kernels["routed_swiglu"] and stand_in_kernels["router"] and stand_in_kernels["q8_pair"]
     merged = ("routed_swiglu", "q8_pair with q_b", "q8_hc with the grouped output product")
