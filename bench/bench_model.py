@@ -34,6 +34,7 @@ from ds4lab import generation
 from ds4lab.config import preset
 from ds4lab.generation import stream
 from ds4lab.model import Model
+from ds4lab.model.model import MERGED_LAUNCHES
 from ds4lab.model.random_weights import random_weights
 from ds4lab.model.weights import ModelWeights
 from ds4lab.quants import imatrix
@@ -195,7 +196,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="greedy streams of --steps timed from one state")
     parser.add_argument("--prefill-only", action="store_true", help="only prefill tok/s of each --prompt length")
     parser.add_argument("--op-histogram", action="store_true", help="print a decode step's primitives by name")
-    parser.add_argument("--separate", nargs="+", default=[], choices=["router", "q_b", "output_a"],
+    parser.add_argument("--separate", nargs="+", default=[], choices=MERGED_LAUNCHES,
                         help="steps given their own launch again (out of `Model.merged_launches`; in-memory)")
     parser.add_argument("--empty-kernels", action="store_true",
                         help="every custom kernel returns at once (launched with its inputs, outputs and grid, "

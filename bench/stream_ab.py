@@ -37,6 +37,7 @@ from bench_model import WARM_STEPS
 from ds4lab.config import preset
 from ds4lab.generation import stream
 from ds4lab.model import Model
+from ds4lab.model.model import MERGED_LAUNCHES
 from ds4lab.model.random_weights import random_weights
 
 
@@ -54,7 +55,7 @@ def _merged(step: str) -> Callable[[Model, bool], None]:
 VARIANTS: dict[str, tuple[str, str, Callable[[Model, bool], None]]] = {
     "hc_input": ("HC input in the product's last block", "HC input apart (hc_mix + hc_pre)", _hc_input),
     **{step: (f"{step} in the next step's launch", f"{step} in its own launch", _merged(step))
-       for step in ("router", "q_b", "output_a")},
+       for step in MERGED_LAUNCHES},
 }
 
 

@@ -798,12 +798,7 @@ def router(x: mx.array, bias: mx.array | None, n_used: int, scale: float, weight
         raise ValueError(f"router: the logits made inside for at most {MATVEC_MAX_TOKENS} tokens, not {t}")
     if weight is not None and weight.shape[1] % 4:
         raise ValueError(f"router: rows of {weight.shape[1]} values (the kernel reads float4: a multiple of 4)")
-    if hashed is not None and (hashed[0].ndim != 2 or hashed[0].shape[1] != n_used or hashed[1].size != t):
-        raise ValueError(f"router: a hash table {tuple(hashed[0].shape)} and {hashed[1].size} tokens for {t} tokens "
-                         f"of {n_used} experts")
-    # astype is no operation on the int32 arrays the model passes (a reshape would be one a step)
-    table, tokens = ((hashed[0].astype(mx.int32), hashed[1].astype(mx.int32)) if hashed is not None
-                     else (_scalar(0, mx.int32), _scalar(0, mx.int32)))
+    table, tokens = _hash_inputs("router", hashed, n_used, t)
     blocks = 1 if weight is None else -(-e // (threads // 32))
     return tuple(_fused("router")(
         inputs=[x, _scalar(0.0) if weight is None else weight, _scalar(0.0) if bias is None else bias, _scalar(scale),
@@ -813,6 +808,19 @@ def router(x: mx.array, bias: mx.array | None, n_used: int, scale: float, weight
         grid=(blocks * threads, t, 1) if weight is not None else (t * threads, 1, 1),
         threadgroup=(threads, 1, 1),
         output_shapes=[(t, e), (t, n_used), (t, n_used)], output_dtypes=[mx.float32, mx.int32, mx.float32]))
+
+
+def _hash_inputs(name: str, hashed: tuple[mx.array, mx.array] | None, n_used: int,
+                 t: int) -> tuple[mx.array, mx.array]:
+    """A router kernel's `table` and `tokens` inputs: a hash layer's table [vocab, n_used] and
+    its t token ids as int32 (astype is no operation on the int32 arrays the model passes; a
+    reshape would be one a step), else typed stand-ins."""
+    if hashed is None:
+        return _scalar(0, mx.int32), _scalar(0, mx.int32)
+    if hashed[0].ndim != 2 or hashed[0].shape[1] != n_used or hashed[1].size != t:
+        raise ValueError(f"{name}: a hash table {tuple(hashed[0].shape)} and {hashed[1].size} tokens for {t} tokens "
+                         f"of {n_used} experts")
+    return hashed[0].astype(mx.int32), hashed[1].astype(mx.int32)
 
 
 @lru_cache(maxsize=1024)
@@ -1023,20 +1031,10 @@ def expert_swiglu(gate: ExpertBlocks, up: ExpertBlocks, ids: mx.array, x: mx.arr
     With `shared` (the shared expert's Q8_0 gate and up, as `q8_swiglu` takes them) also its
     swiglu(G·x[t], U·x[t]) [T, rows], by more thread blocks of the same launch: (mid, that)."""
     rows, cols = gate.rows, gate.cols
-    if (gate.type_name, gate.rows, gate.cols) != (up.type_name, up.rows, up.cols):
-        raise ValueError(f"expert_swiglu: gate {gate.type_name} {gate.rows}x{gate.cols}, "
-                         f"up {up.type_name} {up.rows}x{up.cols} (one format and shape)")
+    shared_rows, q8 = _gate_up_and_shared("expert_swiglu", gate, up, shared)
     if ids.ndim != 2 or weights.shape != ids.shape or x.shape != (ids.shape[0], cols):
         raise ValueError(f"expert_swiglu: ids {tuple(ids.shape)}, weights {tuple(weights.shape)}, "
                          f"input {tuple(x.shape)} (expected [T, U], [T, U], [T, {cols}])")
-    shared_rows = 0
-    if shared is not None:
-        shared_rows = shared[0].rows
-        if any((m.rows, m.cols) != (shared_rows, cols) for m in shared):
-            raise ValueError(f"expert_swiglu: shared gate and up {[(m.rows, m.cols) for m in shared]} "
-                             f"(expected equal, {cols} columns)")
-    none = [_constant((0,), mx.uint32), _scalar(0.0)] * 2                       # no shared expert: typed stand-ins
-    q8 = [a for m in shared for a in (m.codes, m.scales)] if shared is not None else none
     n_row_bytes = row_bytes(gate.type_name, cols)
     threads = 32 * _EXPERT_WARPS
     t = ids.shape[0]
@@ -1051,6 +1049,22 @@ def expert_swiglu(gate: ExpertBlocks, up: ExpertBlocks, ids: mx.array, x: mx.arr
         threadgroup=(threads, 1, 1),
         output_shapes=[(*ids.shape, rows), (t, shared_rows) if shared else (1, 1)], output_dtypes=[mx.float32] * 2)
     return (mid, shared_mid) if shared is not None else mid
+
+
+def _gate_up_and_shared(name: str, gate: ExpertBlocks, up: ExpertBlocks,
+                        shared: tuple[Q8Matrix, Q8Matrix] | None) -> tuple[int, list[mx.array]]:
+    """The checks and inputs the routed experts' gate-and-up kernels share: gate and up in one
+    format and shape; (the shared expert's rows, 0 without one; its Q8_0 gate and up codes and
+    scales, or typed stand-ins)."""
+    if (gate.type_name, gate.rows, gate.cols) != (up.type_name, up.rows, up.cols):
+        raise ValueError(f"{name}: gate {gate.type_name} {gate.rows}x{gate.cols}, "
+                         f"up {up.type_name} {up.rows}x{up.cols} (one format and shape)")
+    if shared is None:
+        return 0, [_constant((0,), mx.uint32), _scalar(0.0)] * 2
+    if any((m.rows, m.cols) != (shared[0].rows, gate.cols) for m in shared):
+        raise ValueError(f"{name}: shared gate and up {[(m.rows, m.cols) for m in shared]} "
+                         f"(expected equal, {gate.cols} columns)")
+    return shared[0].rows, [a for m in shared for a in (m.codes, m.scales)]
 
 
 class Route(NamedTuple):
@@ -1074,32 +1088,17 @@ def routed_swiglu(gate: ExpertBlocks, up: ExpertBlocks, x: mx.array, route: Rout
     expert's SwiGLU [T, rows] with `shared`, else a [1, 1] placeholder). The route weights and
     probs stay inside: used where no hook reads them."""
     rows, cols, t, e = gate.rows, gate.cols, x.shape[0], route.weight.shape[0]
-    if (gate.type_name, gate.rows, gate.cols) != (up.type_name, up.rows, up.cols):
-        raise ValueError(f"routed_swiglu: gate {gate.type_name} {gate.rows}x{gate.cols}, "
-                         f"up {up.type_name} {up.rows}x{up.cols} (one format and shape)")
+    shared_rows, q8 = _gate_up_and_shared("routed_swiglu", gate, up, shared)
     if x.ndim != 2 or x.shape[1] != cols or not 1 <= t <= MATVEC_MAX_TOKENS or route.weight.shape[1] != cols:
         raise ValueError(f"routed_swiglu: input {tuple(x.shape)} and router {tuple(route.weight.shape)} "
                          f"(expected [T <= {MATVEC_MAX_TOKENS}, {cols}] and [E, {cols}])")
     if cols % 4 or route.n_used > 32:
         raise ValueError(f"routed_swiglu: rows of {cols} values (a multiple of 4) and {route.n_used} experts "
                          f"a token (at most 32)")
-    if route.hashed is not None and (route.hashed[0].ndim != 2 or route.hashed[0].shape[1] != route.n_used
-                                     or route.hashed[1].size != t):
-        raise ValueError(f"routed_swiglu: a hash table {tuple(route.hashed[0].shape)} and {route.hashed[1].size} "
-                         f"tokens for {t} tokens of {route.n_used} experts")
-    shared_rows = 0
-    none = [_constant((0,), mx.uint32), _scalar(0.0)] * 2                       # no shared expert: typed stand-ins
-    if shared is not None:
-        shared_rows = shared[0].rows
-        if any((m.rows, m.cols) != (shared_rows, cols) for m in shared):
-            raise ValueError(f"routed_swiglu: shared gate and up {[(m.rows, m.cols) for m in shared]} "
-                             f"(expected equal, {cols} columns)")
-    q8 = [a for m in shared for a in (m.codes, m.scales)] if shared is not None else none
+    table, tokens = _hash_inputs("routed_swiglu", route.hashed, route.n_used, t)
     threads = 32 * _EXPERT_WARPS
     router_blocks, x_blocks = -(-e // _EXPERT_WARPS), -(-max(rows, shared_rows) // (_SWIGLU_ROWS * _EXPERT_WARPS))
     per_token = router_blocks + x_blocks * (route.n_used + (1 if shared is not None else 0))
-    table, tokens = ((route.hashed[0].astype(mx.int32), route.hashed[1].astype(mx.int32)) if route.hashed is not None
-                     else (_scalar(0, mx.int32), _scalar(0, mx.int32)))
     n_row_bytes = row_bytes(gate.type_name, cols)
     mid, shared_mid, experts = _routed_kernel(gate.type_name)(
         inputs=[gate.raw, up.raw, x.astype(mx.float32), _scalar(clamp), *q8, route.weight,

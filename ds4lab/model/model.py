@@ -45,6 +45,12 @@ if TYPE_CHECKING:
 
 NUMERICS = MODES
 
+# Decode steps that run in the launch of the step after them (`Model.merged_launches`): "q_b",
+# q_b's product in the q_a / kv launch; "output_a", the grouped output product in the launch
+# of output_b and the HC step (with the FFN's input made there); "router", the router in the
+# routed experts' launch where no hook reads the experts.
+MERGED_LAUNCHES = ("q_b", "output_a", "router")
+
 # Hook points the fast path fires, replacements included, at full speed: the block boundaries
 # (and, through them, steering and forced experts), the sublayers' inputs and the routed
 # experts' SwiGLU activations (read-only; with hook_in and hook_experts, what imatrix
@@ -89,12 +95,9 @@ class Model:
         # makes it apart (hc_mix + hc_pre), the same values: for measuring the two in one
         # process (`bench/stream_ab.py`).
         self.hc_input_in_product = True
-        # ... and these steps run in the launch of the step after them (the same values; a
-        # name taken out gives that step its own launch again, for `bench/stream_ab.py`):
-        # "q_b", q_b's product in the q_a / kv launch; "output_a", the grouped output product
-        # in the launch of output_b and the HC step (with the FFN's input made there); "router",
-        # the router in the routed experts' launch where no hook reads the experts.
-        self.merged_launches = {"q_b", "output_a", "router"}
+        # ... and the MERGED_LAUNCHES run in the launch of the step after them (the same values;
+        # a name taken out gives that step its own launch again, for `bench/stream_ab.py`).
+        self.merged_launches = set(MERGED_LAUNCHES)
 
     # ---- public entry points --------------------------------------------------------
     def __call__(self, tokens, experts=None) -> mx.array:

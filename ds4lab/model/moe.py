@@ -61,13 +61,22 @@ def route_fused(layer: LayerWeights, xf: mx.array, tokens: mx.array, n_used: int
     """The fast path's router: one kernel for `router_probs`, `select_experts` (the hash table's
     rows of `tokens` [T] on hash layers) and `route_weights`, after the logits' GEMM, or in a
     decode step with the logits made inside: (probs, experts, weights)."""
-    bias = layer.dense.get("exp_probs_b.bias")
-    hashed = (layer.tid2eid, tokens) if layer.tid2eid is not None else None
     if xf.shape[0] <= kernels.MATVEC_MAX_TOKENS:
-        return kernels.router(xf, bias, n_used, scale, weight=layer.kernel_dense("ffn_gate_inp.weight"),
-                              hashed=hashed, slot=layer.index)
-    return kernels.router(xf @ layer.transposed("ffn_gate_inp.weight"), bias, n_used, scale, hashed=hashed,
-                          slot=layer.index)
+        route = _route(layer, tokens, n_used, scale)
+        return kernels.router(xf, route.bias, n_used, scale, weight=route.weight, hashed=route.hashed,
+                              slot=route.slot)
+    hashed = (layer.tid2eid, tokens) if layer.tid2eid is not None else None
+    return kernels.router(xf @ layer.transposed("ffn_gate_inp.weight"), layer.dense.get("exp_probs_b.bias"), n_used,
+                          scale, hashed=hashed, slot=layer.index)
+
+
+def _route(layer: LayerWeights, tokens: mx.array, n_used: int, scale: float) -> kernels.Route:
+    """The layer's router as a decode step's kernels take it (the logits made inside): the
+    matrix as `kernel_dense` gives it (F16 when the file's is), the selection bias, the hash
+    table's rows of `tokens` on hash layers."""
+    hashed = (layer.tid2eid, tokens) if layer.tid2eid is not None else None
+    return kernels.Route(layer.kernel_dense("ffn_gate_inp.weight"), layer.dense.get("exp_probs_b.bias"), scale,
+                         n_used, hashed, layer.index)
 
 
 def swiglu(gate: mx.array, up: mx.array, clamp: float) -> mx.array:
@@ -114,7 +123,7 @@ def routed_experts(layer: LayerWeights, xf: mx.array, experts: mx.array, weights
     their tile slot): decode each expert some token chose once, a few at a time, and apply it
     to its tokens.
     """
-    gate_t, up_t, down_t = (layer.experts[f"ffn_{r}_exps.weight"] for r in ("gate", "up", "down"))
+    gate_t, up_t, down_t = _expert_tensors(layer)
     if mm.numerics.emulate and all(t.type_name in kquant_dots.TYPES for t in (gate_t, up_t, down_t)):
         show = None if on_mid is None else (lambda mid: on_mid(mx.array(mid)))
         return mx.array(kquant_dots.routed_experts(np.array(xf), np.array(experts), np.array(weights),
@@ -176,7 +185,7 @@ def routed_and_shared_mid(layer: LayerWeights, xf: mx.array, experts: mx.array, 
     two down matrices have one shape)."""
     if not _in_one_launch(layer, xf, experts.size, mm):
         return routed_experts(layer, xf, experts, weights, clamp, mm, on_mid), shared_mid(layer, xf, clamp, mm)
-    gate_t, up_t, down_t = (layer.experts[f"ffn_{r}_exps.weight"] for r in ("gate", "up", "down"))
+    gate_t, up_t, down_t = _expert_tensors(layer)
     return _routed_gathered(gate_t, up_t, down_t, mm.experts_in(xf), experts, weights, clamp, mm.experts_in, on_mid,
                             True, _shared_gate_up(layer), _down_later(layer, down_later))
 
@@ -191,21 +200,31 @@ def routed_and_shared_mid_routing(layer: LayerWeights, xf: mx.array, tokens: mx.
     the two calls give them; None where that launch does not serve (route first then)."""
     if not _in_one_launch(layer, xf, xf.shape[0] * n_used, mm) or mm.experts_in(xf) is not xf:
         return None
-    gate_t, up_t, down_t = (layer.experts[f"ffn_{r}_exps.weight"] for r in ("gate", "up", "down"))
-    hashed = (layer.tid2eid, tokens) if layer.tid2eid is not None else None
-    route = kernels.Route(layer.kernel_dense("ffn_gate_inp.weight"), layer.dense.get("exp_probs_b.bias"), scale,
-                          n_used, hashed, layer.index)
-    experts, mid, shared = kernels.routed_swiglu(gate_t, up_t, xf, route, clamp, _shared_gate_up(layer))
+    gate_t, up_t, down_t = _expert_tensors(layer)
+    experts, mid, shared = kernels.routed_swiglu(gate_t, up_t, xf, _route(layer, tokens, n_used, scale), clamp,
+                                                 _shared_gate_up(layer))
+    return experts, _routed_down(down_t, experts, mid, on_mid, _down_later(layer, down_later)), shared
+
+
+def _expert_tensors(layer: LayerWeights) -> tuple[ExpertBlocks, ExpertBlocks, ExpertBlocks]:
+    """The layer's routed experts: gate, up and down."""
+    return tuple(layer.experts[f"ffn_{r}_exps.weight"] for r in ("gate", "up", "down"))
+
+
+def _routed_down(down_t: ExpertBlocks, experts: mx.array, mid: mx.array,
+                 on_mid: Callable[[mx.array], object] | None, down_later: bool) -> mx.array | kernels.RoutedDown:
+    """The routed output from the pairs' mid (shown to `on_mid` first): its down products
+    still to make with `down_later` (`kernels.RoutedDown`), else made now."""
     if on_mid is not None:
         on_mid(mid)
     routed = kernels.RoutedDown(down_t, experts, mid)
-    return experts, (routed if _down_later(layer, down_later) else routed.product()), shared
+    return routed if down_later else routed.product()
 
 
 def _in_one_launch(layer: LayerWeights, xf: mx.array, n_pairs: int, mm: Schedule) -> bool:
     """Whether the routed pairs' gate and up and the shared expert's come from one launch: a
     fast-path decode step of few pairs, gate and up in one block format the kernels read."""
-    gate_t, up_t, down_t = (layer.experts[f"ffn_{r}_exps.weight"] for r in ("gate", "up", "down"))
+    gate_t, up_t, down_t = _expert_tensors(layer)
     return (mm.matvec(xf) and n_pairs <= _GATHERED_MAX_PAIRS and gate_t.type_name == up_t.type_name
             and all(kernels.available(w.type_name) for w in (gate_t, up_t, down_t)))
 
@@ -250,10 +269,7 @@ def _routed_gathered(gate_t: ExpertBlocks, up_t: ExpertBlocks, down_t: ExpertBlo
             gate = kernels.expert_matvec(gate_t, experts, x_in, pairs_per_input=u)
             up = kernels.expert_matvec(up_t, experts, x_in, pairs_per_input=u)
             mid = _swiglu_compiled(clamp, True)(gate, up, weights)
-        if on_mid is not None:
-            on_mid(mid)
-        routed = kernels.RoutedDown(down_t, experts, mid)
-        return (routed if down_later else routed.product()), shared_mid
+        return _routed_down(down_t, experts, mid, on_mid, down_later), shared_mid
     ids = experts.reshape(-1)
     x = mx.repeat(x_in, u, axis=0)                                      # [T*U, d]
     gate = _matvec(gate_t, ids, x)

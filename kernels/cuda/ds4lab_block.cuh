@@ -118,6 +118,21 @@ __device__ bool ds4lab_last_block(int* counter, int blocks) {
     return last;
 }
 
+// This thread block's job in a launch whose blocks take their jobs in arrival order (every
+// thread gets it): a ticket from `counter`, which the block drawing the last ticket sets back
+// to zero (none is left to draw). A ticket past the grid means the counter was not zero at
+// launch: the kernel traps rather than run past its outputs.
+__device__ int ds4lab_ticket(int* counter) {
+    __shared__ int job;
+    if (threadIdx.x == 0) {
+        job = atomicAdd(counter, 1);
+        if (job == (int)gridDim.x - 1) atomicExch(counter, 0);
+        if (job >= (int)gridDim.x) __trap();
+    }
+    __syncthreads();
+    return job;
+}
+
 // A flag one thread block raises for others of the same launch once what it wrote is visible
 // to them: called by the thread that wrote it, after the writes. The waiting block's thread
 // reads the flag with acquire semantics, then what it guards through L2 (__ldcg), and hands

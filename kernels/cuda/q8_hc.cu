@@ -43,7 +43,7 @@
 // x[t] = P pre_x[t] (as q8_matvec.cu: PRE_ROWS rows of PRE_COLS in groups of PRE_GROUP_ROWS,
 // group g times its own slice of pre_x; PRE_R rows a warp, PRE_SPLIT warps sharing them,
 // PRE_SETS such sets a block), one launch fewer a layer. Thread blocks take their jobs in
-// arrival order (counter[3], a ticket, set back to zero by the block that takes the last):
+// arrival order (counter[3], a ticket, set back to zero by the block that draws the last):
 // the first T * PRE_BLOCKS make x (into the input buffer x: scratch of this launch) and the
 // last of them (counter[1]) raises a flag (counter[2]); the rest, PARTS a token, wait for it
 // and run as above, bx and t their job's. A block waits only for tickets taken before its own,
@@ -69,25 +69,19 @@ int* const arrivals = const_cast<int*>(counter);
 const int n_tokens = PRE ? gridDim.x / (PRE_BLOCKS + PARTS) : gridDim.y;
 int bx = blockIdx.x, t = blockIdx.y;
 if (PRE) {
-    __shared__ int job_s;
-    if (threadIdx.x == 0) {
-        const int ticket = atomicAdd(arrivals + 3, 1);
-        if (ticket == (int)gridDim.x - 1) atomicExch(arrivals + 3, 0);   // the last: none left to take
-        job_s = ticket;
-        if (ticket >= (int)gridDim.x) __trap();         // counters not zero at launch: fail, not corrupt
-    }
-    __syncthreads();
-    const bool pre_job = job_s < n_tokens * PRE_BLOCKS;
-    const int job = pre_job ? job_s : job_s - n_tokens * PRE_BLOCKS, per = pre_job ? PRE_BLOCKS : PARTS;
+    const int ticket = ds4lab_ticket(arrivals + 3);
+    const bool pre_job = ticket < n_tokens * PRE_BLOCKS;
+    const int job = pre_job ? ticket : ticket - n_tokens * PRE_BLOCKS, per = pre_job ? PRE_BLOCKS : PARTS;
     bx = job % per;
     t = job / per;
     if (pre_job) {
         const int p0 = (bx * PRE_SETS + (PRE_SPLIT > 1 ? warp / PRE_SPLIT : warp)) * PRE_R;
         const int p_part = PRE_SPLIT > 1 ? warp % PRE_SPLIT : 0;
         if (p0 < PRE_ROWS)
-            ds4lab_q8_grouped_rows<PRE_ROWS, PRE_COLS, PRE_GROUP_ROWS, PRE_R, PRE_SPLIT, PRE_SETS>(
-                pre_codes, pre_scales, pre_x, const_cast<float*>(x), t, p0, p_part, lane,
-                PRE_SPLIT > 1 ? warp / PRE_SPLIT : 0);
+            ds4lab_q8_rows_times<PRE_R, PRE_COLS, PRE_SPLIT, PRE_SETS>(
+                pre_codes, pre_scales,
+                pre_x + ((size_t)t * (PRE_ROWS / PRE_GROUP_ROWS) + p0 / PRE_GROUP_ROWS) * PRE_COLS,
+                const_cast<float*>(x) + (size_t)t * PRE_ROWS, p0, p_part, lane, PRE_SPLIT > 1 ? warp / PRE_SPLIT : 0);
         if (ds4lab_last_block(arrivals + 1, n_tokens * PRE_BLOCKS) && threadIdx.x == 0) ds4lab_raise_flag(arrivals + 2);
         return;
     }

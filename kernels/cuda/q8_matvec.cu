@@ -11,4 +11,5 @@ const int r0 = (SPLIT > 1 ? blockIdx.x : blockIdx.x * (blockDim.x >> 5) + warp) 
 const int cols_part = SPLIT > 1 ? warp : 0;
 const int t = blockIdx.y;
 if (r0 >= ROWS) return;
-ds4lab_q8_grouped_rows<ROWS, COLS, GROUP_ROWS, R, SPLIT>(codes, scales, x, y, t, r0, cols_part, lane);
+ds4lab_q8_rows_times<R, COLS, SPLIT>(codes, scales, x + ((size_t)t * (ROWS / GROUP_ROWS) + r0 / GROUP_ROWS) * COLS,
+                                     y + (size_t)t * ROWS, r0, cols_part, lane);

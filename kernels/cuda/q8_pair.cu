@@ -16,7 +16,7 @@
 // and the norm run), wait for the flag, copy ya_n[t] into shared memory and make their rows.
 // A block waits only for tickets taken before its own, by running blocks that wait for
 // nothing (no deadlock, whatever fits on the device). The last block to leave (counter[2])
-// sets the ticket and the flag back to zero.
+// sets the flag back to zero (the ticket resets itself).
 // Inputs: codes_a [ROWS_A, COLS / 4], scales_a [ROWS_A, COLS / 32], the same of B, x [T, COLS],
 // norm_w [ROWS_A] and eps [1] (NORM_A), counter (arrival counters, NORM_A), the same of C (THEN).
 // Grid: x = 32 threads per warp, R rows per warp over ROWS_A + ROWS_B; y = the token. THEN:
@@ -27,14 +27,9 @@ const int n_tokens = THEN ? gridDim.x / (PAIR_BLOCKS + C_BLOCKS) : gridDim.y;
 int bx = blockIdx.x, t = blockIdx.y;
 bool product_c = false;
 if (THEN) {
-    __shared__ int job_s;
-    if (threadIdx.x == 0) {
-        job_s = atomicAdd(count + 1, 1);
-        if (job_s >= (int)gridDim.x) __trap();          // counters not zero at launch: fail, not corrupt
-    }
-    __syncthreads();
-    product_c = job_s >= n_tokens * PAIR_BLOCKS;
-    const int job = product_c ? job_s - n_tokens * PAIR_BLOCKS : job_s, per = product_c ? C_BLOCKS : PAIR_BLOCKS;
+    const int ticket = ds4lab_ticket(count + 1);
+    product_c = ticket >= n_tokens * PAIR_BLOCKS;
+    const int job = product_c ? ticket - n_tokens * PAIR_BLOCKS : ticket, per = product_c ? C_BLOCKS : PAIR_BLOCKS;
     bx = job % per;
     t = job / per;
 }
@@ -42,22 +37,9 @@ const int r0 = (SPLIT > 1 ? bx : bx * (blockDim.x >> 5) + warp) * R;
 const int cols_part = SPLIT > 1 ? warp : 0;
 if (!product_c && r0 < ROWS_A + ROWS_B) {
     const bool in_a = r0 < ROWS_A;
-    const int rb = in_a ? r0 : r0 - ROWS_A;
-    const float4* xv = reinterpret_cast<const float4*>(x + (size_t)t * COLS);
-    const uint4* w[R];
-    const float* s[R];
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-        if (in_a) ds4lab_q8_row<COLS>(codes_a, scales_a, rb + i, w[i], s[i]);
-        else ds4lab_q8_row<COLS>(codes_b, scales_b, rb + i, w[i], s[i]);
-    }
-    float acc[R];
-    ds4lab_q8_dots<R, COLS, SPLIT>(w, s, xv, lane, acc, cols_part);
-    ds4lab_q8_totals<R, SPLIT>(acc, cols_part, lane);
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-        if (lane == 0 && cols_part == 0) (in_a ? ya + (size_t)t * ROWS_A : yb + (size_t)t * ROWS_B)[rb + i] = acc[i];
-    }
+    ds4lab_q8_rows_times<R, COLS, SPLIT>(in_a ? codes_a : codes_b, in_a ? scales_a : scales_b, x + (size_t)t * COLS,
+                                         in_a ? ya + (size_t)t * ROWS_A : yb + (size_t)t * ROWS_B,
+                                         in_a ? r0 : r0 - ROWS_A, cols_part, lane);
 }
 if (NORM_A && !product_c) {
     // Every thread of every pair block gets here (a block's warps past the rows included):
@@ -121,21 +103,8 @@ if (THEN && product_c) {
     __syncthreads();
     const int rc = (SPLIT_C > 1 ? bx : bx * (blockDim.x >> 5) + warp) * R_C;
     const int c_part = SPLIT_C > 1 ? warp : 0;
-    if (rc < ROWS_C) {
-        const uint4* w[R_C];
-        const float* s[R_C];
-        float acc[R_C];
-#pragma unroll
-        for (int i = 0; i < R_C; ++i) ds4lab_q8_row<THEN ? ROWS_A : 32>(codes_c, scales_c, rc + i, w[i], s[i]);
-        ds4lab_q8_dots<R_C, THEN ? ROWS_A : 32, SPLIT_C>(w, s, xs, lane, acc, c_part);
-        ds4lab_q8_totals<R_C, SPLIT_C>(acc, c_part, lane);
-#pragma unroll
-        for (int i = 0; i < R_C; ++i) {
-            if (lane == 0 && c_part == 0) yc[(size_t)t * ROWS_C + rc + i] = acc[i];
-        }
-    }
+    if (rc < ROWS_C)
+        ds4lab_q8_rows_times<R_C, THEN ? ROWS_A : 32, SPLIT_C>(codes_c, scales_c, reinterpret_cast<const float*>(xs),
+                                                              yc + (size_t)t * ROWS_C, rc, c_part, lane);
 }
-if (THEN && ds4lab_last_block(count + 2, gridDim.x) && threadIdx.x == 0) {
-    count[1] = 0;
-    count[3] = 0;
-}
+if (THEN && ds4lab_last_block(count + 2, gridDim.x) && threadIdx.x == 0) count[3] = 0;

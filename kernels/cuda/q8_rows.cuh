@@ -88,24 +88,22 @@ __device__ __forceinline__ void ds4lab_q8_row(const uint32_t* codes, const float
     s = scales + (size_t)r * (COLS / 32);
 }
 
-// R rows from r0 of a grouped Q8_0 matvec, for token t: y[t][r] = row r . x[t][g], the rows in
-// groups of GROUP_ROWS, group g reading its own COLS values of x[t] (one group: a plain
-// matvec). The warp's lanes sum, and with SPLIT the SPLIT warps sharing the rows (set `set` of
-// GROUPS such sets a block; `part` this warp's); the first writes. q8_matvec.cu's body, and
-// q8_hc.cu's grouped product before its own.
-template <int ROWS, int COLS, int GROUP_ROWS, int R, int SPLIT, int GROUPS = 1>
-__device__ __forceinline__ void ds4lab_q8_grouped_rows(const uint32_t* codes, const float* scales, const float* x,
-                                                       float* y, int t, int r0, int part, int lane, int set = 0) {
-    const float* xt = x + ((size_t)t * (ROWS / GROUP_ROWS) + r0 / GROUP_ROWS) * COLS;
+// R rows from r0 of a Q8_0 matrix times one vector xv of COLS values (global or shared memory),
+// into y[r0..]: the warp's lanes sum, and with SPLIT the SPLIT warps sharing the rows (set
+// `set` of GROUPS such sets a block; `part` this warp's); the first writes. The body of
+// q8_matvec.cu and of q8_pair.cu's and q8_hc.cu's products that have nothing else in the loop.
+template <int R, int COLS, int SPLIT, int GROUPS = 1>
+__device__ __forceinline__ void ds4lab_q8_rows_times(const uint32_t* codes, const float* scales, const float* xv,
+                                                     float* y, int r0, int part, int lane, int set = 0) {
     const uint4* w[R];
     const float* s[R];
     float acc[R];
 #pragma unroll
     for (int i = 0; i < R; ++i) ds4lab_q8_row<COLS>(codes, scales, r0 + i, w[i], s[i]);
-    ds4lab_q8_dots<R, COLS, SPLIT>(w, s, reinterpret_cast<const float4*>(xt), lane, acc, part);
+    ds4lab_q8_dots<R, COLS, SPLIT>(w, s, reinterpret_cast<const float4*>(xv), lane, acc, part);
     ds4lab_q8_totals<R, SPLIT, GROUPS>(acc, part, lane, set);
 #pragma unroll
     for (int i = 0; i < R; ++i) {
-        if (lane == 0 && part == 0) y[(size_t)t * ROWS + r0 + i] = acc[i];
+        if (lane == 0 && part == 0) y[r0 + i] = acc[i];
     }
 }

@@ -11,8 +11,8 @@
 // while the router does); the rest make the pairs' rows, each block waiting for its token's
 // flag first. A block waits only for tickets taken before its own, by blocks already running
 // that wait for nothing, so no block can wait for one that is not running: no deadlock however
-// few blocks fit on the device at once. The last block to leave (counter[1]) sets the ticket and
-// the flags back to zero for the next launch (the router's counts reset themselves).
+// few blocks fit on the device at once. The last block to leave (counter[1]) sets the flags
+// back to zero for the next launch (the ticket and the router's counts reset themselves).
 // Templates: expert_swiglu.cu's (X_DIV = K, the experts a token uses), E (experts), EPT
 // (experts a thread routes: E <= EPT * block size), HAS_BIAS, HASH (router.cuh), ROUTER_BLOCKS
 // (blocks of a token's logits: a warp a row), X_BLOCKS (blocks of a pair's, or a token's
@@ -24,18 +24,13 @@
 // reads: logits [T, E] (the router's logits, then its probs) and route_w [T, X_DIV]; the
 // format's tables. Outputs: mid [T, X_DIV, ROWS], shared [T, SHARED_ROWS], experts [T, X_DIV].
 DS4LAB_DOT_STAGE
-__shared__ int job_s, id_s;
+__shared__ int id_s;
 __shared__ float w_s;
 int* const count = const_cast<int*>(counter);
 constexpr int PER_TOKEN = ROUTER_BLOCKS + X_BLOCKS * (X_DIV + (SHARED_ROWS > 0 ? 1 : 0));
 const int n_tokens = gridDim.x / PER_TOKEN, n_pairs = n_tokens * X_DIV;
 const int routers = n_tokens * ROUTER_BLOCKS, shared_jobs = SHARED_ROWS > 0 ? n_tokens * X_BLOCKS : 0;
-if (threadIdx.x == 0) {
-    job_s = atomicAdd(count, 1);
-    if (job_s >= (int)gridDim.x) __trap();              // counters not zero at launch: fail, not corrupt
-}
-__syncthreads();
-const int job = job_s;
+const int job = ds4lab_ticket(count);
 if (job < routers) {
     const int t = job / ROUTER_BLOCKS, lane = threadIdx.x & 31;
     const int r = (job % ROUTER_BLOCKS) * (blockDim.x >> 5) + (threadIdx.x >> 5);
@@ -69,6 +64,5 @@ if (job < routers) {
         scales_g, codes_u, scales_u, mid, shared DS4LAB_DOT_TABLES);
 }
 if (ds4lab_last_block(count + 1, gridDim.x)) {
-    if (threadIdx.x == 0) count[0] = 0;
     for (int t = threadIdx.x; t < n_tokens; t += blockDim.x) count[2 + n_tokens + t] = 0;
 }
