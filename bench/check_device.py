@@ -358,6 +358,7 @@ def check_fused_products() -> None:
         print(f"q8_pair with q_a's norm (1024 + 512 rows of 4096, {what}) vs rms_norm of quantized_matmul: "
               f"max rel err {err:.2e}; the same bits as row_finish of its q_a: {exact}; products as without: {same}")
     check_q8_pair_then(q_a, kv, x, norm)
+    check_q8_pair_slot(q_a, kv, x[:1], norm)
     gate, up = _q8_matrix(2048, 4096), _q8_matrix(2048, 4096)
     for clamp in (0.0, 10.0):
         xs = x * 0.5                           # products of ~10: the clamp bites on some
@@ -546,6 +547,46 @@ def check_q8_pair_then(q_a: Q8Matrix, kv: Q8Matrix, x: mx.array, norm: mx.array)
     print(f"q8_pair with q_b's product of the norm (1024 + 512 rows of 4096, then 32768 of 1024; 3 tokens and 1) "
           f"vs q8_pair, then q8_matvec: max rel err {worst:.2e}, the same bits {equal}; one token "
           f"{fused_s * 1e6:.1f} us vs {apart_s * 1e6:.1f} us")
+
+
+def check_q8_pair_slot(q_a: Q8Matrix, kv: Q8Matrix, x: mx.array, norm: mx.array) -> None:
+    """q8_pair with a layer's compressor update in its launch (a flash ratio-4 layer's two
+    compressors, 1024 and 256 wide, F16 weights as the file's, its window's last token
+    (SHIFT) and another; a ratio-128 layer's one, 512 wide over 128 rows), with q_b's product
+    of the norm and without, against q8_pair (and q8_matvec) and compressor_slot apart: the
+    same bits expected (the slot's warps run compressor_slot's loop); then one token's time
+    of the decode step's form against the two launches."""
+    q_b = _q8_matrix(32768, 1024)
+
+    def compressor(width: int, rows: int, ratio: int) -> tuple[mx.array, ...]:
+        return ((mx.random.normal((width, 4096)) * 0.05).astype(mx.float16),
+                (mx.random.normal((width, 4096)) * 0.05).astype(mx.float16), mx.random.normal((ratio, width)),
+                mx.random.normal((rows, width)), mx.random.normal((rows, width)))
+
+    ratio4 = (compressor(1024, 8, 4), compressor(256, 8, 4))
+    layers = [(ratio4, 7, 3, True), (ratio4, 5, 1, False), ((compressor(512, 128, 128), None), 77, 77, False)]
+    equal = True
+    for (first, second), row, at_slot, shift in layers:
+        slots = kernels.CompressorSlots(first, second, kernels.slot_at(row, at_slot), shift)
+        alone = kernels.compressor_slot(x, first, row, at_slot, shift, second=second)
+        for then in (None, (q_b, (1, 64, 512))):
+            got = kernels.q8_pair(q_a, kv, x, norm_a=(norm, 1e-6), then=then, slots=slots)
+            ref = kernels.q8_pair(q_a, kv, x, norm_a=(norm, 1e-6), slot=1)
+            if then is not None:
+                ref = (*ref, kernels.q8_matvec(q_b, ref[2], shape=(1, 64, 512)))
+            equal &= all(bool(mx.array_equal(a, b).item()) for a, b in zip(got, (*ref, *alone), strict=True))
+    _bar("q8_pair with a compressor update", equal and _counters_left_zero())
+    slots_seen = iter(range(100, 10**6))
+    first, second = ratio4
+    step = kernels.CompressorSlots(first, second, kernels.slot_at(5, 1), False)
+    fused_s = _seconds(lambda v: kernels.q8_pair(q_a, kv, v, norm_a=(norm, 1e-6), slot=next(slots_seen),
+                                                 then=(q_b, (1, 64, 512)), slots=step)[3:], x)
+    apart_s = _seconds(lambda v: [kernels.q8_pair(q_a, kv, v, norm_a=(norm, 1e-6), slot=next(slots_seen),
+                                                  then=(q_b, (1, 64, 512)))[3],
+                                  *kernels.compressor_slot(v, first, 5, 1, False, second=second)], x)
+    print(f"q8_pair with a compressor update (ratio 4: two compressors, with SHIFT and without; ratio 128; with "
+          f"q_b's product and without) vs q8_pair and compressor_slot apart: the same bits {equal}; one token with "
+          f"q_b and a ratio-4 layer's two {fused_s * 1e6:.1f} us vs {apart_s * 1e6:.1f} us")
 
 
 def _counters_left_zero() -> bool:

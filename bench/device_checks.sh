@@ -15,10 +15,12 @@
 #   bash bench/device_checks.sh geometry # a step's device time under the expert kernels' and q8_hc's
 #                                        # geometry constants (device_time_ab.py), then ncu's warp
 #                                        # stalls by instruction for q8_hc's tail (~8 min)
-#   bash bench/device_checks.sh merged   # the merged launches (routed_swiglu, q8_pair with q_b, q8_hc with
-#                                        # output_a) against the launches they replace, then fast vs
-#                                        # reference and the research checks, then each merge's stream A/B
-#                                        # at 4096 (~20 min: `merged checks`, `merged paths`, `merged speed`)
+#   bash bench/device_checks.sh merged   # the merged launches (routed_swiglu, q8_pair with q_b and with the
+#                                        # compressor update, q8_hc with output_a) against the launches
+#                                        # they replace, then fast vs reference and the research checks,
+#                                        # then each merge's stream A/B at 4096 (~25 min: `merged checks`,
+#                                        # `merged paths`, `merged speed router q_b`, `merged speed
+#                                        # output_a compressor_slot`)
 #   bash bench/device_checks.sh stream   # the research checks (a greedy stream straight after a prefill among
 #                                        # them), then the issue's 43-layer bench at 128 and 4096 with the
 #                                        # stream in 3 rounds of 64 steps (~6 min)
@@ -104,17 +106,22 @@ geometry() {
 }
 
 merged() {
-    # The three steps run in the launch of the step after them (2026-12-04, not yet run on a
+    # The four steps run in the launch of another (2026-12-04 and -05, not yet run on a
     # GPU): their bars first (each against its two launches: the same bits expected), then the
     # paths and the research checks, then each merge's stream against its two launches in one
-    # process. One call each (a call may run 10 minutes).
-    case "${1:-checks}" in
+    # process. One call each (a call may run 10 minutes: `merged speed router q_b`, then
+    # `merged speed output_a compressor_slot`).
+    local part="${1:-checks}"
+    shift || true
+    case "$part" in
         checks) step fused 420 env MLX_ENABLE_TF32=0 python3 bench/check_device.py --parts fused ;;
         paths)
             step paths 300 env MLX_ENABLE_TF32=0 python3 bench/check_device.py --parts paths
             step research 200 python3 bench/check_device_research.py ;;
         speed)
-            for variant in router q_b output_a; do
+            local variants=("$@")
+            [ ${#variants[@]} -gt 0 ] || variants=(router q_b output_a compressor_slot)
+            for variant in "${variants[@]}"; do
                 step "ab_$variant" 180 python3 bench/stream_ab.py --layers 43 --context 4096 --steps 16 \
                     --rounds 3 --variant "$variant"
             done ;;
@@ -131,7 +138,7 @@ case "${1:-all}" in
     split) host_and_device ;;
     graphs) graph_commits ;;
     geometry) geometry ;;
-    merged) merged "${2:-checks}" ;;
+    merged) shift; merged "$@" ;;
     stream) stream ;;
     warm) step warm 900 python3 bench/warm_kernels.py --cache .ptx_cache ;;
     all) checks; speed ;;

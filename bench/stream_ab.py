@@ -11,10 +11,12 @@ decodes the same tokens), and the medians are compared.
 Variants (`--variant`):
 - `hc_input`: the sublayer's HC input made by the last launch of the sublayer before (A, the
   default: `q8_hc`'s last block) or apart (B: `hc_mix` + `hc_pre`, two launches a sublayer).
-- `router`, `q_b`, `output_a`: that step in the launch of the step after it (A, the default:
-  `Model.merged_launches`) or in its own launch (B): the router before the routed experts
-  (`routed_swiglu`, or `router` + `expert_swiglu`), q_b's product after q_a's (`q8_pair`,
-  then `q8_matvec`), the grouped output product before output_b's (`q8_hc`, `q8_matvec` first).
+- `router`, `q_b`, `output_a`, `compressor_slot`: that step in the launch of another (A, the
+  default: `Model.merged_launches`) or in its own launch (B): the router before the routed
+  experts (`routed_swiglu`, or `router` + `expert_swiglu`), q_b's product after q_a's
+  (`q8_pair`, then `q8_matvec`), the grouped output product before output_b's (`q8_hc`,
+  `q8_matvec` first), a compressed layer's frontier update beside q_a's product (`q8_pair`,
+  or `compressor_slot` after it).
 
     python bench/stream_ab.py [--layers 43] [--context 4096] [--steps 16] [--rounds 5] [--variant NAME]
 

@@ -128,6 +128,17 @@ def test_every_launched_kernel_compiles_with_nvrtc(recorded_launches, nvrtc, tin
     q8_a = Q8Matrix(mx.zeros((512, 512), mx.uint32), mx.zeros((512, 64)), mx.zeros((512, 64)), 512, 2048)
     c_rows = Q8Matrix(mx.zeros((16384, 128), mx.uint32), mx.zeros((16384, 16)), mx.zeros((16384, 16)), 16384, 512)
     kernels.q8_pair(q8_a, q8_a, x, norm_a=(mx.ones((512,)), 1e-6), then=(c_rows, (1, 32, 512)))
+    # and with a layer's compressor update in the launch: a ratio-4 layer's two (F16 weights, as
+    # the file's; the window completed: SHIFT), a ratio-128 layer's one (float32), each with q_b
+    # and without
+    def compressor(width: int, rows: int, ratio: int, dtype) -> tuple[mx.array, ...]:
+        return (mx.ones((width, 2048), dtype), mx.ones((width, 2048), dtype), mx.ones((ratio, width)),
+                mx.zeros((rows, width)), mx.zeros((rows, width)))
+    for slots in (kernels.CompressorSlots(compressor(1024, 8, 4, mx.float16), compressor(256, 8, 4, mx.float16),
+                                          kernels.slot_at(7, 3), True),
+                  kernels.CompressorSlots(compressor(512, 128, 128, mx.float32), None, kernels.slot_at(5, 5), False)):
+        kernels.q8_pair(q8, q8, x, norm_a=(mx.ones((4096,)), 1e-6), slots=slots)
+        kernels.q8_pair(q8, q8, x, norm_a=(mx.ones((4096,)), 1e-6), then=(c_split, (1, 2048)), slots=slots)
     kernels.q8_swiglu(q8, q8, x, 0.0)
     kernels.q8_hc(q8, x, mx.ones((1, 6, 4096)), mx.ones((1, 6)), mx.ones((1, 6, 6)))   # more streams than a split
     nxt = kernels.HCInput(mx.ones((24, 4 * 4096)), mx.ones((3,)), mx.ones((24,)), mx.ones((4096,)), 20, 1e-6, 1e-6)

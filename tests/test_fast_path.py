@@ -232,9 +232,13 @@ def _compressor_slot(inputs, t, grid, threadgroup):
     column of each matrix, each warp's values written once; with R2 a second compressor's
     frontier the same way, its warps after the first's."""
     x, *both, at = inputs
-    row, slot = np.array(at).tolist()
     ratio = t["RATIO"]
-    assert threadgroup[0] % 32 == 0 and at.dtype == mx.int32 and 0 <= slot < ratio
+    assert threadgroup[0] % 32 == 0 and at.dtype == mx.int32 and at.shape == (2,)
+    try:                       # `at` is data: a compiled step's placeholder while it is traced
+        row, slot = np.array(at).tolist()
+    except ValueError:
+        row = slot = None
+    assert slot is None or 0 <= slot < ratio
     warps = 2 * (t["R"] + t["R2"])
     assert warps <= _blocks(grid, threadgroup)[0] * threadgroup[0] // 32 < warps + threadgroup[0] // 32
     outs = []
@@ -244,14 +248,14 @@ def _compressor_slot(inputs, t, grid, threadgroup):
             outs += [mx.zeros((1, 1)), mx.zeros((1, 1))]
             continue
         assert kv.shape == score.shape == (rows, r) and w_kv.shape == w_gate.shape == (r, t["COLS"]) == (r, x.size)
-        assert ape.shape == (ratio, r) and 0 <= row < rows
-        assert not t["SHIFT"] or (rows == 2 * ratio and row == rows - 1)
+        assert ape.shape == (ratio, r) and (row is None or 0 <= row < rows)
+        assert not t["SHIFT"] or (rows == 2 * ratio and row in (None, rows - 1))
         assert all(a.dtype == mx.float32 for a in (x, ape, kv, score))
         assert w_kv.dtype == w_gate.dtype == both[0].dtype in (mx.float32, mx.float16)   # all four alike
         w_kv, w_gate = w_kv.astype(mx.float32), w_gate.astype(mx.float32)
-        at_row = mx.arange(rows)[:, None] == row
+        at_row = mx.arange(rows)[:, None] == at[0]
         xr = x.reshape(1, -1)
-        pair = [mx.where(at_row, xr @ w_kv.T, kv), mx.where(at_row, xr @ w_gate.T + ape[slot], score)]
+        pair = [mx.where(at_row, xr @ w_kv.T, kv), mx.where(at_row, xr @ w_gate.T + ape[at[1]], score)]
         outs += [mx.concatenate([o[ratio:], o[ratio:]]) for o in pair] if t["SHIFT"] else pair
     return outs
 
@@ -329,31 +333,41 @@ def _q8_matvec(inputs, t, grid, threadgroup):
 
 def _q8_pair(inputs, t, grid, threadgroup):
     """With THEN, the q_b product of the norm too, its blocks after the pair's in grid x (a
-    token's PAIR_BLOCKS, then its C_BLOCKS), each geometry a Q8_0 matvec's."""
-    codes_a, scales_a, codes_b, scales_b, x, norm_w, eps, counter, codes_c, scales_c = inputs
+    token's PAIR_BLOCKS, then its C_BLOCKS), each geometry a Q8_0 matvec's. With SLOT (one
+    token) a compressor update by SLOT_BLOCKS more blocks (between the pair's and C's), as
+    compressor_slot's warps make it; its frontiers follow the other outputs."""
+    codes_a, scales_a, codes_b, scales_b, x, norm_w, eps, counter, codes_c, scales_c = inputs[:10]
     n_tok, block = x.shape[0], threadgroup[0]
-    pair_grid = (t["PAIR_BLOCKS"] * block, n_tok) if t["THEN"] else grid
+    pair_grid = (t["PAIR_BLOCKS"] * block, n_tok) if t["THEN"] or t["SLOT"] else grid
     _q8_warps(t, pair_grid, t["ROWS_A"], n_tok)
     _q8_warps(t, pair_grid, t["ROWS_A"] + t["ROWS_B"], n_tok)
     a, b = _q8_rows(codes_a, scales_a, t["COLS"]), _q8_rows(codes_b, scales_b, t["COLS"])
     assert a.shape[0] == t["ROWS_A"] and b.shape[0] == t["ROWS_B"]
+    assert grid[0] == (n_tok * (t["PAIR_BLOCKS"] + t["C_BLOCKS"]) + t["SLOT_BLOCKS"]) * block or not (
+        t["THEN"] or t["SLOT"])
+    frontiers = [mx.zeros((1, 1))] * 4
+    if t["SLOT"]:
+        assert n_tok == 1 and grid[1] == 1
+        slot_t = {name.removeprefix("S_"): v for name, v in t.items() if name.startswith("S_")} | {"COLS": t["COLS"]}
+        frontiers = _compressor_slot([x, *inputs[10:]], slot_t, (t["SLOT_BLOCKS"] * block, 1, 1), threadgroup)
+    else:
+        assert t["SLOT_BLOCKS"] == 0
     ya = _q8_products(a, x)
     if not t["NORM_A"]:
         assert not t["THEN"]
-        return [ya, _q8_products(b, x), mx.zeros((1, 1)), mx.zeros((1, 1))]
+        return [ya, _q8_products(b, x), mx.zeros((1, 1)), mx.zeros((1, 1)), *frontiers]
     # q_a's norm sums over the launch's block as row_finish's does (the same bits)
     assert norm_w.shape == (t["ROWS_A"],) and block == kernels._THREADS and counter.dtype == mx.int32
     ya_n = _rms_weighted(ya, eps, norm_w)
     if not t["THEN"]:
-        return [ya, _q8_products(b, x), ya_n, mx.zeros((1, 1))]
-    assert grid[1] == 1 and grid[0] == n_tok * (t["PAIR_BLOCKS"] + t["C_BLOCKS"]) * block
+        return [ya, _q8_products(b, x), ya_n, mx.zeros((1, 1)), *frontiers]
     assert counter.size >= 4 and not np.array(counter).any()
     c_t = {"SPLIT": t["SPLIT_C"], "R": t["R_C"]}
     _q8_warps(c_t, (t["C_BLOCKS"] * block, n_tok), t["ROWS_C"], n_tok)
     assert _q8_launch_blocks(t["ROWS_C"], t["R_C"], t["SPLIT_C"]) == t["C_BLOCKS"]
     c = _q8_rows(codes_c, scales_c, t["ROWS_A"])
     assert c.shape[0] == t["ROWS_C"]
-    return [ya, _q8_products(b, x), ya_n, _q8_products(c, ya_n)]
+    return [ya, _q8_products(b, x), ya_n, _q8_products(c, ya_n), *frontiers]
 
 
 def _q8_launch_blocks(rows: int, r: int, split: int) -> int:
@@ -616,8 +630,10 @@ def test_fast_path_wiring_matches_the_reference(request, weights_fixture, stand_
     # by the FFN's q8_hc unless ffn.hook_routed_out is hooked: expert_matvec then; a decode
     # step routes inside the routed experts' launch unless a hook reads the experts: router
     # and expert_swiglu then, in the forced-experts test; a chunk's router reads its logits
-    # from a GEMM)
-    every = (set(STAND_INS) - {"attention_shares", "q8_swiglu"}) | {"routed_swiglu", "quant_gemm"}
+    # from a GEMM; a decode token's compressor frontiers are made in the q_a / kv launch, and
+    # compressor_slot is its own launch only once taken out of the merged launches: the
+    # launch-count test)
+    every = (set(STAND_INS) - {"attention_shares", "q8_swiglu", "compressor_slot"}) | {"routed_swiglu", "quant_gemm"}
     assert set(stand_in_kernels) == every, f"kernels never called: {every - set(stand_in_kernels)}"
     model.numerics.allow_fast = False
     ref_full, ref_decoded = _prefill_and_decode(model, tokens, 6)
@@ -937,11 +953,12 @@ def test_kv_rows_are_finished_after_the_window_in_one_launch(small_weights, stan
 
 def test_a_decode_step_finishes_q_and_kv_rows_without_launches_of_their_own(small_weights, stand_in_kernels):
     """A decode step (no window completed, no indexer) launches row_finish only for the head
-    (its HC weights' and its output norm): q_a's norm and q_b's product are made by the q_a and
-    kv launch, and the q heads and the KV row (written after the window: the keys) are finished
-    by the attention kernel. And hc_pre (with its hc_mix) once: every other sublayer's HC input
-    is made by the q8_hc before it, and q8_hc runs twice a layer, the attention's making the
-    grouped output product first: q8_matvec for the output head only. Each merged step in its
+    (its HC weights' and its output norm): q_a's norm, q_b's product and the compressors'
+    frontiers are made by the q_a and kv launch, and the q heads and the KV row (written after
+    the window: the keys) are finished by the attention kernel. And hc_pre (with its hc_mix)
+    once: every other sublayer's HC input is made by the q8_hc before it, and q8_hc runs twice
+    a layer, the attention's making the grouped output product first: q8_matvec for the
+    output head only. Each merged step in its
     own launch again (`Model.merged_launches` emptied, as stream_ab.py's B): the same logits."""
     model = Model(small_weights)
     session = model.session()
@@ -953,14 +970,22 @@ def test_a_decode_step_finishes_q_and_kv_rows_without_launches_of_their_own(smal
     assert stand_in_kernels["attention_heads"] == stand_in_kernels["q8_pair"] == n_layer
     assert stand_in_kernels["hc_pre"] == stand_in_kernels["hc_mix"] == 1
     assert stand_in_kernels["q8_hc"] == 2 * n_layer and stand_in_kernels["q8_matvec"] == 1
+    assert "compressor_slot" not in stand_in_kernels
     state, logits = session.state, np.array(session.decode(321))
+    merged_state = session.state
     model.merged_launches.clear()
     stand_in_kernels.clear()
     session.state = state
     unmerged = np.array(session.decode(321))
     assert stand_in_kernels["q8_matvec"] == 2 * n_layer + 1
     assert stand_in_kernels["router"] == stand_in_kernels["expert_swiglu"] == n_layer
+    assert stand_in_kernels["compressor_slot"] == sum(r > 0 for r in small_weights.config.compress_ratios)
     assert np.abs(unmerged - logits).max() < 1e-5 * logits.std()
+    fronts = [(c.frontier, d.frontier) for c, d in zip(merged_state.layers, session.state.layers, strict=True)
+              if c.frontier is not None] + [(c.index_frontier, d.index_frontier) for c, d in zip(
+              merged_state.layers, session.state.layers, strict=True) if c.index_frontier is not None]
+    assert fronts and all(np.array_equal(np.array(a.kv), np.array(b.kv)) and
+                          np.array_equal(np.array(a.score), np.array(b.score)) for a, b in fronts)
     # made apart (for measuring the two): each sublayer's own hc_mix and hc_pre, the same logits
     model.hc_input_in_product = False
     stand_in_kernels.clear()
@@ -973,10 +998,10 @@ def test_a_decode_step_finishes_q_and_kv_rows_without_launches_of_their_own(smal
 def test_a_decode_step_shares_launches_where_parts_read_the_same_input(small_weights, stand_in_kernels):
     """A decode step whose indexer chooses (small: top-4 of 5 ratio-4 rows at position 21; no
     window completes): each ratio-4 layer's indexer queries in one launch, its scores and
-    choice of rows in another and its two compressors' slots in a third, the router (its
-    logits too, a hash layer's as well) and the shared expert's SwiGLU in the routed experts'
-    launch, the routed down products in the FFN's last product (q8_hc); no norm launch for
-    the indexer's q_a."""
+    choice of rows in another, its two compressors' slots in the q_a / kv launch (q8_pair), the
+    router (its logits too, a hash layer's as well) and the shared expert's SwiGLU in the routed
+    experts' launch, the routed down products in the FFN's last product (q8_hc); no norm launch
+    for the indexer's q_a."""
     cfg = small_weights.config
     model = Model(small_weights)
     session = model.session()
@@ -985,7 +1010,7 @@ def test_a_decode_step_shares_launches_where_parts_read_the_same_input(small_wei
     mx.eval(session.decode(321))
     ratios = cfg.compress_ratios
     assert stand_in_kernels["indexer_queries"] == stand_in_kernels["indexer_scores"] == ratios.count(4) == 2
-    assert stand_in_kernels["compressor_slot"] == sum(r > 0 for r in ratios)
+    assert "compressor_slot" not in stand_in_kernels and stand_in_kernels["q8_pair"] == cfg.n_layer
     assert "compressor_pool" not in stand_in_kernels
     assert cfg.n_hash_layer > 0 and stand_in_kernels["routed_swiglu"] == cfg.n_layer     # hash layers' too
     assert not {"router", "expert_swiglu", "q8_swiglu"} & set(stand_in_kernels)
@@ -1164,7 +1189,7 @@ def test_f16_matrices_reach_the_kernels_as_f16_with_the_files_values(small_weigh
     assert "attn_q_a_norm.weight" not in layer.f16_roles                 # F32 in the file
     assert layer.kernel_dense("attn_q_a_norm.weight") is layer.dense["attn_q_a_norm.weight"]
     comp = Model(small_weights)._compressors[layer.index]["attn"]
-    kv, gate, *_ = comp._slot_inputs(compressor.Frontier.empty(4, comp.width))
+    kv, gate, *_ = comp.slot_inputs(compressor.Frontier.empty(4, comp.width))
     assert kv.dtype == gate.dtype == mx.float16
 
 
@@ -1193,11 +1218,12 @@ def test_no_kernel_of_a_decode_step_reads_a_broadcast_or_transposed_view(tmp_pat
             session.state = result.state
 
 
-def test_the_device_check_of_the_merged_launches_runs_on_the_stand_ins(stand_in_kernels, monkeypatch):
+def test_the_device_check_of_the_merged_launches_runs_on_the_stand_ins(stand_in_kernels, monkeypatch, capsys):
     """bench/check_device.py's kernel parts run through on the CPU with the stand-ins (a broken
     call there would cost device time), and the fused part's lines for the merged launches
-    (the router in the routed experts' launch, q_b in q_a's, output_a in output_b's) meet
-    their bars: the wrappers hand each merged kernel what the separate kernels get."""
+    (the router in the routed experts' launch, q_b and the compressor update in q_a's,
+    output_a in output_b's) meet their bars: the wrappers hand each merged kernel what the
+    separate kernels get."""
     spec = importlib.util.spec_from_file_location(
         "check_device", Path(__file__).resolve().parents[1] / "bench" / "check_device.py")
     check = importlib.util.module_from_spec(spec)
@@ -1207,6 +1233,8 @@ def test_the_device_check_of_the_merged_launches_runs_on_the_stand_ins(stand_in_
     check.check_fused_experts()
     check.check_fused_products()
     assert stand_in_kernels["routed_swiglu"] and stand_in_kernels["router"] and stand_in_kernels["q8_pair"]
-    merged = ("routed_swiglu", "q8_pair with q_b", "q8_hc with the grouped output product")
+    merged = ("routed_swiglu", "q8_pair with q_b", "q8_pair with a compressor update",
+              "q8_hc with the grouped output product")
     assert not [m for m in check._MISSED if m.startswith(merged)], check._MISSED
+    assert "q8_pair with a compressor update (ratio 4" in capsys.readouterr().out
 

@@ -21,14 +21,16 @@ from .weights import LayerWeights, Q8Matrix
 
 
 def input_products(layer: LayerWeights, xa: mx.array, eps: float, mm: Schedule,
-                   q_heads: tuple[int, int] | None = None) -> tuple[mx.array, ...]:
+                   q_heads: tuple[int, int] | None = None,
+                   slots: kernels.CompressorSlots | None = None) -> tuple[mx.array, ...]:
     """(qr = attn_q_a · xa, attn_kv · xa, qr RMS-normed with attn_q_a_norm): the two products
     of the sublayer input and the norm q_b and the indexer read; with `q_heads` = (H, D) also
-    q_b's product of that norm, [T, H, D] (`project_q`'s unfinished q). One kernel for all on
-    the fast path's matvec."""
+    q_b's product of that norm, [T, H, D] (`project_q`'s unfinished q); with `slots` (a decode
+    token's compressor update, `compressor.launch_slots`) then the frontiers after it. One
+    kernel for all on the fast path's matvec."""
     then = None if q_heads is None else (layer.q8["attn_q_b.weight"], (xa.shape[0], *q_heads))
     return mm.q8_pair(layer.q8["attn_q_a.weight"], layer.q8["attn_kv.weight"], xa,
-                      norm_a=(layer.dense["attn_q_a_norm.weight"], eps), slot=layer.index, then=then)
+                      norm_a=(layer.dense["attn_q_a_norm.weight"], eps), slot=layer.index, then=then, slots=slots)
 
 
 def project_q(layer: LayerWeights, qr_n: mx.array, rotation: Rotation, n_head: int, head_dim: int, eps: float,

@@ -109,8 +109,8 @@ class Compressor:
         pooling from the frontiers before and after (`emitted`). The CPU's native path runs
         `compress_chunk` as one native call (`cpu_kernels`)."""
         if mm.fast and x.shape[0] == 1:
-            slot, row, shift = self._slot(p0)
-            after = Frontier(*kernels.compressor_slot(x, self._slot_inputs(frontier), row, slot, shift))
+            slot, row, shift = self.decode_slot(p0)
+            after = Frontier(*kernels.compressor_slot(x, self.slot_inputs(frontier), row, slot, shift))
             return self.emitted(frontier, after, p0, mm)
         kv, score = self.project(x, p0, mm)
         if mm.native:
@@ -139,7 +139,7 @@ class Compressor:
         return mm.finish_rows(pooled, eps=self.eps, weight=self.norm, rotation=first, qat=self.qat, fp8=self.fp8,
                               f16=True)
 
-    def _slot(self, p0: int) -> tuple[int, int, bool]:
+    def decode_slot(self, p0: int) -> tuple[int, int, bool]:
         """A decode token's (APE row, frontier row, shift): its window slot, the frontier row it
         writes and, on a ratio-4 compressor, whether it completes the window (that window then
         moves to the first half: `compress_chunk`)."""
@@ -147,7 +147,7 @@ class Compressor:
         overlap = overlaps(self.ratio)
         return slot, (self.ratio if overlap else 0) + slot, overlap and slot == self.ratio - 1
 
-    def _slot_inputs(self, frontier: Frontier) -> tuple[mx.array, ...]:
+    def slot_inputs(self, frontier: Frontier) -> tuple[mx.array, ...]:
         """`compressor_slot`'s inputs (a fast-path decode token): the F16 copies of F16 weights."""
         kv, gate = (self.layer.kernel_dense(f"{self.kind}_compressor_{part}.weight") for part in ("kv", "gate"))
         return kv, gate, self.ape, frontier.kv, frontier.score
@@ -157,11 +157,29 @@ def decode_pair(first: Compressor, second: Compressor, frontiers: tuple[Frontier
                 mm: Schedule) -> tuple[tuple[mx.array, Frontier], tuple[mx.array, Frontier]]:
     """`step` of a ratio-4 layer's two compressors (the attention's and the indexer's: the same
     ratio, so the same slot) for a fast-path decode token, both slot writes in one kernel."""
-    slot, row, shift = first._slot(p0)
-    kv, score, kv2, score2 = kernels.compressor_slot(x, first._slot_inputs(frontiers[0]), row, slot, shift,
-                                                     second=second._slot_inputs(frontiers[1]))
+    slot, row, shift = first.decode_slot(p0)
+    kv, score, kv2, score2 = kernels.compressor_slot(x, first.slot_inputs(frontiers[0]), row, slot, shift,
+                                                     second=second.slot_inputs(frontiers[1]))
     return (first.emitted(frontiers[0], Frontier(kv, score), p0, mm),
             second.emitted(frontiers[1], Frontier(kv2, score2), p0, mm))
+
+
+def launch_slots(compressors: list[Compressor], state: tuple[mx.array, ...], shift: bool) -> kernels.CompressorSlots:
+    """A decode token's update of a layer's compressors (one, or a ratio-4 layer's two: the
+    same slot), for a launch that makes it beside its own work (`kernels.q8_pair(slots=)`),
+    from `state` = (at, then each frontier's kv and score): `frontier_state`'s arrays; `shift`
+    as `decode_slot` gives it."""
+    at, *fronts = state
+    groups = [c.slot_inputs(Frontier(*fronts[2 * i:2 * i + 2])) for i, c in enumerate(compressors)]
+    return kernels.CompressorSlots(groups[0], groups[1] if len(groups) > 1 else None, at, shift)
+
+
+def frontier_state(compressors: list[Compressor], frontiers: list[Frontier], p0: int) -> tuple[mx.array, ...]:
+    """What a decode token's compressor update reads that changes from step to step, as
+    arrays: at = (frontier row, APE row), then each frontier's kv and score (the inputs of a
+    compiled step's traced part, `launch_slots` inside it)."""
+    slot, row, _ = compressors[0].decode_slot(p0)
+    return (kernels.slot_at(row, slot), *(a for f in frontiers for a in (f.kv, f.score)))
 
 
 @lru_cache(maxsize=512)

@@ -125,6 +125,10 @@ def available(type_name: str) -> bool:
     return type_name in _TYPES and cuda_ready()
 
 
+# compressor_slot.cuh's arguments after x, and its outputs (`compressor_slot`, `q8_pair(slots=)`)
+_SLOT_INPUTS = ["w_kv", "w_gate", "ape", "kv", "score", "w_kv2", "w_gate2", "ape2", "kv2", "score2", "at"]
+_SLOT_OUTPUTS = ["kv_out", "score_out", "kv_out2", "score_out2"]
+
 # name -> (source file, header files, input names, output names)
 _KERNELS = {
     "hc_pre": ("hc_pre.cu", ("ds4lab_block.cuh", "hc_split.cuh"),
@@ -146,17 +150,16 @@ _KERNELS = {
                         ["q", "w"]),
     "indexer_scores": ("indexer_scores.cu", ("ds4lab_block.cuh", "indexer_topk.cuh"),
                        ["q", "w", "keys", "n_keys", "visible", "window", "counter"], ["scores", "mask"]),
-    "compressor_slot": ("compressor_slot.cu", ("ds4lab_block.cuh",),
-                        ["x", "w_kv", "w_gate", "ape", "kv", "score",
-                         "w_kv2", "w_gate2", "ape2", "kv2", "score2", "at"],
-                        ["kv_out", "score_out", "kv_out2", "score_out2"]),
+    "compressor_slot": ("compressor_slot.cu", ("ds4lab_block.cuh", "compressor_slot.cuh"),
+                        ["x", *_SLOT_INPUTS], _SLOT_OUTPUTS),
     "compressor_pool": ("compressor_pool.cu", (), ["old_kv", "old_score", "new_kv", "new_score"], ["out"]),
     "router": ("router.cu", ("ds4lab_block.cuh", "router.cuh"),
                ["x", "w", "bias", "scale", "counter", "table", "tokens"], ["probs", "experts", "weights"]),
     "q8_matvec": ("q8_matvec.cu", ("ds4lab_block.cuh", "q8_rows.cuh"), ["codes", "scales", "x"], ["y"]),
-    "q8_pair": ("q8_pair.cu", ("ds4lab_block.cuh", "q8_rows.cuh"),
-                ["codes_a", "scales_a", "codes_b", "scales_b", "x", "norm_w", "eps", "counter", "codes_c", "scales_c"],
-                ["ya", "yb", "ya_n", "yc"]),
+    "q8_pair": ("q8_pair.cu", ("ds4lab_block.cuh", "q8_rows.cuh", "compressor_slot.cuh"),
+                ["codes_a", "scales_a", "codes_b", "scales_b", "x", "norm_w", "eps", "counter", "codes_c", "scales_c",
+                 *(f"slot_{name}" for name in _SLOT_INPUTS)],
+                ["ya", "yb", "ya_n", "yc", *(f"slot_{name}" for name in _SLOT_OUTPUTS)]),
     "q8_swiglu": ("q8_swiglu.cu", ("ds4lab_block.cuh", "q8_rows.cuh"),
                   ["codes_g", "scales_g", "codes_u", "scales_u", "x", "clamp"], ["y"]),
     "q8_hc": ("q8_hc.cu", ("ds4lab_block.cuh", "q8_rows.cuh", "hc_split.cuh"),
@@ -464,6 +467,23 @@ def indexer_scores(q: mx.array, w: mx.array, keys: mx.array, choose: tuple[mx.ar
     return scores if choose is None else (scores, mask)
 
 
+class CompressorSlots(NamedTuple):
+    """A decode token's compressor update, `compressor_slot`'s arguments, for a launch that
+    makes it beside its own work (`q8_pair(slots=)`): first = (w_kv, w_gate, ape, kv, score),
+    the layer's second compressor's the same (or None), and the frontier row and APE row as
+    `at` [2] int32, an array (a compiled step reads it as data: one trace serves every
+    position)."""
+    first: tuple[mx.array, ...]
+    second: tuple[mx.array, ...] | None
+    at: mx.array
+    shift: bool
+
+
+def slot_at(row: int, slot: int) -> mx.array:
+    """`CompressorSlots.at`: a frontier row and an APE row, [2] int32 (kept, as `_constant`s are)."""
+    return _constant((row, slot), mx.int32)
+
+
 def compressor_slot(x: mx.array, first: tuple[mx.array, ...], row: int, slot: int, shift: bool = False,
                     second: tuple[mx.array, ...] | None = None) -> tuple[mx.array, ...]:
     """A compressor's frontier (kv, score [rows, R]) after one decode token x [1, cols], from
@@ -472,25 +492,34 @@ def compressor_slot(x: mx.array, first: tuple[mx.array, ...], row: int, slot: in
     of the rows then takes the second half's. `second`: another compressor of the same ratio
     (a ratio-4 layer's indexer), in the same launch; then its (kv, score) follow. The weights
     may be F16 (`LayerWeights.kernel_dense`: read as such, widened as loaded), all four alike."""
+    inputs, template, warps, shapes = _slot_launch(x, CompressorSlots(first, second, slot_at(row, slot), shift))
+    threads = 256
+    outs = _fused("compressor_slot")(
+        inputs=[x.astype(mx.float32), *inputs], template=template,
+        grid=(-(-warps * 32 // threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
+        output_shapes=shapes, output_dtypes=[mx.float32] * 4)
+    return tuple(outs if second is not None else outs[:2])
+
+
+def _slot_launch(x: mx.array, slots: CompressorSlots) -> tuple[list[mx.array], list[tuple], int, list[tuple]]:
+    """compressor_slot.cuh's inputs after x, template, warps and output shapes."""
+    first, second = slots.first, slots.second
     rows, r = first[3].shape
     rows2, r2 = (0, 0) if second is None else second[3].shape
-    if x.shape[-1] % 4 or r % 4 or r2 % 4:
-        raise ValueError(f"compressor_slot: inputs of {x.shape[-1]} values, frontiers {r} and {r2} wide (the "
-                         f"kernel reads and copies 4 values at a time: multiples of 4)")
-    threads = 256
+    if x.shape != (1, x.shape[-1]) or x.shape[-1] % 4 or r % 4 or r2 % 4 or slots.at.shape != (2,):
+        raise ValueError(f"compressor_slot: input {tuple(x.shape)} (one token; the kernel reads and copies 4 values "
+                         f"at a time: multiples of 4), frontiers {r} and {r2} wide, at {tuple(slots.at.shape)} "
+                         f"(the frontier row and the APE row)")
     weights = [*first[:2], *(second[:2] if second is not None else ())]
     wtype = weights[0].dtype if len({w.dtype for w in weights}) == 1 and weights[0].dtype == mx.float16 else mx.float32
     unused = (_constant((0.0,), wtype),) * 2 + (_scalar(0.0),) * 3
-    inputs = [x.astype(mx.float32)]
+    inputs = []
     for group in (first, second or unused):                           # weights, then ape, kv, score
         inputs += [w.astype(wtype) for w in group[:2]] + [a.astype(mx.float32) for a in group[2:]]
-    outs = _fused("compressor_slot")(
-        inputs=[*inputs, _constant((row, slot), mx.int32)],
-        template=[("R", r), ("COLS", x.shape[-1]), ("ROWS", rows), ("R2", r2), ("ROWS2", rows2),
-                  ("RATIO", first[2].shape[0]), ("SHIFT", shift)],
-        grid=(-(-2 * (r + r2) * 32 // threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
-        output_shapes=[(rows, r)] * 2 + [(max(rows2, 1), max(r2, 1))] * 2, output_dtypes=[mx.float32] * 4)
-    return tuple(outs if second is not None else outs[:2])
+    template = [("R", r), ("COLS", x.shape[-1]), ("ROWS", rows), ("R2", r2), ("ROWS2", rows2),
+                ("RATIO", first[2].shape[0]), ("SHIFT", slots.shift)]
+    return ([*inputs, slots.at.astype(mx.int32)], template, 2 * (r + r2),
+            [(rows, r)] * 2 + [(max(rows2, 1), max(r2, 1))] * 2)
 
 
 def compressor_pool(old: tuple[mx.array, mx.array], new: tuple[mx.array, mx.array], ratio: int, width: int,
@@ -585,13 +614,16 @@ def _one_vector_tokens(name: str, matrices: tuple[Q8Matrix, ...], x: mx.array) -
 
 
 def q8_pair(a: Q8Matrix, b: Q8Matrix, x: mx.array, norm_a: tuple[mx.array, float] | None = None,
-            slot: int | None = 0, then: tuple[Q8Matrix, tuple[int, ...]] | None = None) -> tuple[mx.array, ...]:
+            slot: int | None = 0, then: tuple[Q8Matrix, tuple[int, ...]] | None = None,
+            slots: CompressorSlots | None = None) -> tuple[mx.array, ...]:
     """(A·x, B·x) for x [T, cols] in one launch: two products of one input (the attention's
     q_a and kv projections), each [T, rows of its matrix]. With `norm_a` = (weight [rows of
     A], eps) also `row_finish`(A·x, eps=eps, weight=weight) (the same bits: q_a normed for
     q_b), made by the launch's last block; with `then` = (C, shape) as well (q_b, and the
     shape of its output: the q heads [T, H, D]) also C times that norm, as `q8_matvec`(C,
-    norm, shape=shape) makes it, by more thread blocks of the launch (q8_pair.cu's THEN)."""
+    norm, shape=shape) makes it, by more thread blocks of the launch (q8_pair.cu's THEN).
+    With `slots` (one token) the layer's compressor frontiers after it follow, as
+    `compressor_slot`(x, ...) makes them: (kv, score), then the second compressor's."""
     t = _one_vector_tokens("q8_pair", (a, b), x)
     if norm_a is not None and norm_a[0].shape != (a.rows,):
         raise ValueError(f"q8_pair: a norm of weight {tuple(norm_a[0].shape)} for {a.rows} rows")
@@ -605,21 +637,33 @@ def q8_pair(a: Q8Matrix, b: Q8Matrix, x: mx.array, norm_a: tuple[mx.array, float
     r_c, split_c = _rows_per_warp(c.rows, c.cols) if c is not None else (1, 1)
     pair_blocks = launch["grid"][0] // launch["threadgroup"][0]
     c_blocks = _q8_launch(c.rows, r_c, split_c, t)["grid"][0] // launch["threadgroup"][0] if c is not None else 0
-    if c is not None:
-        launch["grid"] = (t * (pair_blocks + c_blocks) * launch["threadgroup"][0], 1, 1)
+    if slots is not None:
+        slot_inputs, slot_template, slot_warps, slot_shapes = _slot_launch(x, slots)
+        slot_blocks = -(-slot_warps // _Q8_WARPS)
+    else:                                                                     # typed stand-ins
+        slot_inputs = [_scalar(0.0)] * 10 + [_constant((0, 0), mx.int32)]
+        slot_template, slot_blocks, slot_shapes = [("R", 4), ("ROWS", 1), ("R2", 0), ("ROWS2", 1), ("RATIO", 1),
+                                                   ("SHIFT", False)], 0, [(1, 1)] * 4
+    if c is not None or slots is not None:
+        launch["grid"] = ((t * (pair_blocks + c_blocks) + slot_blocks) * launch["threadgroup"][0], 1, 1)
     none = [_constant((0,), mx.uint32), _scalar(0.0)]                           # no C: typed stand-ins
-    ya, yb, ya_n, yc = _fused("q8_pair")(
+    ya, yb, ya_n, yc, *frontiers = _fused("q8_pair")(
         inputs=[a.codes, a.scales, b.codes, b.scales, x.astype(mx.float32), norm_w, _scalar(eps),
                 _arrival_counters(slot) if norm_a is not None else _scalar(0, mx.int32),
-                *([c.codes, c.scales] if c is not None else none)],
+                *([c.codes, c.scales] if c is not None else none), *slot_inputs],
         template=[("ROWS_A", a.rows), ("ROWS_B", b.rows), ("COLS", a.cols), ("R", r), ("SPLIT", split),
                   ("NORM_A", norm_a is not None), ("THEN", c is not None), ("ROWS_C", c.rows if c else 1),
-                  ("R_C", r_c), ("SPLIT_C", split_c), ("PAIR_BLOCKS", pair_blocks), ("C_BLOCKS", c_blocks)],
+                  ("R_C", r_c), ("SPLIT_C", split_c), ("PAIR_BLOCKS", pair_blocks), ("C_BLOCKS", c_blocks),
+                  ("SLOT", slots is not None), ("SLOT_BLOCKS", slot_blocks),
+                  *((f"S_{name}", value) for name, value in slot_template if name != "COLS")],
         **launch,
         output_shapes=[(t, a.rows), (t, b.rows), (t, a.rows) if norm_a is not None else (1, 1),
-                       tuple(then[1]) if then is not None else (1, 1)],
-        output_dtypes=[mx.float32] * 4)
-    return (ya, yb) if norm_a is None else (ya, yb, ya_n) if then is None else (ya, yb, ya_n, yc)
+                       tuple(then[1]) if then is not None else (1, 1), *slot_shapes],
+        output_dtypes=[mx.float32] * 8)
+    made = (ya, yb) if norm_a is None else (ya, yb, ya_n) if then is None else (ya, yb, ya_n, yc)
+    if slots is None:
+        return made
+    return made + tuple(frontiers if slots.second is not None else frontiers[:2])
 
 
 def q8_swiglu(gate: Q8Matrix, up: Q8Matrix, x: mx.array, clamp: float) -> mx.array:

@@ -31,7 +31,7 @@ import pandas as pd
 from ..config import ModelConfig, has_indexer
 from ..hooks import ActivationCache, HookFn, HookRegistry, NameFilter, Scope, floats_per_token, hook_names
 from . import attention, cpu_kernels, indexer, kernels, moe
-from .compressor import Compressor, Frontier, decode_pair, row_span
+from .compressor import Compressor, Frontier, decode_pair, frontier_state, launch_slots, row_span
 from .hc import HCControl, hc_collapse, hc_control, hc_expand, hc_expand_q8, hc_fused_input, hc_head_weights
 from .kernels import HCInput
 from .numerics import MODES, Numerics, Schedule, batch_invariant_device, joined
@@ -48,8 +48,10 @@ NUMERICS = MODES
 # Decode steps that run in the launch of the step after them (`Model.merged_launches`): "q_b",
 # q_b's product in the q_a / kv launch; "output_a", the grouped output product in the launch
 # of output_b and the HC step (with the FFN's input made there); "router", the router in the
-# routed experts' launch where no hook reads the experts.
-MERGED_LAUNCHES = ("q_b", "output_a", "router")
+# routed experts' launch where no hook reads the experts; "compressor_slot", a compressed
+# layer's frontier update (both compressors' on a ratio-4 layer) in the q_a / kv launch, which
+# reads the same input (the step before it here, not after: the two need each other's nothing).
+MERGED_LAUNCHES = ("q_b", "output_a", "router", "compressor_slot")
 
 # Hook points the fast path fires, replacements included, at full speed: the block boundaries
 # (and, through them, steering and forced experts), the sublayers' inputs and the routed
@@ -336,10 +338,20 @@ class Model:
         # kernel); in a decode step so do the q heads, finished by the attention kernel
         # (`hook_kv`, `hook_q` send a block to the reference).
         q_in_attention = mm.fast and streams.shape[0] <= kernels.MATVEC_MAX_TOKENS
-        xa, pre, post, comb, q, kv, *queries = self._sublayer(
-            "attn_in+indexer" if indexed else "attn_in", layer, mm,
-            partial(self._attention_inputs, indexed=indexed, finish_kv=not mm.fast, finish_q=not q_in_attention),
-            streams, rotation.cos, rotation.sin, *(ready or ()))
+        # A decode token's compressor frontiers made in the q_a / kv launch: the frontiers before
+        # it and its slot go in as data (`compressor.frontier_state`), the shift (a ratio-4
+        # window completed) as the kind of trace.
+        comps = self._layer_compressors(layer)
+        merge = bool(comps) and mm.fast and streams.shape[0] == 1 and "compressor_slot" in self.merged_launches
+        shift = merge and comps[0].decode_slot(p0)[2]
+        part = ("attn_in+indexer" if indexed else "attn_in") + (f"+slot{shift:d}" if merge else "")
+        xa, pre, post, comb, q, kv, made, *queries = self._sublayer(
+            part, layer, mm,
+            partial(self._attention_inputs, indexed=indexed, finish_kv=not mm.fast, finish_q=not q_in_attention,
+                    shift=shift),
+            streams, rotation.cos, rotation.sin,
+            frontier_state(comps, [cache.frontier, cache.index_frontier][:len(comps)], p0) if merge else (),
+            *(ready or ()))
         t, n_kept = kv.shape[0], cache.raw.shape[0]
         row_in_attention = q_in_attention and t == 1
         if row_in_attention:
@@ -350,7 +362,7 @@ class Model:
         else:
             keys = cache.update_window(kv, cfg.n_swa)
         if layer.ratio:                       # the compressed rows follow the window's in key order
-            comp, mask = self._compressed_keys(layer, cache, h, xa, queries, p0, n_kept, mm)
+            comp, mask = self._compressed_keys(layer, cache, h, xa, queries, p0, n_kept, mm, made)
         else:
             comp, mask = None, _window_mask(p0, t, n_kept, cfg.n_swa)
         if h.wants("hook_pattern") or h.wants("hook_key_span"):
@@ -369,29 +381,43 @@ class Model:
         return self._sublayer("attn_out", layer, mm, self._attention_output, heads, streams, pre, post, comb)
 
     def _attention_inputs(self, layer: LayerWeights, mm: Schedule, streams: mx.array, cos: mx.array,
-                          sin: mx.array, *ready: mx.array, indexed: bool, finish_kv: bool,
-                          finish_q: bool) -> tuple[mx.array, ...]:
+                          sin: mx.array, frontiers: tuple[mx.array, ...], *ready: mx.array, indexed: bool,
+                          finish_kv: bool, finish_q: bool, shift: bool) -> tuple:
         """The attention sublayer before the cache: (xa, pre, post, comb, q, kv), hooked, then
-        with `indexed` the indexer's queries and head weights (`indexer.indexer_queries`);
-        without `finish_kv`, kv is the product attn_kv · xa, not yet the stored row; without
-        `finish_q`, q is the q_b product, its heads not yet normed nor rotated."""
+        the compressor frontiers after a decode token when `frontiers` = (at, kv, score, ...)
+        (`_frontier_slots`; made in the q_a / kv launch, `shift` its kind) as a tuple (else
+        empty), then with `indexed` the indexer's queries and head weights
+        (`indexer.indexer_queries`); without `finish_kv`, kv is the product attn_kv · xa, not
+        yet the stored row; without `finish_q`, q is the q_b product, its heads not yet normed
+        nor rotated."""
         cfg = self.config
         h = self._hooks.scope(f"{_prefix(layer)}.attn")
         rotation = Rotation(cos, sin)
         xa, control = self._sublayer_input(h, streams, "attn", layer, mm, ready)
+        slots = launch_slots(self._layer_compressors(layer), frontiers, shift) if frontiers else None
+        merged_q = not finish_q and "q_b" in self.merged_launches    # q_b's product in q_a's launch, unfinished
+        products = attention.input_products(layer, xa, cfg.rms_eps, mm, (cfg.n_head, cfg.head_dim) if merged_q
+                                            else None, slots=slots)
+        qr, kv, qr_n = products[:3]
+        made = products[3 + merged_q:]
         if finish_q:
-            qr, kv, qr_n = attention.input_products(layer, xa, cfg.rms_eps, mm)
             q = h("hook_q", attention.project_q(layer, qr_n, rotation, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm))
-        elif "q_b" in self.merged_launches:      # q_b's product in the launch of q_a's, unfinished
-            qr, kv, qr_n, q = attention.input_products(layer, xa, cfg.rms_eps, mm, (cfg.n_head, cfg.head_dim))
+        elif merged_q:
+            q = products[3]
         else:
-            qr, kv, qr_n = attention.input_products(layer, xa, cfg.rms_eps, mm)
             q = attention.project_q(layer, qr_n, rotation, cfg.n_head, cfg.head_dim, cfg.rms_eps, mm, finish=False)
         if finish_kv:
             kv = h("hook_kv", attention.kv_row(layer, kv, rotation, cfg.rms_eps, mm))
         queries = indexer.indexer_queries(layer, xa, qr, qr_n, rotation, cfg.indexer_heads, cfg.indexer_head_dim,
                                           cfg.rms_eps, mm) if indexed else ()
-        return xa, control.pre, control.post, control.comb, q, kv, *queries
+        return xa, control.pre, control.post, control.comb, q, kv, tuple(made), *queries
+
+    def _layer_compressors(self, layer: LayerWeights) -> list[Compressor]:
+        """A block's compressors: none, the attention's, or (ratio 4) it and the indexer's."""
+        if not layer.ratio:
+            return []
+        comps = self._compressors[layer.index]
+        return [comps[kind] for kind in ("attn", "indexer") if kind in comps]
 
     def _attention_output(self, layer: LayerWeights, mm: Schedule, heads: mx.array, streams: mx.array,
                           pre: mx.array, post: mx.array,
@@ -436,14 +462,21 @@ class Model:
         return self._compiled[key](*arrays)
 
     def _compressed_keys(self, layer: LayerWeights, cache: LayerCache, h: Scope, xa: mx.array, queries: list,
-                         p0: int, n_kept: int, mm: Schedule) -> tuple[mx.array, mx.array]:
+                         p0: int, n_kept: int, mm: Schedule,
+                         made: tuple[mx.array, ...] = ()) -> tuple[mx.array, mx.array]:
         """The compressed rows after this chunk, and the attention mask [T, n_kept + T + rows]:
         the raw window's columns, then the rows each token attends (rows of windows it has
-        completed; on ratio-4 layers the indexer's top-k of them)."""
+        completed; on ratio-4 layers the indexer's top-k of them). `made`: a decode token's
+        frontiers after it (kv, score, then the indexer's), made in the q_a / kv launch."""
         cfg, comps, t = self.config, self._compressors[layer.index], xa.shape[0]
         window = _window_mask(p0, t, n_kept, cfg.n_swa)
         index_rows = None
-        if has_indexer(layer.ratio) and mm.fast and t == 1:      # both compressors' slots in one launch
+        if made:
+            rows, cache.frontier = comps["attn"].emitted(cache.frontier, Frontier(*made[:2]), p0, mm)
+            if has_indexer(layer.ratio):
+                index_rows, cache.index_frontier = comps["indexer"].emitted(cache.index_frontier,
+                                                                            Frontier(*made[2:]), p0, mm)
+        elif has_indexer(layer.ratio) and mm.fast and t == 1:      # both compressors' slots in one launch
             (rows, cache.frontier), (index_rows, cache.index_frontier) = decode_pair(
                 comps["attn"], comps["indexer"], (cache.frontier, cache.index_frontier), xa, p0, mm)
         else:

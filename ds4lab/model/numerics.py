@@ -422,13 +422,17 @@ class Schedule:
         return self.fast and x.size // x.shape[-1] <= kernels.MATVEC_MAX_TOKENS
 
     def q8_pair(self, a: Q8Matrix, b: Q8Matrix, x: mx.array, norm_a: tuple[mx.array, float] | None = None,
-                slot: int | None = 0, then: tuple[Q8Matrix, tuple[int, ...]] | None = None) -> tuple[mx.array, ...]:
+                slot: int | None = 0, then: tuple[Q8Matrix, tuple[int, ...]] | None = None,
+                slots: kernels.CompressorSlots | None = None) -> tuple[mx.array, ...]:
         """(`q8`(a, x), `q8`(b, x)), and with `norm_a` = (weight, eps) also `rms_norm` of the
         first, and with `then` = (C, shape) also `q8`(C, that norm, shape=shape): one kernel for
         all on the fast path's matvec (the same values; `slot`: the block's,
-        `kernels._arrival_counters`)."""
+        `kernels._arrival_counters`). `slots` (a decode token's compressor update, its
+        frontiers after the rest) only there."""
         if self.matvec(x):
-            return kernels.q8_pair(a, b, x, norm_a, slot, then)
+            return kernels.q8_pair(a, b, x, norm_a, slot, then, slots)
+        if slots is not None:
+            raise ValueError("q8_pair: a compressor update in the launch is the fast path's matvec's only")
         ya, yb = self.q8(a, x), self.q8(b, x)
         if norm_a is None:
             return ya, yb

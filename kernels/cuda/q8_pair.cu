@@ -17,25 +17,33 @@
 // A block waits only for tickets taken before its own, by running blocks that wait for
 // nothing (no deadlock, whatever fits on the device). The last block to leave (counter[2])
 // sets the flag back to zero (the ticket resets itself).
+// SLOT (one token): the launch also makes the layer's compressor frontiers after the token
+// (compressor_slot.cuh, which reads the same input x), by SLOT_BLOCKS blocks that follow the
+// pair's (by ticket with THEN: the slot waits for nothing, so its jobs come before C's, which
+// wait), one launch fewer a compressed layer.
 // Inputs: codes_a [ROWS_A, COLS / 4], scales_a [ROWS_A, COLS / 32], the same of B, x [T, COLS],
-// norm_w [ROWS_A] and eps [1] (NORM_A), counter (arrival counters, NORM_A), the same of C (THEN).
-// Grid: x = 32 threads per warp, R rows per warp over ROWS_A + ROWS_B; y = the token. THEN:
-// x = T * (PAIR_BLOCKS + C_BLOCKS) blocks, y = 1.
+// norm_w [ROWS_A] and eps [1] (NORM_A), counter (arrival counters, NORM_A), the same of C (THEN),
+// the slot's (SLOT; compressor_slot.cuh's, S_ before its template names, slot_ before its
+// arguments). Grid: x = 32 threads per warp, R rows per warp over ROWS_A + ROWS_B; y = the
+// token. THEN or SLOT: x = T * (PAIR_BLOCKS + C_BLOCKS) + SLOT_BLOCKS blocks, y = 1.
 const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
 int* const count = const_cast<int*>(counter);
-const int n_tokens = THEN ? gridDim.x / (PAIR_BLOCKS + C_BLOCKS) : gridDim.y;
+const int n_tokens = SLOT ? 1 : THEN ? gridDim.x / (PAIR_BLOCKS + C_BLOCKS) : gridDim.y;
+// The jobs in order: the tokens' pair blocks, the slot's, then the tokens' C blocks.
 int bx = blockIdx.x, t = blockIdx.y;
-bool product_c = false;
-if (THEN) {
-    const int ticket = ds4lab_ticket(count + 1);
-    product_c = ticket >= n_tokens * PAIR_BLOCKS;
-    const int job = product_c ? ticket - n_tokens * PAIR_BLOCKS : ticket, per = product_c ? C_BLOCKS : PAIR_BLOCKS;
-    bx = job % per;
-    t = job / per;
+const int job = THEN ? ds4lab_ticket(count + 1) : blockIdx.x;
+const int pair_jobs = THEN || SLOT ? n_tokens * PAIR_BLOCKS : (int)gridDim.x;
+const bool in_pair = job < pair_jobs, in_slot = SLOT && !in_pair && job < pair_jobs + SLOT_BLOCKS;
+const bool product_c = THEN && !in_pair && !in_slot;
+if (THEN || SLOT) {
+    const int first = in_pair ? 0 : in_slot ? pair_jobs : pair_jobs + SLOT_BLOCKS;
+    const int per = max(in_pair ? PAIR_BLOCKS : in_slot ? SLOT_BLOCKS : C_BLOCKS, 1);
+    bx = (job - first) % per;
+    t = (job - first) / per;
 }
 const int r0 = (SPLIT > 1 ? bx : bx * (blockDim.x >> 5) + warp) * R;
 const int cols_part = SPLIT > 1 ? warp : 0;
-if (!product_c && r0 < ROWS_A + ROWS_B) {
+if (in_pair && r0 < ROWS_A + ROWS_B) {
     // (Written out, not ds4lab_q8_rows_times of the chosen matrix: choosing the pointers first
     // left 45-64 more instructions in the loop, 515-534 against 470.)
     const bool in_a = r0 < ROWS_A;
@@ -56,13 +64,13 @@ if (!product_c && r0 < ROWS_A + ROWS_B) {
         if (lane == 0 && cols_part == 0) (in_a ? ya + (size_t)t * ROWS_A : yb + (size_t)t * ROWS_B)[rb + i] = acc[i];
     }
 }
-if (NORM_A && !product_c) {
+if (NORM_A && in_pair) {
     // Every thread of every pair block gets here (a block's warps past the rows included):
     // the arrival count is the pair's blocks.
     __shared__ float scratch[32];
     __shared__ float row[NORM_A ? ROWS_A : 1];
     __shared__ float row_w[NORM_A ? ROWS_A : 1];
-    if (ds4lab_last_block(count, n_tokens * (THEN ? PAIR_BLOCKS : gridDim.x))) {
+    if (ds4lab_last_block(count, n_tokens * PAIR_BLOCKS)) {
         for (int tt = 0; tt < n_tokens; ++tt) {
             // The row and the norm's weights into shared memory, eight of each in flight a
             // thread: as plain loops (the block size known only at run time) each load waited
@@ -99,7 +107,11 @@ if (NORM_A && !product_c) {
         }
     }
 }
-if (THEN && product_c) {
+if (in_slot)
+    ds4lab_compressor_slot<S_R, COLS, S_ROWS, S_R2, S_ROWS2, S_RATIO, S_SHIFT>(
+        bx, SLOT_BLOCKS, x, slot_w_kv, slot_w_gate, slot_ape, slot_kv, slot_score, slot_w_kv2, slot_w_gate2,
+        slot_ape2, slot_kv2, slot_score2, slot_at, slot_kv_out, slot_score_out, slot_kv_out2, slot_score_out2);
+if (product_c) {
     __shared__ float4 xs[THEN ? ROWS_A / 4 : 1];
     const int c0 = (SPLIT_C > 1 ? bx : bx * (blockDim.x >> 5)) * R_C;
     const int c_rows = min(SPLIT_C > 1 ? R_C : (int)(blockDim.x >> 5) * R_C, ROWS_C - c0);
