@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import os
 import tempfile
 import threading
@@ -124,6 +125,11 @@ def cache_path(directory: Path, module_name: str) -> Path:
     return path / f"{rest}.ptx"
 
 
+@functools.lru_cache(maxsize=1024)
+def _host_zeros(shape: tuple[int, ...], dtype: mx.Dtype) -> mx.array:
+    return mx.array(np.zeros(shape, np.dtype(str(dtype).rsplit(".", 1)[-1])))
+
+
 @contextlib.contextmanager
 def recorded_variants(record: bool = True) -> Iterator[list[KernelVariant]]:
     """The fast path on, as on a CUDA GPU (its kernels, and the GPU's batched schedule), each
@@ -140,9 +146,10 @@ def recorded_variants(record: bool = True) -> Iterator[list[KernelVariant]]:
                 seen.setdefault(KernelVariant(name, tuple(input_names), tuple(output_names), source, header,
                                               tuple((x.dtype, x.ndim) for x in inputs), tuple(output_dtypes),
                                               tuple(template)))
-            # Host arrays of zeros, tied to the inputs: a step's graph keeps its edges and has one
-            # primitive per launch (`bench/step_build.py --count`), as with the real kernels.
-            zeros = [mx.array(np.zeros(shape, np.dtype(str(dtype).rsplit(".", 1)[-1])))
+            # Host arrays of zeros (made once a shape: a launch copies no host bytes), tied to the
+            # inputs: a step's graph keeps its edges and has one primitive per launch
+            # (`bench/step_build.py --count`), as with the real kernels.
+            zeros = [_host_zeros(tuple(shape), dtype)
                      for shape, dtype in zip(output_shapes, output_dtypes, strict=True)]
             return mx.depends(zeros, list(inputs))
         return launch
