@@ -269,12 +269,13 @@ def check_fused_kernels() -> None:
             errs += [_rel(new[0], ref.kv), _rel(mx.where(empty, 0.0, new[1]), mx.where(empty, 0.0, ref.score)),
                      0.0 if mx.array_equal(new[1] < -1e29, empty) else 1.0]
             if slot == ratio - 1:
-                errs.append(_rel(kernels.compressor_pool((old.kv, old.score), new, ratio, width, ratio == 4),
-                                 pooled_ref))
+                errs.append(_rel(kernels.compressor_pool([kernels.EmittedRow((old.kv, old.score), new, width)],
+                                                         ratio, ratio == 4)[0], pooled_ref))
         err = max(errs)
         _bar(f"compressor_slot/pool width {width}, ratio {ratio}", err <= _KERNEL_BAR)
         print(f"compressor_slot and compressor_pool (width {width}, ratio {ratio}, {cols} inputs) vs "
               f"compress_chunk: max rel err {err:.2e}")
+    check_emitted_rows()
     # F16 matrices (the file's compressors, indexer q_b, router: `LayerWeights.kernel_dense`), read
     # as F16 and widened as loaded: the same bits as from their float32 widening.
     def half(*shape: int) -> mx.array:
@@ -547,6 +548,32 @@ def check_q8_pair_then(q_a: Q8Matrix, kv: Q8Matrix, x: mx.array, norm: mx.array)
     print(f"q8_pair with q_b's product of the norm (1024 + 512 rows of 4096, then 32768 of 1024; 3 tokens and 1) "
           f"vs q8_pair, then q8_matvec: max rel err {worst:.2e}, the same bits {equal}; one token "
           f"{fused_s * 1e6:.1f} us vs {apart_s * 1e6:.1f} us")
+
+
+def check_emitted_rows() -> None:
+    """A decode token's emitted rows pooled and finished in one launch (a ratio-4 layer's two
+    compressors: the attention's 512 wide with FP8, the indexer's 128 wide with Hadamard +
+    FP4; a ratio-128 layer's one), against compressor_pool, then row_finish of each at the
+    window's first position: the same bits expected (the same steps, the same block size)."""
+    cos, sin = (mx.random.normal((6000, 32)) for _ in range(2))
+    start, equal = 4092, True
+    for ratio, kinds in ((4, ((512, False, True), (128, True, False))), (128, ((512, False, True),))):
+        rows = []
+        for width, qat, fp8 in kinds:
+            r = width * (2 if ratio == 4 else 1)
+            n_rows = r // width * ratio
+            old, new = ((mx.random.normal((n_rows, r)), mx.random.normal((n_rows, r))) for _ in range(2))
+            rows.append(kernels.EmittedRow(old, new, width, (mx.random.uniform(0.5, 1.5, (width,)), 1e-6, qat, fp8)))
+        got = kernels.compressor_pool(rows, ratio, ratio == 4, (cos, sin, start))
+        for row, out in zip(rows, got, strict=True):
+            pooled = kernels.compressor_pool([row._replace(steps=None)], ratio, ratio == 4)[0]
+            norm, eps, qat, fp8 = row.steps
+            want = kernels.row_finish(pooled, eps=eps, weight=norm, rope=(cos[start:start + 1], sin[start:start + 1]),
+                                      qat=qat, fp8=fp8, f16=True)
+            equal &= bool(mx.array_equal(out, want).item())
+    _bar("compressor_pool with the rows finished", equal)
+    print(f"compressor_pool with the rows finished (ratio 4: two compressors, FP8 and Hadamard + FP4; ratio 128: "
+          f"one) vs compressor_pool, then row_finish: the same bits {equal}")
 
 
 def check_q8_pair_slot(q_a: Q8Matrix, kv: Q8Matrix, x: mx.array, norm: mx.array) -> None:

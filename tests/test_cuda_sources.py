@@ -139,6 +139,11 @@ def test_every_launched_kernel_compiles_with_nvrtc(recorded_launches, nvrtc, tin
                   kernels.CompressorSlots(compressor(512, 128, 128, mx.float32), None, kernels.slot_at(5, 5), False)):
         kernels.q8_pair(q8, q8, x, norm_a=(mx.ones((4096,)), 1e-6), slots=slots)
         kernels.q8_pair(q8, q8, x, norm_a=(mx.ones((4096,)), 1e-6), then=(c_split, (1, 2048)), slots=slots)
+    # a ratio-128 layer's emitted row pooled and finished, and a row pooled only (check_device's)
+    front = (mx.zeros((128, 512)), mx.zeros((128, 512)))
+    row = kernels.EmittedRow(front, front, 512, (mx.ones((512,)), 1e-6, False, True))
+    kernels.compressor_pool([row], 128, False, (mx.ones((8192, 32)), mx.ones((8192, 32)), 4095))
+    kernels.compressor_pool([row._replace(steps=None)], 128, False)
     kernels.q8_swiglu(q8, q8, x, 0.0)
     kernels.q8_hc(q8, x, mx.ones((1, 6, 4096)), mx.ones((1, 6)), mx.ones((1, 6, 6)))   # more streams than a split
     nxt = kernels.HCInput(mx.ones((24, 4 * 4096)), mx.ones((3,)), mx.ones((24,)), mx.ones((4096,)), 20, 1e-6, 1e-6)

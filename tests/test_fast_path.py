@@ -261,17 +261,34 @@ def _compressor_slot(inputs, t, grid, threadgroup):
 
 
 def _compressor_pool(inputs, t, grid, threadgroup):
-    """compress_chunk's candidates of the completed window, pooled: one thread per output dim."""
-    old_kv, old_score, new_kv, new_score = inputs
-    ratio, width = t["RATIO"], t["WIDTH"]
-    assert grid[0] >= width > grid[0] - threadgroup[0] and new_kv.shape[1] == t["R"] == (1 + t["OVERLAP"]) * width
-    assert all(a.dtype == mx.float32 for a in inputs)
-    if t["OVERLAP"]:
-        kv = mx.concatenate([old_kv[:ratio, :width], new_kv[:ratio, width:]])
-        score = mx.concatenate([old_score[:ratio, :width], new_score[:ratio, width:]])
-    else:
-        kv, score = new_kv[:ratio], new_score[:ratio]
-    return [compressor._pool(kv[None], score[None])]
+    """compress_chunk's candidates of the completed window, pooled, a block a compressor (the
+    second's with WIDTH2); with FINISH each row finished as row_finish finishes it, at row
+    pos of the full (cos, sin) tables, the same block size (the same norm sums)."""
+    (*firsts, norm, old_kv2, old_score2, new_kv2, new_score2, norm2, eps, cos, sin, pos, hscale, carry) = inputs
+    ratio, n = t["RATIO"], 1 + (t["WIDTH2"] > 0)
+    assert _blocks(grid, threadgroup)[0] == n and threadgroup[0] == kernels._THREADS
+    assert all(a.dtype == mx.float32 for a in inputs[:10]) and eps.shape == hscale.shape == (2,)
+    outs = []
+    for (old_kv, old_score, new_kv, new_score, weight), suffix in zip(
+            ((*firsts, norm), (old_kv2, old_score2, new_kv2, new_score2, norm2))[:n], ("", "2"), strict=False):
+        width = t[f"WIDTH{suffix}"]
+        assert new_kv.shape[1] == t[f"R{suffix}"] == (1 + t["OVERLAP"]) * width
+        if t["OVERLAP"]:
+            kv = mx.concatenate([old_kv[:ratio, :width], new_kv[:ratio, width:]])
+            score = mx.concatenate([old_score[:ratio, :width], new_score[:ratio, width:]])
+        else:
+            kv, score = new_kv[:ratio], new_score[:ratio]
+        row = compressor._pool(kv[None], score[None])
+        if t["FINISH"]:
+            at = int(pos.item())
+            i = len(outs)
+            steps = {"D": width, "NORM": True, "WEIGHT": True, "ROPE": 1, "NROT": t["NROT"], "POS_DIV": 1,
+                     "QAT": t[f"QAT{suffix}"], "FP8": t["FP8" if suffix == "" else "FP8_2"], "F16": True,
+                     "PREFIX": False}
+            row = _row_finish([row, weight, cos[at:at + 1], sin[at:at + 1], eps[i], hscale[i], carry,
+                               mx.array([1, 0]), mx.zeros((1, 1))], steps, threadgroup, threadgroup)[0]
+        outs.append(row)
+    return outs + [mx.zeros((1, 1))] * (2 - n)
 
 
 def _router(inputs, t, grid, threadgroup):
@@ -1018,6 +1035,29 @@ def test_a_decode_step_shares_launches_where_parts_read_the_same_input(small_wei
     assert stand_in_kernels["row_finish"] == 2
 
 
+def test_a_decode_step_that_completes_windows_finishes_their_rows_in_one_launch_a_layer(small_weights,
+                                                                                       stand_in_kernels):
+    """A decode token that completes a ratio-4 window (position 23): each ratio-4 layer pools
+    and finishes both compressors' rows in one compressor_pool launch, and no row_finish
+    launch but the head's two; the rows are the reference's (the logits after it are)."""
+    cfg = small_weights.config
+    model = Model(small_weights)
+    session = model.session()
+    session.prefill([(37 * i + 11) % 1000 + 100 for i in range(23)])
+    state = session.state
+    stand_in_kernels.clear()
+    fast = np.array(session.decode(321))
+    assert stand_in_kernels["compressor_pool"] == cfg.compress_ratios.count(4) > 0
+    assert stand_in_kernels["row_finish"] == 2 and "compressor_slot" not in stand_in_kernels
+    fast_next = np.array(session.decode(77))
+    model.numerics.allow_fast = False
+    session.state = state
+    ref = np.array(session.decode(321))
+    ref_next = np.array(session.decode(77))
+    for a, b in ((fast, ref), (fast_next, ref_next)):
+        assert np.abs(a - b).max() < 1e-4 * b.std()
+
+
 def test_an_hc_input_made_before_a_replaced_residual_is_not_used(small_weights, stand_in_kernels):
     """A hook that replaces the streams at a residual point drops the HC input the launch
     before made of the old streams: the next sublayer runs its own hc_pre (and hc_mix), and
@@ -1222,8 +1262,8 @@ def test_the_device_check_of_the_merged_launches_runs_on_the_stand_ins(stand_in_
     """bench/check_device.py's kernel parts run through on the CPU with the stand-ins (a broken
     call there would cost device time), and the fused part's lines for the merged launches
     (the router in the routed experts' launch, q_b and the compressor update in q_a's,
-    output_a in output_b's) meet their bars: the wrappers hand each merged kernel what the
-    separate kernels get."""
+    output_a in output_b's, the emitted rows' finish in their pool's) meet their bars: the
+    wrappers hand each merged kernel what the separate kernels get."""
     spec = importlib.util.spec_from_file_location(
         "check_device", Path(__file__).resolve().parents[1] / "bench" / "check_device.py")
     check = importlib.util.module_from_spec(spec)
@@ -1234,7 +1274,8 @@ def test_the_device_check_of_the_merged_launches_runs_on_the_stand_ins(stand_in_
     check.check_fused_products()
     assert stand_in_kernels["routed_swiglu"] and stand_in_kernels["router"] and stand_in_kernels["q8_pair"]
     merged = ("routed_swiglu", "q8_pair with q_b", "q8_pair with a compressor update",
-              "q8_hc with the grouped output product")
+              "q8_hc with the grouped output product", "compressor_pool with the rows finished")
     assert not [m for m in check._MISSED if m.startswith(merged)], check._MISSED
-    assert "q8_pair with a compressor update (ratio 4" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "q8_pair with a compressor update (ratio 4" in out and "compressor_pool with the rows finished" in out
 

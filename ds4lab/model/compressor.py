@@ -28,7 +28,7 @@ import numpy as np
 from ..config import coff, overlaps
 from . import cpu_kernels, kernels
 from .numerics import Schedule
-from .rope import Rotation, YarnParams, yarn_for
+from .rope import Rotation, YarnParams, cos_sin_table, yarn_for
 from .weights import LayerWeights
 
 NEG_INF = -1e30
@@ -106,12 +106,12 @@ class Compressor:
 
         A fast-path decode token takes kernels: the frontier's update (`kernels.compressor_slot`;
         with the layer's other compressor in the same launch, `decode_pair`) and, when the token completes a window, its
-        pooling from the frontiers before and after (`emitted`). The CPU's native path runs
+        row pooled from the frontiers before and after and finished (`emitted_rows`). The CPU's native path runs
         `compress_chunk` as one native call (`cpu_kernels`)."""
         if mm.fast and x.shape[0] == 1:
             slot, row, shift = self.decode_slot(p0)
             after = Frontier(*kernels.compressor_slot(x, self.slot_inputs(frontier), row, slot, shift))
-            return self.emitted(frontier, after, p0, mm)
+            return emitted_rows([self], [frontier], [after], p0)[0], after
         kv, score = self.project(x, p0, mm)
         if mm.native:
             pooled, *rows = cpu_kernels.compress_chunk(frontier.kv, frontier.score, kv, score, p0, self.ratio,
@@ -120,16 +120,6 @@ class Compressor:
         else:
             pooled, after = compress_chunk(frontier, kv, score, p0, self.ratio, self.width)
         return (pooled if pooled.shape[0] == 0 else self._finished(pooled, p0, mm)), after
-
-    def emitted(self, before: Frontier, after: Frontier, p0: int, mm: Schedule) -> tuple[mx.array, Frontier]:
-        """`step`'s result for a fast-path decode token at p0 from the frontier before and after
-        it: the row of the window it completes (pooled by `kernels.compressor_pool`, finished),
-        or none; and `after`."""
-        if (p0 + 1) % self.ratio:
-            return mx.zeros((0, self.width), mx.float32), after
-        pooled = kernels.compressor_pool((before.kv, before.score), (after.kv, after.score), self.ratio, self.width,
-                                         overlaps(self.ratio))
-        return self._finished(pooled, p0, mm), after
 
     def _finished(self, pooled: mx.array, p0: int, mm: Schedule) -> mx.array:
         """Pooled rows of the windows completed from p0 on, normed, rotated to each window's
@@ -153,15 +143,37 @@ class Compressor:
         return kv, gate, self.ape, frontier.kv, frontier.score
 
 
-def decode_pair(first: Compressor, second: Compressor, frontiers: tuple[Frontier, Frontier], x: mx.array, p0: int,
-                mm: Schedule) -> tuple[tuple[mx.array, Frontier], tuple[mx.array, Frontier]]:
+def decode_pair(first: Compressor, second: Compressor, frontiers: tuple[Frontier, Frontier], x: mx.array,
+                p0: int) -> tuple[tuple[mx.array, Frontier], tuple[mx.array, Frontier]]:
     """`step` of a ratio-4 layer's two compressors (the attention's and the indexer's: the same
     ratio, so the same slot) for a fast-path decode token, both slot writes in one kernel."""
     slot, row, shift = first.decode_slot(p0)
     kv, score, kv2, score2 = kernels.compressor_slot(x, first.slot_inputs(frontiers[0]), row, slot, shift,
                                                      second=second.slot_inputs(frontiers[1]))
-    return (first.emitted(frontiers[0], Frontier(kv, score), p0, mm),
-            second.emitted(frontiers[1], Frontier(kv2, score2), p0, mm))
+    afters = [Frontier(kv, score), Frontier(kv2, score2)]
+    rows = emitted_rows([first, second], list(frontiers), afters, p0)
+    return (rows[0], afters[0]), (rows[1], afters[1])
+
+
+def emitted_rows(compressors: list[Compressor], befores: list[Frontier], afters: list[Frontier],
+                 p0: int) -> list[mx.array]:
+    """The rows a fast-path decode token at p0 makes in a layer's compressors (one, or a
+    ratio-4 layer's two: the same ratio and RoPE kind) from their frontiers before and after
+    it: the row of the window it completes, pooled and finished (`_finished`'s steps) in one
+    launch (`kernels.compressor_pool`), or none ([0, width] each)."""
+    first = compressors[0]
+    if (p0 + 1) % first.ratio:
+        return [_no_rows(c.width) for c in compressors]
+    start = p0 // first.ratio * first.ratio                  # the window's first position
+    cos, sin = cos_sin_table(first.n_rot, first.rope_base, first.yarn, start)
+    rows = [kernels.EmittedRow((b.kv, b.score), (a.kv, a.score), c.width, (c.norm, c.eps, c.qat, c.fp8))
+            for c, b, a in zip(compressors, befores, afters, strict=True)]
+    return kernels.compressor_pool(rows, first.ratio, overlaps(first.ratio), (cos, sin, start))
+
+
+@lru_cache(maxsize=8)
+def _no_rows(width: int) -> mx.array:
+    return mx.zeros((0, width), mx.float32)
 
 
 def launch_slots(compressors: list[Compressor], state: tuple[mx.array, ...], shift: bool) -> kernels.CompressorSlots:

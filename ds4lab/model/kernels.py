@@ -152,7 +152,10 @@ _KERNELS = {
                        ["q", "w", "keys", "n_keys", "visible", "window", "counter"], ["scores", "mask"]),
     "compressor_slot": ("compressor_slot.cu", ("ds4lab_block.cuh", "compressor_slot.cuh"),
                         ["x", *_SLOT_INPUTS], _SLOT_OUTPUTS),
-    "compressor_pool": ("compressor_pool.cu", (), ["old_kv", "old_score", "new_kv", "new_score"], ["out"]),
+    "compressor_pool": ("compressor_pool.cu", ("ds4lab_block.cuh", "compressor_pool.cuh"),
+                        ["old_kv", "old_score", "new_kv", "new_score", "norm", "old_kv2", "old_score2", "new_kv2",
+                         "new_score2", "norm2", "eps", "rope_cos", "rope_sin", "pos", "hscale", "carry"],
+                        ["out", "out2"]),
     "router": ("router.cu", ("ds4lab_block.cuh", "router.cuh"),
                ["x", "w", "bias", "scale", "counter", "table", "tokens"], ["probs", "experts", "weights"]),
     "q8_matvec": ("q8_matvec.cu", ("ds4lab_block.cuh", "q8_rows.cuh"), ["codes", "scales", "x"], ["y"]),
@@ -522,18 +525,53 @@ def _slot_launch(x: mx.array, slots: CompressorSlots) -> tuple[list[mx.array], l
             [(rows, r)] * 2 + [(max(rows2, 1), max(r2, 1))] * 2)
 
 
-def compressor_pool(old: tuple[mx.array, mx.array], new: tuple[mx.array, mx.array], ratio: int, width: int,
-                    overlap: bool) -> mx.array:
-    """The pooled row [1, width] of the window a decode token completes, from the frontier
-    (kv, score) before it (`old`) and after it (`new`, `compressor_slot`); before the row steps.
-    `overlap`: a ratio-4 compressor's (frontier rows of 2·width, candidates from two windows)."""
-    threads = 128
-    (out,) = _fused("compressor_pool")(
-        inputs=[a.astype(mx.float32) for a in (*old, *new)],
-        template=[("R", new[0].shape[1]), ("WIDTH", width), ("RATIO", ratio), ("OVERLAP", overlap)],
-        grid=(-(-width // threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
-        output_shapes=[(1, width)], output_dtypes=[mx.float32])
-    return out
+class EmittedRow(NamedTuple):
+    """One compressor's part of a `compressor_pool` launch: its frontier (kv, score) before
+    the token and after it (`compressor_slot`), its row width, and its row steps after the
+    pool (`Compressor._finished`: the norm's weight and eps, Hadamard + FP4 or FP8) or None."""
+    old: tuple[mx.array, mx.array]
+    new: tuple[mx.array, mx.array]
+    width: int
+    steps: tuple[mx.array, float, bool, bool] | None = None        # (norm weight, eps, qat, fp8)
+
+
+def compressor_pool(rows: list[EmittedRow], ratio: int, overlap: bool,
+                    rope: tuple[mx.array, mx.array, int] | None = None) -> list[mx.array]:
+    """The row [1, width] each compressor makes of the window a decode token completes (a
+    layer's one, or a ratio-4 layer's two in one launch: a block each), pooled from its
+    frontier before and after the token. `overlap`: a ratio-4 layer's (frontier rows of
+    2·width, candidates from two windows). With every row's `steps` and `rope` = the full
+    (cos, sin) tables of the layer's kind and the window's first position, the rows are also
+    finished: `row_finish`(pooled, eps, weight, RoPE at that position, qat or fp8, f16), the
+    same bits, in the same launch."""
+    if not 1 <= len(rows) <= 2 or (rope is None) != (rows[0].steps is None) or len({r.steps is None for r in rows}) > 1:
+        raise ValueError(f"compressor_pool: {len(rows)} compressors (one or two), rope {rope is not None} and row "
+                         f"steps {[r.steps is not None for r in rows]} (all or none)")
+    finish = rope is not None
+    cos, sin, pos = rope if finish else (_scalar(0.0), _scalar(0.0), 0)
+    parts, template = [], []
+    for i, row in enumerate([*rows, None][:2]):
+        suffix = "" if i == 0 else "2"
+        if row is None:                                               # no second compressor: typed stand-ins
+            parts += [_scalar(0.0)] * 5
+            template += [("R2", 0), ("WIDTH2", 0), ("QAT2", False), ("FP8_2", False)]
+            continue
+        norm, _, qat, fp8 = row.steps if finish else (_scalar(0.0), 0.0, False, False)
+        parts += [a.astype(mx.float32) for a in (*row.old, *row.new)] + [norm.astype(mx.float32)]
+        template += [(f"R{suffix}", row.new[0].shape[1]), (f"WIDTH{suffix}", row.width), (f"QAT{suffix}", qat),
+                     ("FP8" if i == 0 else "FP8_2", fp8)]
+    eps = tuple(r.steps[1] if finish else 0.0 for r in rows) + (0.0,) * (2 - len(rows))
+    hscale = tuple(float(np.float32(1.0 / np.sqrt(r.width))) for r in rows) + (1.0,) * (2 - len(rows))
+    threads = 128                                                     # row_finish's: the same norm sums
+    outs = _fused("compressor_pool")(
+        inputs=[*parts[:5], *parts[5:], _constant(eps), cos, sin, _constant((pos,), mx.int32), _constant(hscale),
+                _carry_table()],
+        template=[*template, ("RATIO", ratio), ("OVERLAP", overlap), ("FINISH", finish),
+                  ("NROT", 2 * cos.shape[-1] if finish else 0)],
+        grid=(len(rows) * threads, 1, 1), threadgroup=(threads, 1, 1),
+        output_shapes=[(1, rows[0].width), (1, rows[1].width if len(rows) > 1 else 1)],
+        output_dtypes=[mx.float32] * 2)
+    return list(outs[:len(rows)])
 
 
 # Up to this many tokens (decode, MTP verification) Q8_0 products are matvec kernels on the

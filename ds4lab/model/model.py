@@ -31,7 +31,7 @@ import pandas as pd
 from ..config import ModelConfig, has_indexer
 from ..hooks import ActivationCache, HookFn, HookRegistry, NameFilter, Scope, floats_per_token, hook_names
 from . import attention, cpu_kernels, indexer, kernels, moe
-from .compressor import Compressor, Frontier, decode_pair, frontier_state, launch_slots, row_span
+from .compressor import Compressor, Frontier, decode_pair, emitted_rows, frontier_state, launch_slots, row_span
 from .hc import HCControl, hc_collapse, hc_control, hc_expand, hc_expand_q8, hc_fused_input, hc_head_weights
 from .kernels import HCInput
 from .numerics import MODES, Numerics, Schedule, batch_invariant_device, joined
@@ -471,14 +471,16 @@ class Model:
         cfg, comps, t = self.config, self._compressors[layer.index], xa.shape[0]
         window = _window_mask(p0, t, n_kept, cfg.n_swa)
         index_rows = None
-        if made:
-            rows, cache.frontier = comps["attn"].emitted(cache.frontier, Frontier(*made[:2]), p0, mm)
-            if has_indexer(layer.ratio):
-                index_rows, cache.index_frontier = comps["indexer"].emitted(cache.index_frontier,
-                                                                            Frontier(*made[2:]), p0, mm)
+        if made:                   # the slots made in the q_a / kv launch; the rows they complete in one more
+            afters = [Frontier(*made[i:i + 2]) for i in range(0, len(made), 2)]
+            emitted = emitted_rows(self._layer_compressors(layer),
+                                   [cache.frontier, cache.index_frontier][:len(afters)], afters, p0)
+            rows, cache.frontier = emitted[0], afters[0]
+            if len(afters) > 1:
+                index_rows, cache.index_frontier = emitted[1], afters[1]
         elif has_indexer(layer.ratio) and mm.fast and t == 1:      # both compressors' slots in one launch
             (rows, cache.frontier), (index_rows, cache.index_frontier) = decode_pair(
-                comps["attn"], comps["indexer"], (cache.frontier, cache.index_frontier), xa, p0, mm)
+                comps["attn"], comps["indexer"], (cache.frontier, cache.index_frontier), xa, p0)
         else:
             rows, cache.frontier = comps["attn"].step(cache.frontier, xa, p0, mm)
         comp = cache.append_compressed(h("compressor.hook_rows", rows))
