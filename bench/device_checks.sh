@@ -20,7 +20,7 @@
 #                                        # they replace, then fast vs reference and the research checks,
 #                                        # then each merge's stream A/B at 4096 (~25 min: `merged checks`,
 #                                        # `merged paths`, `merged speed router q_b`, `merged speed
-#                                        # output_a compressor_slot`)
+#                                        # output_a compressor_slot head`)
 #   bash bench/device_checks.sh stream   # the research checks (a greedy stream straight after a prefill among
 #                                        # them), then the 43-layer bench at 128 and 4096 with the
 #                                        # stream in 3 rounds of 64 steps (~6 min)
@@ -106,11 +106,11 @@ geometry() {
 }
 
 merged() {
-    # The four steps run in the launch of another (2026-12-04 and -05, not yet run on a
+    # The five steps run in the launch of another (2026-12-04 and -05, not yet run on a
     # GPU): their bars first (each against its two launches: the same bits expected), then the
     # paths and the research checks, then each merge's stream against its two launches in one
     # process. One call each (a call may run 10 minutes: `merged speed router q_b`, then
-    # `merged speed output_a compressor_slot`).
+    # `merged speed output_a compressor_slot head`).
     local part="${1:-checks}"
     shift || true
     case "$part" in
@@ -120,7 +120,7 @@ merged() {
             step research 200 python3 bench/check_device_research.py ;;
         speed)
             local variants=("$@")
-            [ ${#variants[@]} -gt 0 ] || variants=(router q_b output_a compressor_slot)
+            [ ${#variants[@]} -gt 0 ] || variants=(router q_b output_a compressor_slot head)
             for variant in "${variants[@]}"; do
                 step "ab_$variant" 180 python3 bench/stream_ab.py --layers 43 --context 4096 --steps 16 \
                     --rounds 3 --variant "$variant"

@@ -969,21 +969,22 @@ def test_kv_rows_are_finished_after_the_window_in_one_launch(small_weights, stan
 
 
 def test_a_decode_step_finishes_q_and_kv_rows_without_launches_of_their_own(small_weights, stand_in_kernels):
-    """A decode step (no window completed, no indexer) launches row_finish only for the head
-    (its HC weights' and its output norm): q_a's norm, q_b's product and the compressors'
-    frontiers are made by the q_a and kv launch, and the q heads and the KV row (written after
-    the window: the keys) are finished by the attention kernel. And hc_pre (with its hc_mix)
-    once: every other sublayer's HC input is made by the q8_hc before it, and q8_hc runs twice
-    a layer, the attention's making the grouped output product first: q8_matvec for the
-    output head only. Each merged step in its
-    own launch again (`Model.merged_launches` emptied, as stream_ab.py's B): the same logits."""
+    """A decode step (no window completed, no indexer) launches no row_finish: the head's HC
+    weights, collapse and norm are made by the last block's last launch (as a sublayer's
+    input), q_a's norm, q_b's product and the compressors' frontiers by the q_a and kv
+    launch, and the q heads and the KV row (written after the window: the keys) are finished
+    by the attention kernel. And hc_pre (with its hc_mix) once: every other sublayer's HC
+    input is made by the q8_hc before it, and q8_hc runs twice a layer, the attention's
+    making the grouped output product first: q8_matvec for the output head only. Each
+    merged step in its own launch again (`Model.merged_launches` emptied, as stream_ab.py's
+    B): the same logits and frontiers."""
     model = Model(small_weights)
     session = model.session()
     session.prefill([(37 * i + 11) % 1000 + 100 for i in range(10)])
     stand_in_kernels.clear()
     mx.eval(session.decode(321))           # position 10: no ratio-4 or ratio-128 window completes
     n_layer = small_weights.config.n_layer
-    assert stand_in_kernels["row_finish"] == 2
+    assert "row_finish" not in stand_in_kernels
     assert stand_in_kernels["attention_heads"] == stand_in_kernels["q8_pair"] == n_layer
     assert stand_in_kernels["hc_pre"] == stand_in_kernels["hc_mix"] == 1
     assert stand_in_kernels["q8_hc"] == 2 * n_layer and stand_in_kernels["q8_matvec"] == 1
@@ -997,6 +998,7 @@ def test_a_decode_step_finishes_q_and_kv_rows_without_launches_of_their_own(smal
     assert stand_in_kernels["q8_matvec"] == 2 * n_layer + 1
     assert stand_in_kernels["router"] == stand_in_kernels["expert_swiglu"] == n_layer
     assert stand_in_kernels["compressor_slot"] == sum(r > 0 for r in small_weights.config.compress_ratios)
+    assert stand_in_kernels["row_finish"] == 2                  # the head's: its HC weights' norm, its own
     assert np.abs(unmerged - logits).max() < 1e-5 * logits.std()
     fronts = [(c.frontier, d.frontier) for c, d in zip(merged_state.layers, session.state.layers, strict=True)
               if c.frontier is not None] + [(c.index_frontier, d.index_frontier) for c, d in zip(
@@ -1032,14 +1034,14 @@ def test_a_decode_step_shares_launches_where_parts_read_the_same_input(small_wei
     assert cfg.n_hash_layer > 0 and stand_in_kernels["routed_swiglu"] == cfg.n_layer     # hash layers' too
     assert not {"router", "expert_swiglu", "q8_swiglu"} & set(stand_in_kernels)
     assert "expert_matvec" not in stand_in_kernels and stand_in_kernels["q8_hc"] == 2 * cfg.n_layer
-    assert stand_in_kernels["row_finish"] == 2
+    assert "row_finish" not in stand_in_kernels
 
 
 def test_a_decode_step_that_completes_windows_finishes_their_rows_in_one_launch_a_layer(small_weights,
                                                                                        stand_in_kernels):
     """A decode token that completes a ratio-4 window (position 23): each ratio-4 layer pools
     and finishes both compressors' rows in one compressor_pool launch, and no row_finish
-    launch but the head's two; the rows are the reference's (the logits after it are)."""
+    launch; the rows are the reference's (the logits after it are)."""
     cfg = small_weights.config
     model = Model(small_weights)
     session = model.session()
@@ -1048,7 +1050,7 @@ def test_a_decode_step_that_completes_windows_finishes_their_rows_in_one_launch_
     stand_in_kernels.clear()
     fast = np.array(session.decode(321))
     assert stand_in_kernels["compressor_pool"] == cfg.compress_ratios.count(4) > 0
-    assert stand_in_kernels["row_finish"] == 2 and "compressor_slot" not in stand_in_kernels
+    assert "row_finish" not in stand_in_kernels and "compressor_slot" not in stand_in_kernels
     fast_next = np.array(session.decode(77))
     model.numerics.allow_fast = False
     session.state = state
@@ -1056,6 +1058,31 @@ def test_a_decode_step_that_completes_windows_finishes_their_rows_in_one_launch_
     ref_next = np.array(session.decode(77))
     for a, b in ((fast, ref), (fast_next, ref_next)):
         assert np.abs(a - b).max() < 1e-4 * b.std()
+
+
+def test_the_heads_input_made_by_the_last_launch_keeps_its_hooks(small_weights, stand_in_kernels):
+    """A decode step's head input (HC weights, collapse, norm) is made by the last block's
+    last launch; hook_final_norm still reads it there and a replacement there feeds the
+    logits; a hook on hook_final_weights (which that launch keeps to itself) gives the head
+    its own launches again (two row_finish), with the same logits."""
+    model = Model(small_weights)
+    session = model.session()
+    session.prefill([(37 * i + 11) % 1000 + 100 for i in range(10)])
+    state = session.state
+    merged = np.array(session.decode(321))
+    seen = {}
+    for name, fn in (("hook_final_norm", lambda act, hook: seen.setdefault(hook.name, np.array(act))),
+                     ("hook_final_weights", lambda act, hook: seen.setdefault(hook.name, np.array(act)))):
+        session.state = state
+        stand_in_kernels.clear()
+        with model.hooks([(name, fn)]):
+            logits = np.array(session.decode(321))
+        assert (stand_in_kernels.get("row_finish", 0) == 2) == (name == "hook_final_weights") and name in seen
+        assert np.abs(logits - merged).max() < 1e-5 * merged.std()
+    session.state = state
+    with model.hooks([("hook_final_norm", lambda act, hook: act * 0.0)]):
+        zeroed = np.array(session.decode(321))
+    assert seen["hook_final_norm"].shape == (1, small_weights.config.n_embd) and not zeroed.any()
 
 
 def test_an_hc_input_made_before_a_replaced_residual_is_not_used(small_weights, stand_in_kernels):

@@ -50,8 +50,10 @@ NUMERICS = MODES
 # of output_b and the HC step (with the FFN's input made there); "router", the router in the
 # routed experts' launch where no hook reads the experts; "compressor_slot", a compressed
 # layer's frontier update (both compressors' on a ratio-4 layer) in the q_a / kv launch, which
-# reads the same input (the step before it here, not after: the two need each other's nothing).
-MERGED_LAUNCHES = ("q_b", "output_a", "router", "compressor_slot")
+# reads the same input (the step before it here, not after: the two need each other's nothing);
+# "head", the output head's HC weights, collapse and norm made by the last block's last launch,
+# as every sublayer's input is (unless a hook reads the head's weights).
+MERGED_LAUNCHES = ("q_b", "output_a", "router", "compressor_slot", "head")
 
 # Hook points the fast path fires, replacements included, at full speed: the block boundaries
 # (and, through them, steering and forced experts), the sublayers' inputs and the routed
@@ -97,6 +99,7 @@ class Model:
         # makes it apart (hc_mix + hc_pre), the same values: for measuring the two in one
         # process (`bench/stream_ab.py`).
         self.hc_input_in_product = True
+        self._head_hc: HCInput | None = None      # see `_head_input`
         # ... and the MERGED_LAUNCHES run in the launch of the step after them (the same values;
         # a name taken out gives that step its own launch again, for `bench/stream_ab.py`).
         self.merged_launches = set(MERGED_LAUNCHES)
@@ -273,8 +276,11 @@ class Model:
                 rotations[kind] = Rotation.at(p0, len(tokens), cfg.n_rot, *kind)
             # the next block's attention input is made by this block's last launch, unless
             # that block runs on the reference composition (which makes its own)
-            next_input = (self._hc_input(layers[il + 1], "attn") if il + 1 < len(layers)
-                          and _prefix(layers[il + 1]) not in slow and self.hc_input_in_product else None)
+            if il + 1 < len(layers):
+                next_input = (self._hc_input(layers[il + 1], "attn") if _prefix(layers[il + 1]) not in slow
+                              and self.hc_input_in_product else None)
+            else:
+                next_input = self._head_input() if self._head_in_product() else None
             streams, chosen, ready = self.block(layer, new.layers[il], streams, p0, rotations[kind], token_ids, mm,
                                                 ready, next_input)
             if len(tokens) > 1:
@@ -283,9 +289,11 @@ class Model:
                 (mx.async_eval if mm.fast else mx.eval)(streams)
             experts.append(chosen)
         hidden = streams
+        made = None if ready is None else ready[0]           # the head's input, made by the last launch
         if last_only:
             streams, mm = streams[-1:], mm.rows(np.array([len(tokens) - 1]))
-        logits = self._head(streams, mm)
+            made = None if made is None else made[-1:]
+        logits = self._head(streams, mm, made=made)
         new.tokens = state.tokens + list(tokens)
         # A decode step's rows as views (an integer index is a gather kernel in MLX); a chunk's
         # last row as its own copy (a view would keep the chunk's whole buffer alive).
@@ -619,15 +627,43 @@ class Model:
             weights = moe.route_weights(probs, experts, cfg.expert_weight_scale)
         return experts, h("hook_expert_weights", weights)
 
-    def _head(self, streams: mx.array, mm: Schedule, prefix: str = "") -> mx.array:
+    def _head(self, streams: mx.array, mm: Schedule, prefix: str = "", made: mx.array | None = None) -> mx.array:
         """Collapse, norm and output matrix; with prefix "mtp." the MTP head's own collapse and
-        norm (and its `mtp.` points) before the shared output matrix."""
+        norm (and its `mtp.` points) before the shared output matrix. `made`: the collapsed and
+        normed input, made by the last block's last launch (`_head_input`)."""
         cfg, fire = self.config, self._hooks.fire
         w = self.mtp.head if prefix else self.weights.head
-        mix = fire(prefix + "hook_final_weights", hc_head_weights(streams, w["output_hc_fn"], w["output_hc_scale"],
-                                                                  w["output_hc_base"], cfg.rms_eps, cfg.hc_eps, mm))
-        z = fire(prefix + "hook_final_norm", mm.rms_norm(hc_collapse(streams, mix), w["output_norm"], cfg.rms_eps))
+        if made is None:
+            mix = fire(prefix + "hook_final_weights", hc_head_weights(
+                streams, w["output_hc_fn"], w["output_hc_scale"], w["output_hc_base"], cfg.rms_eps, cfg.hc_eps, mm))
+            made = mm.rms_norm(hc_collapse(streams, mix), w["output_norm"], cfg.rms_eps)
+        z = fire(prefix + "hook_final_norm", made)
         return fire(prefix + "hook_logits", mm.q8(self.weights.output, z))
+
+    def _head_in_product(self) -> bool:
+        """Whether the last block's last launch makes the output head's input (`_head_input`):
+        on the fast path, unless the last block runs on the reference composition or a hook
+        reads the head's weights (which that launch keeps to itself)."""
+        return (self.numerics.fast and self.hc_input_in_product and "head" in self.merged_launches
+                and _prefix(self.weights.layers[-1]) not in self._reference_blocks()
+                and not self._hooks.wants("hook_final_weights"))
+
+    def _head_input(self) -> HCInput:
+        """The output head's collapse and norm as a sublayer's HC input, for the last block's
+        last product to make (`hc_expand_q8(next_input=)`): a mixer whose first n_hc rows are
+        the head's (the split's pre is the head's weights: the same sigmoid of the product times
+        scale[0] plus base, plus eps, `hc_head_weights`) and whose post and comb rows are zero
+        (their outputs unread), then the output norm. Made once."""
+        if self._head_hc is None:
+            cfg, w = self.config, self.weights.head
+            n, fn = cfg.n_hc, w["output_hc_fn"]
+            rest = (2 + n) * n - n
+            self._head_hc = HCInput(mx.concatenate([fn, mx.zeros((rest, fn.shape[1]), fn.dtype)]),
+                                    mx.concatenate([w["output_hc_scale"].reshape(-1)[:1], mx.zeros((2,))]),
+                                    mx.concatenate([w["output_hc_base"], mx.zeros((rest,))]), w["output_norm"],
+                                    cfg.hc_sinkhorn_iter, cfg.rms_eps, cfg.hc_eps)
+            mx.eval(self._head_hc)
+        return self._head_hc
 
 
 # Masks depend only on positions and sizes: made once per chunk, shared by the layers.
