@@ -30,17 +30,23 @@ reference's steps in the same order, so a Metal port can translate them line by 
   step also its top-k of those rows, written with the window's columns as the attention
   mask by each token's last thread block (a radix select of the k-th score, ties ranked by
   row: indexer_topk.cuh).
+- `compressor_slot`: a decode token's compressor frontier update (its kv and score row in
+  the slot, a ratio-4 window's shift), both of a ratio-4 layer's compressors in one launch;
+  in a decode step made by the q_a / kv launch (`q8_pair(slots=)`). `compressor_pool`: the
+  rows a completed window makes, pooled, and in a decode step finished (row_finish's steps)
+  in the same launch, a block a compressor.
 - `q8_matvec`: a Q8_0 matrix (the model's 8-bit codes) times a few vectors, each warp a few
   rows with 16-byte loads (on a few thousand rows 4 rows a warp, the block's warps splitting
   the columns: `_rows_per_warp`); rows may come in groups that each read their own vector (the
   grouped output projection). Every Q8_0 product of a decode step goes through its loop
   (`q8_rows.cuh`), some with the step after them in the same launch: `q8_pair` (two matrices,
   one input: q_a and kv, and q_a's norm for q_b made by its last block, then in a decode
-  step q_b's product of it by more blocks), `q8_swiglu` (the shared expert's gate, up and
-  SwiGLU), `q8_hc` (a sublayer's last product and the HC output step, then the next
-  sublayer's HC input as hc_pre makes it: the blocks' partial sums of the next mixer's
-  product, added, split and collapsed by the launch's last block; in a decode step the
-  attention's grouped output product first, by more blocks).
+  step q_b's product of it and the compressors' update by more blocks), `q8_swiglu` (the
+  shared expert's gate, up and SwiGLU), `q8_hc` (a sublayer's last product and the HC output
+  step, then the next sublayer's HC input as hc_pre makes it, or the output head's: the
+  blocks' partial sums of the next mixer's product, added, split and collapsed by the
+  launch's last block; in a decode step the attention's grouped output product first, by
+  more blocks).
 - Launches that hold a step and the step after it (`q8_pair` with q_b, `q8_hc` with the
   grouped product, `routed_swiglu`) hand out their thread blocks' jobs by arrival ticket:
   the blocks that wait for another step's results take later tickets than all the blocks
