@@ -275,7 +275,6 @@ def check_fused_kernels() -> None:
         _bar(f"compressor_slot/pool width {width}, ratio {ratio}", err <= _KERNEL_BAR)
         print(f"compressor_slot and compressor_pool (width {width}, ratio {ratio}, {cols} inputs) vs "
               f"compress_chunk: max rel err {err:.2e}")
-    check_emitted_rows()
     # F16 matrices (the file's compressors, indexer q_b, router: `LayerWeights.kernel_dense`), read
     # as F16 and widened as loaded: the same bits as from their float32 widening.
     def half(*shape: int) -> mx.array:
@@ -360,6 +359,7 @@ def check_fused_products() -> None:
               f"max rel err {err:.2e}; the same bits as row_finish of its q_a: {exact}; products as without: {same}")
     check_q8_pair_then(q_a, kv, x, norm)
     check_q8_pair_slot(q_a, kv, x[:1], norm)
+    check_emitted_rows()
     gate, up = _q8_matrix(2048, 4096), _q8_matrix(2048, 4096)
     for clamp in (0.0, 10.0):
         xs = x * 0.5                           # products of ~10: the clamp bites on some
