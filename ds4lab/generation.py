@@ -295,6 +295,7 @@ class _WorkerEncoder:
         # once (see `_cuda_context`: on the H200 its first launch on the worker failed even with
         # the context bound there, when the process had run other work first).
         mx.eval(logits, mx.argmax(logits), *session.state.arrays())
+        session.model.ready_for_decode()
         self._driver = _cuda_driver()
         self._context = None if self._driver is None else _cuda_context(self._driver)
         reserve_tables(session.state.n_tokens + max_tokens)

@@ -1187,6 +1187,28 @@ def test_a_hook_inside_the_mtp_block_sends_it_to_the_reference(synth_dir, stand_
     assert seen == ["mtp.attn.hook_hc_pre"]
 
 
+def test_a_stream_continuing_a_session_makes_the_heads_input_before_its_worker(tiny_weights, stand_in_kernels,
+                                                                               monkeypatch):
+    """A greedy stream that continues a session (no prefill in this call) on a model that has
+    not made the head's input yet (`Model._head_input`, evaluated when made) makes it before
+    the worker starts, not in a step's build while the worker encodes."""
+    model = Model(tiny_weights)
+    session = model.session()
+    session.prefill([(29 * i + 7) % 900 + 100 for i in range(20)])
+    model._head_hc = None
+    made_with_workers = []
+    real = Model._head_input
+
+    def head_input(self):
+        if self._head_hc is None:
+            made_with_workers.append([t.name for t in generation.threading.enumerate() if t.name == "ds4lab-encode"])
+        return real(self)
+
+    monkeypatch.setattr(Model, "_head_input", head_input)
+    assert len(list(generation.stream(model, [], max_tokens=3, session=session))) == 3
+    assert made_with_workers == [[]]
+
+
 def test_greedy_stream_on_the_fast_path_encodes_on_a_worker_thread(tiny_weights, stand_in_kernels, monkeypatch):
     """Hook-free greedy streaming on the fast path builds each step while a worker thread
     evaluates the one before: every evaluation it queues runs on the worker, the tokens and

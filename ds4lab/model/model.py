@@ -640,6 +640,14 @@ class Model:
         z = fire(prefix + "hook_final_norm", made)
         return fire(prefix + "hook_logits", mm.q8(self.weights.output, z))
 
+    def ready_for_decode(self) -> None:
+        """Make and evaluate what a fast-path decode step's build would otherwise make on its
+        first use: the output head's HC input (`_head_input`). The greedy stream calls it
+        before its worker starts, so that building a step evaluates nothing while the worker
+        encodes."""
+        if self._head_in_product():
+            self._head_input()
+
     def _head_in_product(self) -> bool:
         """Whether the last block's last launch makes the output head's input (`_head_input`):
         on the fast path, unless the last block runs on the reference composition or a hook
