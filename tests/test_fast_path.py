@@ -1190,23 +1190,37 @@ def test_a_hook_inside_the_mtp_block_sends_it_to_the_reference(synth_dir, stand_
 def test_a_stream_continuing_a_session_makes_the_heads_input_before_its_worker(tiny_weights, stand_in_kernels,
                                                                                monkeypatch):
     """A greedy stream that continues a session (no prefill in this call) on a model that has
-    not made the head's input yet (`Model._head_input`, evaluated when made) makes it before
-    the worker starts, not in a step's build while the worker encodes."""
+    not made the head's input nor its kernels' F16 copies yet (`Model._head_input`,
+    `LayerWeights.kernel_dense`, evaluated when made) makes them before the worker starts,
+    not in a step's build while the worker encodes."""
     model = Model(tiny_weights)
     session = model.session()
     session.prefill([(29 * i + 7) % 900 + 100 for i in range(20)])
     model._head_hc = None
+    for layer in tiny_weights.layers:
+        layer.half_copies.clear()
+    assert any(layer.f16_roles for layer in tiny_weights.layers)
     made_with_workers = []
-    real = Model._head_input
+
+    def workers() -> list[str]:
+        return [t.name for t in generation.threading.enumerate() if t.name == "ds4lab-encode"]
+
+    real_head, real_dense = Model._head_input, type(tiny_weights.layers[0]).kernel_dense
 
     def head_input(self):
         if self._head_hc is None:
-            made_with_workers.append([t.name for t in generation.threading.enumerate() if t.name == "ds4lab-encode"])
-        return real(self)
+            made_with_workers.append(("head", workers()))
+        return real_head(self)
+
+    def kernel_dense(self, role):
+        if role in self.f16_roles and role not in self.half_copies:
+            made_with_workers.append((role, workers()))
+        return real_dense(self, role)
 
     monkeypatch.setattr(Model, "_head_input", head_input)
+    monkeypatch.setattr(type(tiny_weights.layers[0]), "kernel_dense", kernel_dense)
     assert len(list(generation.stream(model, [], max_tokens=3, session=session))) == 3
-    assert made_with_workers == [[]]
+    assert made_with_workers and all(not alive for _, alive in made_with_workers), made_with_workers
 
 
 def test_greedy_stream_on_the_fast_path_encodes_on_a_worker_thread(tiny_weights, stand_in_kernels, monkeypatch):

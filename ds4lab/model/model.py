@@ -642,9 +642,13 @@ class Model:
 
     def ready_for_decode(self) -> None:
         """Make and evaluate what a fast-path decode step's build would otherwise make on its
-        first use: the output head's HC input (`_head_input`). The greedy stream calls it
-        before its worker starts, so that building a step evaluates nothing while the worker
-        encodes."""
+        first use: the blocks' fast-path inputs (the F16 copies and transposes its kernels
+        read: `LayerWeights.fast_inputs`, evaluated before a compiled part is traced) and the
+        output head's HC input (`_head_input`). The greedy stream calls it before its worker
+        starts, so that building a step evaluates nothing while the worker encodes."""
+        if not self.numerics.fast:
+            return
+        mx.eval([layer.fast_inputs() for layer in self.weights.layers])
         if self._head_in_product():
             self._head_input()
 
