@@ -393,8 +393,8 @@ class Model:
                           finish_kv: bool, finish_q: bool, shift: bool) -> tuple:
         """The attention sublayer before the cache: (xa, pre, post, comb, q, kv), hooked, then
         the compressor frontiers after a decode token when `frontiers` = (at, kv, score, ...)
-        (`_frontier_slots`; made in the q_a / kv launch, `shift` its kind) as a tuple (else
-        empty), then with `indexed` the indexer's queries and head weights
+        (`compressor.frontier_state`; made in the q_a / kv launch, `shift` its kind) as a
+        tuple (else empty), then with `indexed` the indexer's queries and head weights
         (`indexer.indexer_queries`); without `finish_kv`, kv is the product attn_kv · xa, not
         yet the stored row; without `finish_q`, q is the q_b product, its heads not yet normed
         nor rotated."""
