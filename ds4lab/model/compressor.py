@@ -173,7 +173,8 @@ def emitted_rows(compressors: list[Compressor], befores: list[Frontier], afters:
 
 @lru_cache(maxsize=8)
 def _no_rows(width: int) -> mx.array:
-    return mx.zeros((0, width), mx.float32)
+    """[0, width]: no rows (made from host memory, so that steps on any stream may share it)."""
+    return mx.array(np.zeros((0, width), np.float32))
 
 
 def launch_slots(compressors: list[Compressor], state: tuple[mx.array, ...], shift: bool) -> kernels.CompressorSlots:
