@@ -137,17 +137,26 @@ __device__ int ds4lab_ticket(int* counter) {
 // to them: called by the thread that wrote it, after the writes. The waiting block's thread
 // reads the flag with acquire semantics, then what it guards through L2 (__ldcg), and hands
 // that to its block after a __syncthreads. The flag must be zero at launch (and set back to
-// zero by the launch, for the next).
+// zero by the launch, for the next). A wait lasts microseconds; one still waiting after a
+// second (a flag never raised: a bug, or counters not zero at launch) traps, so that the
+// launch fails with an error instead of holding the GPU until its process is killed.
 __device__ __forceinline__ void ds4lab_raise_flag(int* flag) {
     __threadfence();
     atomicExch(flag, 1);
 }
+__device__ __forceinline__ unsigned long long ds4lab_nanoseconds() {
+    unsigned long long ns;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+    return ns;
+}
 __device__ __forceinline__ void ds4lab_wait_flag(const int* flag) {
+    const unsigned long long start = ds4lab_nanoseconds();
     for (;;) {
         int v;
         asm volatile("ld.acquire.gpu.global.b32 %0, [%1];" : "=r"(v) : "l"(flag) : "memory");
         if (v) return;
         __nanosleep(100);
+        if (ds4lab_nanoseconds() - start > 1000000000ull) __trap();
     }
 }
 
