@@ -51,21 +51,6 @@ static inline float2 __half22float2(__half2 h) { return float2{(float)h.x, (floa
 """
 
 _DRIVER = r"""
-template <int THREADS, typename Body>
-static void run_block(Body body) {
-    blockDim.x = THREADS;
-    std::barrier<> block(THREADS);
-    block_barrier = &block;
-    std::vector<std::unique_ptr<std::barrier<>>> warps;
-    for (int w = 0; w < THREADS / 32; ++w) {
-        warps.emplace_back(new std::barrier<>(32));
-        warp_barriers[w] = warps.back().get();
-    }
-    std::vector<std::thread> pool;
-    for (int i = 0; i < THREADS; ++i) pool.emplace_back([=] { threadIdx.x = i; body(); });
-    for (auto& thread : pool) thread.join();
-}
-
 // One compressor's emitted row (compressor_pool.cu's block), 128 threads.
 template <int R, int WIDTH, int RATIO, bool OVERLAP, bool FINISH, int NROT, bool QAT, bool FP8>
 static void emitted(const float* old_kv, const float* old_score, const float* new_kv, const float* new_score,
@@ -73,7 +58,7 @@ static void emitted(const float* old_kv, const float* old_score, const float* ne
                     const int* carry, float* out) {
     std::vector<float> row(WIDTH);
     float* shared_row = row.data();
-    run_block<128>([=] {
+    run_block(128, [=] {
         ds4lab_emitted_row<R, WIDTH, RATIO, OVERLAP, FINISH, NROT, QAT, FP8>(
             old_kv, old_score, new_kv, new_score, norm, eps, cos, sin, pos, hscale, carry, shared_row, out);
     });
@@ -85,26 +70,21 @@ template <int THREADS, int R, int COLS, int ROWS, int R2, int ROWS2, int RATIO, 
 static void slot(const float* x, const float* const* in, const int* at, float* const* out) {
     const int blocks = (2 * (R + R2) * 32 + THREADS - 1) / THREADS;
     for (int b = 0; b < blocks - (LEAVE_LAST ? 1 : 0); ++b)
-        run_block<THREADS>([=] {
+        run_block(THREADS, [=] {
             ds4lab_compressor_slot<R, COLS, ROWS, R2, ROWS2, RATIO, SHIFT>(
                 b, blocks, x, in[0], in[1], in[2], in[3], in[4], in[5], in[6], in[7], in[8], in[9], at, out[0],
                 out[1], out[2], out[3]);
         });
 }
 
+#define EMITTED(NAME, ...) extern "C" void NAME(const float* a, const float* b, const float* c, const float* d, \
+    const float* n, float e, const float* cs, const float* sn, int p, float h, const int* k, float* o) { \
+    emitted<__VA_ARGS__>(a, b, c, d, n, e, cs, sn, p, h, k, o); }
+EMITTED(emitted_attn_4, 192, 96, 4, true, true, 32, false, true)
+EMITTED(emitted_index_4, 128, 64, 4, true, true, 32, true, false)
+EMITTED(emitted_attn_16, 160, 160, 16, false, true, 32, false, true)
+EMITTED(pooled_attn_4, 192, 96, 4, true, false, 32, false, true)
 extern "C" {
-void emitted_attn_4(const float* a, const float* b, const float* c, const float* d, const float* n, float e,
-                    const float* cs, const float* sn, int p, float h, const int* k, float* o) {
-    emitted<192, 96, 4, true, true, 32, false, true>(a, b, c, d, n, e, cs, sn, p, h, k, o); }
-void emitted_index_4(const float* a, const float* b, const float* c, const float* d, const float* n, float e,
-                     const float* cs, const float* sn, int p, float h, const int* k, float* o) {
-    emitted<128, 64, 4, true, true, 32, true, false>(a, b, c, d, n, e, cs, sn, p, h, k, o); }
-void emitted_attn_16(const float* a, const float* b, const float* c, const float* d, const float* n, float e,
-                     const float* cs, const float* sn, int p, float h, const int* k, float* o) {
-    emitted<160, 160, 16, false, true, 32, false, true>(a, b, c, d, n, e, cs, sn, p, h, k, o); }
-void pooled_attn_4(const float* a, const float* b, const float* c, const float* d, const float* n, float e,
-                   const float* cs, const float* sn, int p, float h, const int* k, float* o) {
-    emitted<192, 96, 4, true, false, 32, false, true>(a, b, c, d, n, e, cs, sn, p, h, k, o); }
 void slot_pair_128(const float* x, const float* const* in, const int* at, float* const* out) {
     slot<128, 128, 96, 8, 64, 8, 4, false>(x, in, at, out); }
 void slot_pair_256(const float* x, const float* const* in, const int* at, float* const* out) {

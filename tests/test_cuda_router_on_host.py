@@ -49,12 +49,9 @@ static T exchange(T v, int offset, T (&slots)[32][32]) {
 }
 static inline float __shfl_xor_sync(unsigned, float v, int offset) { return exchange(v, offset, warp_floats); }
 static inline int __shfl_xor_sync(unsigned, int v, int offset) { return exchange(v, offset, warp_ints); }
-"""
-
-_DRIVER = r"""
-template <int E, int K, int EPT, bool HAS_BIAS, bool HASH>
-static void route_block(int threads, const float* logits, const float* bias, const int* table, const int* tokens,
-                        float scale, float* probs, int* experts, float* weights) {
+// One thread block of `threads` host threads, each running body() with its threadIdx.
+template <typename Body>
+static void run_block(int threads, Body body) {
     blockDim.x = threads;
     std::barrier<> block(threads);
     block_barrier = &block;
@@ -64,14 +61,20 @@ static void route_block(int threads, const float* logits, const float* bias, con
         warp_barriers[w] = warps.back().get();
     }
     std::vector<std::thread> pool;
-    for (int i = 0; i < threads; ++i)
-        pool.emplace_back([=] {
-            threadIdx.x = i;
-            float b[EPT];
-            const int hashed = ds4lab_route_reads<E, K, EPT, HAS_BIAS, HASH>(bias, table, tokens, 0, b);
-            ds4lab_route<E, K, EPT, HAS_BIAS, HASH>(logits, probs, b, hashed, scale, experts, weights);
-        });
+    for (int i = 0; i < threads; ++i) pool.emplace_back([=] { threadIdx.x = i; body(); });
     for (auto& thread : pool) thread.join();
+}
+"""
+
+_DRIVER = r"""
+template <int E, int K, int EPT, bool HAS_BIAS, bool HASH>
+static void route_block(int threads, const float* logits, const float* bias, const int* table, const int* tokens,
+                        float scale, float* probs, int* experts, float* weights) {
+    run_block(threads, [=] {
+        float b[EPT];
+        const int hashed = ds4lab_route_reads<E, K, EPT, HAS_BIAS, HASH>(bias, table, tokens, 0, b);
+        ds4lab_route<E, K, EPT, HAS_BIAS, HASH>(logits, probs, b, hashed, scale, experts, weights);
+    });
 }
 #define ONE(NAME, E, K, EPT, HAS_BIAS, HASH) extern "C" void NAME(int threads, const float* logits, \
     const float* bias, const int* table, const int* tokens, float scale, float* probs, int* experts, \
