@@ -16,7 +16,8 @@
 #                                        # geometry constants (device_time_ab.py), then ncu's warp
 #                                        # stalls by instruction for q8_hc's tail (~8 min)
 #   bash bench/device_checks.sh merged   # the merged launches (routed_swiglu, q8_pair with q_b and with the
-#                                        # compressor update, q8_hc with output_a) against the launches
+#                                        # compressor update, q8_hc with output_a or the head's input,
+#                                        # compressor_pool with the rows finished) against the launches
 #                                        # they replace, then fast vs reference and the research checks,
 #                                        # then each merge's stream A/B at 4096 (~25 min: `merged checks`,
 #                                        # `merged paths`, `merged speed router q_b`, `merged speed

@@ -57,7 +57,7 @@ def _merged(step: str) -> Callable[[Model, bool], None]:
 # name -> (what A and B are, the setter: variant A when given True)
 VARIANTS: dict[str, tuple[str, str, Callable[[Model, bool], None]]] = {
     "hc_input": ("HC input in the product's last block", "HC input apart (hc_mix + hc_pre)", _hc_input),
-    **{step: (f"{step} in the next step's launch", f"{step} in its own launch", _merged(step))
+    **{step: (f"{step} in another step's launch", f"{step} in its own launch", _merged(step))
        for step in MERGED_LAUNCHES},
 }
 

@@ -570,7 +570,7 @@ def compressor_pool(rows: list[EmittedRow], ratio: int, overlap: bool,
     hscale = tuple(float(np.float32(1.0 / np.sqrt(r.width))) for r in rows) + (1.0,) * (2 - len(rows))
     threads = 128                                                     # row_finish's: the same norm sums
     outs = _fused("compressor_pool")(
-        inputs=[*parts[:5], *parts[5:], _constant(eps), cos, sin, _constant((pos,), mx.int32), _constant(hscale),
+        inputs=[*parts, _constant(eps), cos, sin, _constant((pos,), mx.int32), _constant(hscale),
                 _carry_table()],
         template=[*template, ("RATIO", ratio), ("OVERLAP", overlap), ("FINISH", finish),
                   ("NROT", 2 * cos.shape[-1] if finish else 0)],

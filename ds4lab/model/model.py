@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 NUMERICS = MODES
 
-# Decode steps that run in the launch of the step after them (`Model.merged_launches`): "q_b",
+# Decode steps that run in another step's launch (`Model.merged_launches`): "q_b",
 # q_b's product in the q_a / kv launch; "output_a", the grouped output product in the launch
 # of output_b and the HC step (with the FFN's input made there); "router", the router in the
 # routed experts' launch where no hook reads the experts; "compressor_slot", a compressed
@@ -100,7 +100,7 @@ class Model:
         # process (`bench/stream_ab.py`).
         self.hc_input_in_product = True
         self._head_hc: HCInput | None = None      # see `_head_input`
-        # ... and the MERGED_LAUNCHES run in the launch of the step after them (the same values;
+        # ... and the MERGED_LAUNCHES run in another step's launch (the same values;
         # a name taken out gives that step its own launch again, for `bench/stream_ab.py`).
         self.merged_launches = set(MERGED_LAUNCHES)
 
@@ -280,7 +280,7 @@ class Model:
                 next_input = (self._hc_input(layers[il + 1], "attn") if _prefix(layers[il + 1]) not in slow
                               and self.hc_input_in_product else None)
             else:
-                next_input = self._head_input() if self._head_in_product() else None
+                next_input = self._head_input() if self._head_in_product(slow) else None
             streams, chosen, ready = self.block(layer, new.layers[il], streams, p0, rotations[kind], token_ids, mm,
                                                 ready, next_input)
             if len(tokens) > 1:
@@ -358,7 +358,7 @@ class Model:
             partial(self._attention_inputs, indexed=indexed, finish_kv=not mm.fast, finish_q=not q_in_attention,
                     shift=shift),
             streams, rotation.cos, rotation.sin,
-            frontier_state(comps, [cache.frontier, cache.index_frontier][:len(comps)], p0) if merge else (),
+            frontier_state(comps, cache.frontiers(), p0) if merge else (),
             *(ready or ()))
         t, n_kept = kv.shape[0], cache.raw.shape[0]
         row_in_attention = q_in_attention and t == 1
@@ -481,8 +481,7 @@ class Model:
         index_rows = None
         if made:                   # the slots made in the q_a / kv launch; the rows they complete in one more
             afters = [Frontier(*made[i:i + 2]) for i in range(0, len(made), 2)]
-            emitted = emitted_rows(self._layer_compressors(layer),
-                                   [cache.frontier, cache.index_frontier][:len(afters)], afters, p0)
+            emitted = emitted_rows(self._layer_compressors(layer), cache.frontiers(), afters, p0)
             rows, cache.frontier = emitted[0], afters[0]
             if len(afters) > 1:
                 index_rows, cache.index_frontier = emitted[1], afters[1]
@@ -649,15 +648,16 @@ class Model:
         if not self.numerics.fast:
             return
         mx.eval([layer.fast_inputs() for layer in self.weights.layers])
-        if self._head_in_product():
+        if self._head_in_product(self._reference_blocks()):
             self._head_input()
 
-    def _head_in_product(self) -> bool:
+    def _head_in_product(self, slow: dict[str, list[str]]) -> bool:
         """Whether the last block's last launch makes the output head's input (`_head_input`):
-        on the fast path, unless the last block runs on the reference composition or a hook
-        reads the head's weights (which that launch keeps to itself)."""
+        on the fast path, unless the last block runs on the reference composition (it is in
+        `slow`, `_reference_blocks`) or a hook reads the head's weights (which that launch
+        keeps to itself)."""
         return (self.numerics.fast and self.hc_input_in_product and "head" in self.merged_launches
-                and _prefix(self.weights.layers[-1]) not in self._reference_blocks()
+                and _prefix(self.weights.layers[-1]) not in slow
                 and not self._hooks.wants("hook_final_weights"))
 
     def _head_input(self) -> HCInput:

@@ -59,6 +59,10 @@ class LayerCache:
             self.raw = keys if keys.shape[0] <= n_swa else keys[-n_swa:]
         return keys
 
+    def frontiers(self) -> list[Frontier]:
+        """The compressor frontiers: none, the attention's, then (ratio 4) the indexer's."""
+        return [f for f in (self.frontier, self.index_frontier) if f is not None]
+
     def append_compressed(self, rows: mx.array) -> mx.array:
         """Append emitted compressed rows; return them all. (Most decode steps emit none: then
         no operation is added to the step.)"""
@@ -114,6 +118,6 @@ class SessionState:
         frontiers, the logits and final streams, the MTP head's (what `mx.eval` settles)."""
         caches = self.layers + ([self.mtp.ring] if self.mtp is not None else [])
         out = [a for c in caches for a in (c.raw, c.comp, c.index_comp) if a is not None]
-        out += [a for c in caches for f in (c.frontier, c.index_frontier) if f is not None for a in (f.kv, f.score)]
+        out += [a for c in caches for f in c.frontiers() for a in (f.kv, f.score)]
         extra = (self.logits, self.hidden) + ((self.mtp.out, self.mtp.logits) if self.mtp is not None else ())
         return out + [a for a in extra if a is not None]
