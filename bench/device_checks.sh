@@ -25,9 +25,6 @@
 #   bash bench/device_checks.sh stream   # the research checks (a greedy stream straight after a prefill among
 #                                        # them), then the issue's 43-layer bench at 128 and 4096 with the
 #                                        # stream in 3 rounds of 64 steps (~6 min)
-#   bash bench/device_checks.sh ahead    # the greedy stream two steps ahead of its token reads against one
-#                                        # (stream_ab.py, one process), then the issue's bench at 4096 under
-#                                        # glibc's malloc and under jemalloc (~8 min)
 #   bash bench/device_checks.sh warm     # every kernel variant of a 43-layer run compiled into .ptx_cache
 #                                        # (bench/warm_kernels.py; ~4 min on 2 cores, so best made on
 #                                        # the CPU machine and carried)
@@ -136,19 +133,6 @@ stream() {
     step research 200 python3 bench/check_device_research.py
     step decode43 280 python3 bench/bench_model.py --in-memory --layers 43 --prompt 128 4096 --steps 64 --rounds 3
 }
-ahead() {
-    # The stream's encoding worker spent ~43% of its samples inside free() (2026-12-05,
-    # sample_stacks.sh: cudaGraphDestroy and MLX's arrays made on the generator's thread): the
-    # same bench with jemalloc preloaded (libjemalloc2's .so, carried in .tools/malloc).
-    step ab_steps_ahead 200 python3 bench/stream_ab.py --layers 43 --context 4096 --steps 32 --rounds 3 \
-        --variant steps_ahead
-    step decode43_4096 200 python3 bench/bench_model.py --in-memory --layers 43 --prompt 4096 --steps 64 --rounds 3
-    if [ -f .tools/malloc/libjemalloc.so.2 ]; then
-        step decode43_4096_jemalloc 200 env LD_PRELOAD="$PWD/.tools/malloc/libjemalloc.so.2" \
-            python3 bench/bench_model.py --in-memory --layers 43 --prompt 4096 --steps 64 --rounds 3
-    fi
-}
-
 case "${1:-all}" in
     checks) checks ;;
     speed) speed ;;
@@ -157,8 +141,7 @@ case "${1:-all}" in
     geometry) geometry ;;
     merged) shift; merged "$@" ;;
     stream) stream ;;
-    ahead) ahead ;;
     warm) step warm 900 python3 bench/warm_kernels.py --cache .ptx_cache ;;
     all) checks; speed ;;
-    *) echo "usage: $0 [checks|speed|split|graphs|geometry|merged [checks|paths|speed]|stream|ahead|warm|all]" >&2; exit 2 ;;
+    *) echo "usage: $0 [checks|speed|split|graphs|geometry|merged [checks|paths|speed]|stream|warm|all]" >&2; exit 2 ;;
 esac

@@ -18,8 +18,6 @@ Variants (`--variant`):
   `q8_matvec` first), a compressed layer's frontier update beside q_a's product (`q8_pair`,
   or `compressor_slot` after it), the output head's HC weights, collapse and norm by the last
   block's `q8_hc` (or `row_finish` and MLX's operations after it).
-- `steps_ahead`: the stream reads a token with the two steps after it queued (A, the default:
-  `generation.STEPS_AHEAD`) or with one (B: the host waits for each step's last commit).
 
     python bench/stream_ab.py [--layers 43] [--context 4096] [--steps 16] [--rounds 5] [--variant NAME]
 
@@ -39,7 +37,6 @@ from collections.abc import Callable
 import mlx.core as mx
 from bench_model import WARM_STEPS
 
-from ds4lab import generation
 from ds4lab.config import preset
 from ds4lab.generation import stream
 from ds4lab.model import Model
@@ -51,10 +48,6 @@ def _hc_input(model: Model, a: bool) -> None:
     model.hc_input_in_product = a
 
 
-def _steps_ahead(model: Model, a: bool) -> None:
-    generation.STEPS_AHEAD = 2 if a else 1
-
-
 def _merged(step: str) -> Callable[[Model, bool], None]:
     def choose(model: Model, a: bool) -> None:
         (model.merged_launches.add if a else model.merged_launches.discard)(step)
@@ -64,7 +57,6 @@ def _merged(step: str) -> Callable[[Model, bool], None]:
 # name -> (what A and B are, the setter: variant A when given True)
 VARIANTS: dict[str, tuple[str, str, Callable[[Model, bool], None]]] = {
     "hc_input": ("HC input in the product's last block", "HC input apart (hc_mix + hc_pre)", _hc_input),
-    "steps_ahead": ("two steps queued ahead of a token read", "one step queued ahead", _steps_ahead),
     **{step: (f"{step} in another step's launch", f"{step} in its own launch", _merged(step))
        for step in MERGED_LAUNCHES},
 }

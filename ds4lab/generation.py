@@ -182,58 +182,40 @@ def stream(model, prompt: Sequence[int], max_tokens: int = 256, sampling: Sampli
         logits = session.decode(step.token)
 
 
-# How many steps greedy decoding builds and queues before it reads a token. With one, the
-# host waited for each token as soon as it had queued the next step, and a step's last
-# commit (up to 100 kernels, MLX_MAX_OPS_PER_BUFFER) runs only once its encoding ends: on the
-# H200 the 43-layer step at 4096 tokens waited 4.2 ms for that tail before it could build the
-# next (2026-12-05: encoded in 13.6 ms, built in 12.7, 60 tok/s). With two, the token read
-# comes from the step queued before the one just handed over, long finished by then.
-STEPS_AHEAD = 2
-
-
 def _greedy_pipelined(session, logits: mx.array, emitter: Emitter, max_tokens: int,
                       encoder: _InlineEncoder | _WorkerEncoder) -> Iterator[Step]:
-    """Greedy decoding with the host `STEPS_AHEAD` steps ahead of the device (mlx-lm's
-    pattern, one deeper): the argmax stays on the device, the following steps' graphs are built
-    from the unread tokens and handed to the encoder (queued for the device) before a token is
-    read, so building a step's graph overlaps the device computing the ones before. Each state
-    built holds the unread tokens as device scalars, replaced by their ids once read. While a
-    step is yielded the session shows the state before its token (as plain decoding would
-    leave it); no step past the last token is built, and a caller that stops early leaves the
-    steps built ahead unread."""
+    """Greedy decoding with the host one step ahead of the device (mlx-lm's pattern): the
+    argmax stays on the device, the next step's graph is built from it and handed to the
+    encoder (queued for the device) before the token is read, so building a step's graph
+    overlaps the device computing the one before. The next step runs on the state *after*
+    the token yielded; the session shows the state before it until the caller asks for the
+    next step (as plain decoding would leave it), and after the last step nothing extra is
+    consumed."""
     try:
         with encoder.stream():
             chosen = mx.argmax(logits)                 # the lowest id on ties, as `sample`
         encoder.submit([chosen])
-        # (the state before token j, the logits that predict it, its argmax), for each token
-        # j read or not yet read; the first is the next to read
-        ahead = [(session.state, logits, chosen)]
         for index in range(max_tokens):
-            built = False
-            while index + len(ahead) - 1 < min(index + STEPS_AHEAD, max_tokens - 1):
-                if session.model.hooked:               # a hook may evaluate while the step is built
-                    encoder.settle()
-                newest, _, unread = ahead[-1]
-                session.state = newest
-                with encoder.stream():
-                    upcoming = session.decode(unread)  # built from the unread token
-                    following = mx.argmax(upcoming)
-                encoder.settle()                       # the step before is now queued
-                encoder.submit([upcoming, following])
-                ahead.append((session.state, upcoming, following))
-                built = True
-            if not built:                              # nothing follows: the worker done first
+            if index == max_tokens - 1:                # nothing follows the last step
                 encoder.settle()
-            before, step_logits, chosen = ahead.pop(0)
-            token = int(chosen.item())                 # from a step queued before the last handed over
-            at = before.n_tokens
-            for later, _, _ in ahead:
-                later.tokens[at] = token
-            session.state = before
-            step = emitter.step(token, step_logits)
+                yield emitter.step(int(chosen.item()), logits)
+                return
+            if session.model.hooked:                   # a hook may evaluate while the step is built
+                encoder.settle()
+            before = session.state
+            with encoder.stream():
+                upcoming = session.decode(chosen)      # built from the unread token
+                following = mx.argmax(upcoming)
+            encoder.settle()                           # `chosen`'s step (or `chosen`) is now queued
+            encoder.submit([upcoming, following])
+            token = int(chosen.item())                 # a wait on the device
+            after, session.state = session.state, before
+            after.tokens[-1] = token
+            step = emitter.step(token, logits)
             yield step
             if step.finish:
                 return
+            session.state, logits, chosen = after, upcoming, following
     finally:
         encoder.close()
 
