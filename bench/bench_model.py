@@ -34,7 +34,7 @@ from ds4lab import generation
 from ds4lab.config import preset
 from ds4lab.generation import stream
 from ds4lab.model import Model
-from ds4lab.model.model import MERGED_LAUNCHES
+from ds4lab.model.model import DEFAULT_MERGED, MERGED_LAUNCHES
 from ds4lab.model.random_weights import random_weights
 from ds4lab.model.weights import ModelWeights
 from ds4lab.quants import imatrix
@@ -196,8 +196,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="greedy streams of --steps timed from one state")
     parser.add_argument("--prefill-only", action="store_true", help="only prefill tok/s of each --prompt length")
     parser.add_argument("--op-histogram", action="store_true", help="print a decode step's primitives by name")
-    parser.add_argument("--separate", nargs="+", default=[], choices=MERGED_LAUNCHES,
-                        help="steps given their own launch again (out of `Model.merged_launches`; in-memory)")
+    parser.add_argument("--merged", nargs="*", default=None, choices=MERGED_LAUNCHES,
+                        help="the steps run in another step's launch (`Model.merged_launches`; default: "
+                             f"{', '.join(DEFAULT_MERGED)}; none when given alone; in-memory)")
     parser.add_argument("--empty-kernels", action="store_true",
                         help="every custom kernel returns at once (launched with its inputs, outputs and grid, "
                              "its values garbage): the step's host and launch floor, without the kernels' work")
@@ -215,9 +216,11 @@ def main() -> None:
         weights = random_weights(cfg, args.variant)
         print(f"built {cfg.n_layer}-layer flash-dims {args.variant} in memory: {weights.nbytes / 2**30:.1f} GiB "
               f"in {time.perf_counter() - t:.0f} s")
-        name = f"flash-dims {cfg.n_layer}L {args.variant} (memory)" + "".join(f", {s} apart" for s in args.separate)
         model = Model(weights)
-        model.merged_launches -= set(args.separate)
+        if args.merged is not None:
+            model.merged_launches = set(args.merged)
+        name = (f"flash-dims {cfg.n_layer}L {args.variant} (memory), merged: "
+                f"{', '.join(sorted(model.merged_launches)) or 'none'}")
         if args.prefill_only:
             bench_prefill(name, model, args.prompt)
         else:

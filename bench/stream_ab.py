@@ -12,7 +12,8 @@ Variants (`--variant`):
 - `hc_input`: the sublayer's HC input made by the last launch of the sublayer before (A, the
   default: `q8_hc`'s last block) or apart (B: `hc_mix` + `hc_pre`, two launches a sublayer).
 - `router`, `q_b`, `output_a`, `compressor_slot`, `head`: that step in the launch of another
-  (A, the default: `Model.merged_launches`) or in its own launches (B): the router before the
+  (A) or in its own launches (B), the other steps as `Model.merged_launches` has them (by
+  default only the head merged, `model.DEFAULT_MERGED`): the router before the
   routed experts (`routed_swiglu`, or `router` + `expert_swiglu`), q_b's product after q_a's
   (`q8_pair`, then `q8_matvec`), the grouped output product before output_b's (`q8_hc`,
   `q8_matvec` first), a compressed layer's frontier update beside q_a's product (`q8_pair`,

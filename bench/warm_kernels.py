@@ -25,6 +25,7 @@ import mlx.core as mx
 
 from ds4lab.config import preset
 from ds4lab.model import Model, kernel_cache
+from ds4lab.model.model import MERGED_LAUNCHES
 from ds4lab.model.random_weights import random_weights
 
 
@@ -48,8 +49,9 @@ def main() -> None:
                 logits = session.prefill([1000 + i for i in range(context)])
                 for _ in range(args.steps):
                     logits = session.decode(mx.argmax(logits))
-                model.merged_launches.clear()              # `stream_ab.py`'s B variants
-                mx.eval(session.decode(mx.argmax(logits)))
+                for merged in (MERGED_LAUNCHES, ()):      # every merge, and none (`stream_ab.py`)
+                    model.merged_launches = set(merged)
+                    mx.eval(session.decode(mx.argmax(logits)))
         variants += [v for v in recorded if v not in variants]
     recorded_at = time.perf_counter()
     directory = args.cache.absolute() if args.cache else kernel_cache.cache_dir()

@@ -23,6 +23,7 @@ from ds4lab import generation
 from ds4lab.config import preset
 from ds4lab.model import Model, attention, compressor, hc, kernel_cache, kernels, moe
 from ds4lab.model import numerics as nm
+from ds4lab.model.model import MERGED_LAUNCHES
 from ds4lab.model.random_weights import _expert_blocks, random_weights
 from ds4lab.model.rope import Rotation, apply_rope_tail, yarn_for
 from ds4lab.model.weights import Q8Matrix
@@ -632,25 +633,30 @@ def _prefill_and_decode(model: Model, tokens: list[int], decoded: int) -> tuple[
     return full, np.stack([np.array(session.decode(t)) for t in tokens[-decoded:]])
 
 
-@pytest.mark.parametrize("weights_fixture", ["small_weights", "tiny_weights"])
-def test_fast_path_wiring_matches_the_reference(request, weights_fixture, stand_in_kernels):
+@pytest.mark.parametrize("weights_fixture, merged", [("small_weights", "default"), ("tiny_weights", "default"),
+                                                     ("small_weights", "all")])
+def test_fast_path_wiring_matches_the_reference(request, weights_fixture, merged, stand_in_kernels):
     """Every kernel called, with arguments that reproduce the reference composition, in a
     prefill and in decode steps; 76 tokens: the tiny shape's indexer (top-k 16 of ratio-4
-    rows) selects from position 68 on."""
+    rows) selects from position 68 on. With the merged launches the model has by default, and
+    with every one (`MERGED_LAUNCHES`)."""
     model = Model(request.getfixturevalue(weights_fixture))
+    if merged == "all":
+        model.merged_launches = set(MERGED_LAUNCHES)
     tokens = [(37 * i + 11) % 1000 + 100 for i in range(76)]
     assert model.numerics.fast
     fast_full, fast_decoded = _prefill_and_decode(model, tokens, 6)
     # (decode attention over shares of its keys takes 1024 keys or more: its own test; the
     # shared expert's SwiGLU is made in the routed experts' launch unless ffn.hook_out is
     # hooked: q8_swiglu then, in the boundary-hook test; the routed down products are made
-    # by the FFN's q8_hc unless ffn.hook_routed_out is hooked: expert_matvec then; a decode
-    # step routes inside the routed experts' launch unless a hook reads the experts: router
-    # and expert_swiglu then, in the forced-experts test; a chunk's router reads its logits
-    # from a GEMM; a decode token's compressor frontiers are made in the q_a / kv launch, and
-    # compressor_slot is its own launch only once taken out of the merged launches: the
-    # launch-count test)
-    every = (set(STAND_INS) - {"attention_shares", "q8_swiglu", "compressor_slot"}) | {"routed_swiglu", "quant_gemm"}
+    # by the FFN's q8_hc unless ffn.hook_routed_out is hooked: expert_matvec then; a chunk's
+    # router reads its logits from a GEMM, a prefill's routed experts are expert_swiglu's.
+    # Merged, a decode step routes inside the routed experts' launch (router and expert_swiglu
+    # apart: with a hook that reads the experts, or unmerged) and its compressor frontiers are
+    # made in the q_a / kv launch)
+    every = (set(STAND_INS) - {"attention_shares", "q8_swiglu"}) | {"expert_swiglu", "quant_gemm"}
+    if merged == "all":
+        every = every - {"compressor_slot", "expert_swiglu"} | {"routed_swiglu"}
     assert set(stand_in_kernels) == every, f"kernels never called: {every - set(stand_in_kernels)}"
     model.numerics.allow_fast = False
     ref_full, ref_decoded = _prefill_and_decode(model, tokens, 6)
@@ -979,6 +985,7 @@ def test_a_decode_step_finishes_q_and_kv_rows_without_launches_of_their_own(smal
     merged step in its own launch again (`Model.merged_launches` emptied, as stream_ab.py's
     B): the same logits and frontiers."""
     model = Model(small_weights)
+    model.merged_launches = set(MERGED_LAUNCHES)
     session = model.session()
     session.prefill([(37 * i + 11) % 1000 + 100 for i in range(10)])
     stand_in_kernels.clear()
@@ -1020,9 +1027,11 @@ def test_a_decode_step_shares_launches_where_parts_read_the_same_input(small_wei
     choice of rows in another, its two compressors' slots in the q_a / kv launch (q8_pair), the
     router (its logits too, a hash layer's as well) and the shared expert's SwiGLU in the routed
     experts' launch, the routed down products in the FFN's last product (q8_hc); no norm launch
-    for the indexer's q_a."""
+    for the indexer's q_a. (Every merge on: by default the router and the slots have their
+    own launches.)"""
     cfg = small_weights.config
     model = Model(small_weights)
+    model.merged_launches = set(MERGED_LAUNCHES)
     session = model.session()
     session.prefill([(37 * i + 11) % 1000 + 100 for i in range(21)])
     stand_in_kernels.clear()
@@ -1050,7 +1059,8 @@ def test_a_decode_step_that_completes_windows_finishes_their_rows_in_one_launch_
     stand_in_kernels.clear()
     fast = np.array(session.decode(321))
     assert stand_in_kernels["compressor_pool"] == cfg.compress_ratios.count(4) > 0
-    assert "row_finish" not in stand_in_kernels and "compressor_slot" not in stand_in_kernels
+    assert "row_finish" not in stand_in_kernels
+    assert stand_in_kernels["compressor_slot"] == sum(r > 0 for r in cfg.compress_ratios)      # not merged
     fast_next = np.array(session.decode(77))
     model.numerics.allow_fast = False
     session.state = state

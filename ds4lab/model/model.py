@@ -55,6 +55,15 @@ NUMERICS = MODES
 # as every sublayer's input is (unless a hook reads the head's weights).
 MERGED_LAUNCHES = ("q_b", "output_a", "router", "compressor_slot", "head")
 
+# ... and the ones merged unless asked (`Model.merged_launches`). On the H200 (2026-12-05,
+# 43 layers at 4096 tokens, greedy stream, `bench/stream_ab.py`, each in one process) the
+# router's merge cost 18% (71.6 against 87.9 tok/s: its experts' blocks wait on the one block
+# that routes, each holding an SM), and q_b's, output_a's and compressor_slot's 1-2% each
+# (their waiting blocks again; 90.5 tok/s without the four against 86.1 without the router's),
+# while the host's time they save no longer bounds the step. The head's gained 2%: its
+# launch waits for nothing.
+DEFAULT_MERGED = ("head",)
+
 # Hook points the fast path fires, replacements included, at full speed: the block boundaries
 # (and, through them, steering and forced experts), the sublayers' inputs and the routed
 # experts' SwiGLU activations (read-only; with hook_in and hook_experts, what imatrix
@@ -100,9 +109,9 @@ class Model:
         # process (`bench/stream_ab.py`).
         self.hc_input_in_product = True
         self._head_hc: HCInput | None = None      # see `_head_input`
-        # ... and the MERGED_LAUNCHES run in another step's launch (the same values;
-        # a name taken out gives that step its own launch again, for `bench/stream_ab.py`).
-        self.merged_launches = set(MERGED_LAUNCHES)
+        # ... and which of the MERGED_LAUNCHES run in another step's launch (the same values;
+        # any set of them: for measuring them, `bench/stream_ab.py`).
+        self.merged_launches = set(DEFAULT_MERGED)
 
     # ---- public entry points --------------------------------------------------------
     def __call__(self, tokens, experts=None) -> mx.array:
