@@ -107,10 +107,10 @@ geometry() {
 }
 
 merged() {
-    # The five steps run in the launch of another (2026-12-04 and -05, not yet run on a
-    # GPU): their bars first (each against its two launches: the same bits expected), then the
-    # paths and the research checks, then each merge's stream against its two launches in one
-    # process. One call each (a call may run 10 minutes: `merged speed router q_b`, then
+    # The five steps that can run in the launch of another (2026-12-05 on the H200: the same
+    # bits; only the head's merge by default, `model.DEFAULT_MERGED`): their bars first (each
+    # against its two launches), then the paths and the research checks, then each merge's
+    # stream against its two launches in one process. One call each (a call may run 10 minutes: `merged speed router q_b`, then
     # `merged speed output_a compressor_slot head`).
     local part="${1:-checks}"
     shift || true
