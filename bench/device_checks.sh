@@ -24,7 +24,8 @@
 #                                        # output_a compressor_slot head`)
 #   bash bench/device_checks.sh stream   # the research checks (a greedy stream straight after a prefill among
 #                                        # them), then the 43-layer bench at 128 and 4096 with the
-#                                        # stream in 3 rounds of 64 steps (~6 min)
+#                                        # stream in 3 rounds of 64 steps (~6 min), then the .ptx_cache
+#                                        # with MLX's own kernels added, back as $OUT/ptx_cache.tgz
 #   bash bench/device_checks.sh warm     # every kernel variant of a 43-layer run compiled into .ptx_cache
 #                                        # (bench/warm_kernels.py; ~4 min on 2 cores, so best made on
 #                                        # the CPU machine and carried)
@@ -132,6 +133,18 @@ merged() {
 stream() {
     step research 200 python3 bench/check_device_research.py
     step decode43 280 python3 bench/bench_model.py --in-memory --layers 43 --prompt 128 4096 --steps 64 --rounds 3
+    pack_kernels
+}
+
+pack_kernels() {
+    # MLX's own kernels (the fused elementwise ones of each compiled sublayer, its reductions
+    # and sorts) compile with NVRTC on a new machine's first process, one at a time: the
+    # first 43-layer bench of a call took ~4 minutes where the same one took 20 s after it
+    # (2026-12-05). They land in the .ptx_cache as cubins beside the ones `warm` made; this
+    # hands the folder back (one file, $OUT/ptx_cache.tgz) to unpack here and carry next time.
+    if [ -n "${OUT:-}" ] && [ -d .ptx_cache ]; then
+        tar czf "$OUT/ptx_cache.tgz" .ptx_cache && ls -l "$OUT/ptx_cache.tgz"
+    fi
 }
 case "${1:-all}" in
     checks) checks ;;
