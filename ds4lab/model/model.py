@@ -56,12 +56,12 @@ NUMERICS = MODES
 MERGED_LAUNCHES = ("q_b", "output_a", "router", "compressor_slot", "head")
 
 # ... and the ones merged unless asked (`Model.merged_launches`). On the H200 (2026-12-05,
-# 43 layers at 4096 tokens, greedy stream, `bench/stream_ab.py`, each in one process) the
+# 43 layers at 4096 tokens, greedy stream, `bench/stream_ab.py`, each A/B in one process) the
 # router's merge cost 18% (71.6 against 87.9 tok/s: its experts' blocks wait on the one block
 # that routes, each holding an SM), and q_b's, output_a's and compressor_slot's 1-2% each
-# (their waiting blocks again; 90.5 tok/s without the four against 86.1 without the router's),
-# while the host's time they save no longer bounds the step. The head's gained 2%: its
-# launch waits for nothing.
+# (their waiting blocks again; `bench_model.py`: 90.5 tok/s with none of the four against
+# 86.1 with only the router's left out): the host time they save does not make up for the
+# device time they cost. The head's gained 2%: its launch waits for nothing.
 DEFAULT_MERGED = ("head",)
 
 # Hook points the fast path fires, replacements included, at full speed: the block boundaries
