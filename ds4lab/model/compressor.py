@@ -19,6 +19,7 @@ KV files agree with ds4.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -104,13 +105,12 @@ class Compressor:
         """Feed a chunk of tokens at positions p0..: the rows it completes, [E, width], normed, rotated to each window's
         first position, rounded and stored as f16; and the new frontier.
 
-        A fast-path decode token takes kernels: the frontier's update (`kernels.compressor_slot`;
-        with the layer's other compressor in the same launch, `decode_pair`) and, when the token completes a window, its
+        A fast-path decode token takes kernels: the frontier's update (`decode_slots`; with the
+        layer's other compressor in the same launch) and, when the token completes a window, its
         row pooled from the frontiers before and after and finished (`emitted_rows`). The CPU's native path runs
         `compress_chunk` as one native call (`cpu_kernels`)."""
         if mm.fast and x.shape[0] == 1:
-            slot, row, shift = self.decode_slot(p0)
-            after = Frontier(*kernels.compressor_slot(x, self.slot_inputs(frontier), row, slot, shift))
+            (after,) = decode_slots([self], [frontier], x, p0)
             return emitted_rows([self], [frontier], [after], p0)[0], after
         kv, score = self.project(x, p0, mm)
         if mm.native:
@@ -143,16 +143,19 @@ class Compressor:
         return kv, gate, self.ape, frontier.kv, frontier.score
 
 
-def decode_pair(first: Compressor, second: Compressor, frontiers: tuple[Frontier, Frontier], x: mx.array,
-                p0: int) -> tuple[tuple[mx.array, Frontier], tuple[mx.array, Frontier]]:
-    """`step` of a ratio-4 layer's two compressors (the attention's and the indexer's: the same
-    ratio, so the same slot) for a fast-path decode token, both slot writes in one kernel."""
-    slot, row, shift = first.decode_slot(p0)
-    kv, score, kv2, score2 = kernels.compressor_slot(x, first.slot_inputs(frontiers[0]), row, slot, shift,
-                                                     second=second.slot_inputs(frontiers[1]))
-    afters = [Frontier(kv, score), Frontier(kv2, score2)]
-    rows = emitted_rows([first, second], list(frontiers), afters, p0)
-    return (rows[0], afters[0]), (rows[1], afters[1])
+def decode_slots(compressors: list[Compressor], frontiers: list[Frontier], x: mx.array, p0: int) -> list[Frontier]:
+    """The frontiers after a fast-path decode token x at p0 of a layer's compressors (one, or a
+    ratio-4 layer's two: the attention's and the indexer's, the same ratio, so the same slot),
+    both slot writes in one `compressor_slot` launch."""
+    slot, row, shift = compressors[0].decode_slot(p0)
+    second = compressors[1].slot_inputs(frontiers[1]) if len(compressors) > 1 else None
+    return frontier_pairs(kernels.compressor_slot(x, compressors[0].slot_inputs(frontiers[0]), row, slot, shift,
+                                                  second=second))
+
+
+def frontier_pairs(arrays: Sequence[mx.array]) -> list[Frontier]:
+    """(kv, score, kv, score, ...) as Frontiers."""
+    return [Frontier(*arrays[i:i + 2]) for i in range(0, len(arrays), 2)]
 
 
 def emitted_rows(compressors: list[Compressor], befores: list[Frontier], afters: list[Frontier],
@@ -183,7 +186,7 @@ def launch_slots(compressors: list[Compressor], state: tuple[mx.array, ...], shi
     from `state` = (at, then each frontier's kv and score): `frontier_state`'s arrays; `shift`
     as `decode_slot` gives it."""
     at, *fronts = state
-    groups = [c.slot_inputs(Frontier(*fronts[2 * i:2 * i + 2])) for i, c in enumerate(compressors)]
+    groups = [c.slot_inputs(f) for c, f in zip(compressors, frontier_pairs(fronts), strict=True)]
     return kernels.CompressorSlots(groups[0], groups[1] if len(groups) > 1 else None, at, shift)
 
 

@@ -31,7 +31,16 @@ import pandas as pd
 from ..config import ModelConfig, has_indexer
 from ..hooks import ActivationCache, HookFn, HookRegistry, NameFilter, Scope, floats_per_token, hook_names
 from . import attention, cpu_kernels, indexer, kernels, moe
-from .compressor import Compressor, Frontier, decode_pair, emitted_rows, frontier_state, launch_slots, row_span
+from .compressor import (
+    Compressor,
+    Frontier,
+    decode_slots,
+    emitted_rows,
+    frontier_pairs,
+    frontier_state,
+    launch_slots,
+    row_span,
+)
 from .hc import HCControl, hc_collapse, hc_control, hc_expand, hc_expand_q8, hc_fused_input, hc_head_weights
 from .kernels import HCInput
 from .numerics import MODES, Numerics, Schedule, batch_invariant_device, joined
@@ -488,15 +497,15 @@ class Model:
         cfg, comps, t = self.config, self._compressors[layer.index], xa.shape[0]
         window = _window_mask(p0, t, n_kept, cfg.n_swa)
         index_rows = None
-        if made:                   # the slots made in the q_a / kv launch; the rows they complete in one more
-            afters = [Frontier(*made[i:i + 2]) for i in range(0, len(made), 2)]
-            emitted = emitted_rows(self._layer_compressors(layer), cache.frontiers(), afters, p0)
+        if made or (mm.fast and t == 1):
+            # A decode token: its compressors' slots (made in the q_a / kv launch, else both in
+            # one launch here), then the rows they complete in one more.
+            compressors, befores = self._layer_compressors(layer), cache.frontiers()
+            afters = frontier_pairs(made) if made else decode_slots(compressors, befores, xa, p0)
+            emitted = emitted_rows(compressors, befores, afters, p0)
             rows, cache.frontier = emitted[0], afters[0]
             if len(afters) > 1:
                 index_rows, cache.index_frontier = emitted[1], afters[1]
-        elif has_indexer(layer.ratio) and mm.fast and t == 1:      # both compressors' slots in one launch
-            (rows, cache.frontier), (index_rows, cache.index_frontier) = decode_pair(
-                comps["attn"], comps["indexer"], (cache.frontier, cache.index_frontier), xa, p0)
         else:
             rows, cache.frontier = comps["attn"].step(cache.frontier, xa, p0, mm)
         comp = cache.append_compressed(h("compressor.hook_rows", rows))
