@@ -1007,9 +1007,8 @@ def test_a_decode_step_finishes_q_and_kv_rows_without_launches_of_their_own(smal
     assert stand_in_kernels["compressor_slot"] == sum(r > 0 for r in small_weights.config.compress_ratios)
     assert stand_in_kernels["row_finish"] == 2                  # the head's: its HC weights' norm, its own
     assert np.abs(unmerged - logits).max() < 1e-5 * logits.std()
-    fronts = [(c.frontier, d.frontier) for c, d in zip(merged_state.layers, session.state.layers, strict=True)
-              if c.frontier is not None] + [(c.index_frontier, d.index_frontier) for c, d in zip(
-              merged_state.layers, session.state.layers, strict=True) if c.index_frontier is not None]
+    fronts = [pair for c, d in zip(merged_state.layers, session.state.layers, strict=True)
+              for pair in zip(c.frontiers(), d.frontiers(), strict=True)]
     assert fronts and all(np.array_equal(np.array(a.kv), np.array(b.kv)) and
                           np.array_equal(np.array(a.score), np.array(b.score)) for a, b in fronts)
     # made apart (for measuring the two): each sublayer's own hc_mix and hc_pre, the same logits
