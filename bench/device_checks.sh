@@ -26,6 +26,10 @@
 #                                        # them), then the issue's 43-layer bench at 128 and 4096 with the
 #                                        # stream in 3 rounds of 64 steps (~6 min), then the .ptx_cache
 #                                        # with MLX's own kernels added, back as $OUT/ptx_cache.tgz
+#   bash bench/device_checks.sh profile  # where a 43-layer step's device time goes at 4096: ncu per kernel (4
+#                                        # layers, base clock), then the step's device time without the
+#                                        # routed experts' gate/up launch and without q8_hc (one CUDA graph
+#                                        # a step, each kernel priced in place; ~8 min)
 #   bash bench/device_checks.sh warm     # every kernel variant of a 43-layer run compiled into .ptx_cache
 #                                        # (bench/warm_kernels.py; ~4 min on 2 cores, so best made on
 #                                        # the CPU machine and carried)
@@ -130,6 +134,12 @@ merged() {
     esac
 }
 
+profile() {
+    step kernel_times 240 python3 bench/kernel_times.py --layers 4 --context 4096 --steps 2
+    step in_place 300 python3 bench/device_time_ab.py --layers 43 --context 4096 \
+        --variants base without:expert_swiglu without:q8_hc base
+}
+
 stream() {
     step research 200 python3 bench/check_device_research.py
     step decode43 280 python3 bench/bench_model.py --in-memory --layers 43 --prompt 128 4096 --steps 64 --rounds 3
@@ -154,6 +164,7 @@ case "${1:-all}" in
     geometry) geometry ;;
     merged) shift; merged "$@" ;;
     stream) stream ;;
+    profile) profile ;;
     warm) step warm 900 python3 bench/warm_kernels.py --cache .ptx_cache ;;
     all) checks; speed ;;
     *) echo "usage: $0 [checks|speed|split|graphs|geometry|merged [checks|paths|speed]|stream|warm|all]" >&2; exit 2 ;;
