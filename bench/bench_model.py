@@ -199,6 +199,10 @@ def main() -> None:
     parser.add_argument("--merged", nargs="*", default=None, choices=MERGED_LAUNCHES,
                         help="the steps run in another step's launch (`Model.merged_launches`; default: "
                              f"{', '.join(DEFAULT_MERGED)}; none when given alone; in-memory)")
+    parser.add_argument("--commits", nargs="+", type=int, default=(), metavar="LAYER",
+                        help="the greedy stream hands each step to MLX in pieces, up to each of these layers' "
+                             "attention, then the rest (`Model.stream_commits`; run with MLX_MAX_OPS_PER_BUFFER "
+                             "and MLX_MAX_MB_PER_BUFFER past a step, so that MLX commits nowhere else; in-memory)")
     parser.add_argument("--empty-kernels", action="store_true",
                         help="every custom kernel returns at once (launched with its inputs, outputs and grid, "
                              "its values garbage): the step's host and launch floor, without the kernels' work")
@@ -219,8 +223,10 @@ def main() -> None:
         model = Model(weights)
         if args.merged is not None:
             model.merged_launches = set(args.merged)
+        model.stream_commits = tuple(args.commits)
         name = (f"flash-dims {cfg.n_layer}L {args.variant} (memory), merged: "
-                f"{', '.join(sorted(model.merged_launches)) or 'none'}")
+                f"{', '.join(sorted(model.merged_launches)) or 'none'}"
+                + (f", commits at layers {', '.join(map(str, args.commits))}" if args.commits else ""))
         if args.prefill_only:
             bench_prefill(name, model, args.prompt)
         else:

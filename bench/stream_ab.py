@@ -11,6 +11,10 @@ decodes the same tokens), and the medians are compared.
 Variants (`--variant`):
 - `hc_input`: the sublayer's HC input made by the last launch of the sublayer before (A, the
   default: `q8_hc`'s last block) or apart (B: `hc_mix` + `hc_pre`, two launches a sublayer).
+- `commits`: each step handed to MLX in pieces, up to the attention of each `--commits` layer
+  and then the rest (A), or in one piece (B) (`Model.stream_commits`). Run it with MLX's graph
+  limits past a step (MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=100000000), so that
+  each piece is one CUDA graph and B is one graph a step.
 - `router`, `q_b`, `output_a`, `compressor_slot`, `head`: that step in the launch of another
   (A) or in its own launches (B), the other steps as `Model.merged_launches` has them (by
   default only the head merged, `model.DEFAULT_MERGED`): the router before the
@@ -49,6 +53,12 @@ def _hc_input(model: Model, a: bool) -> None:
     model.hc_input_in_product = a
 
 
+def _commits(layers: tuple[int, ...]) -> Callable[[Model, bool], None]:
+    def choose(model: Model, a: bool) -> None:
+        model.stream_commits = layers if a else ()
+    return choose
+
+
 def _merged(step: str) -> Callable[[Model, bool], None]:
     def choose(model: Model, a: bool) -> None:
         (model.merged_launches.add if a else model.merged_launches.discard)(step)
@@ -69,9 +79,12 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--steps", type=int, default=16, help="greedy steps a round")
     parser.add_argument("--rounds", type=int, default=5, help="rounds of each variant, alternating")
-    parser.add_argument("--variant", choices=list(VARIANTS), default="hc_input")
+    parser.add_argument("--variant", choices=[*VARIANTS, "commits"], default="hc_input")
+    parser.add_argument("--commits", nargs="+", type=int, default=[1, 6, 16, 28], metavar="LAYER",
+                        help="with --variant commits: A's layers")
     args = parser.parse_args()
-    name_a, name_b, choose = VARIANTS[args.variant]
+    name_a, name_b, choose = VARIANTS[args.variant] if args.variant != "commits" else (
+        f"commits at layers {', '.join(map(str, args.commits))}", "one piece a step", _commits(tuple(args.commits)))
     model = Model(random_weights(preset("flash-dims", args.layers), "q2"))
     session = model.session()
     mx.eval(session.prefill([1000 + i % 50000 for i in range(args.context)]))

@@ -207,7 +207,7 @@ def _greedy_pipelined(session, logits: mx.array, emitter: Emitter, max_tokens: i
                 upcoming = session.decode(chosen)      # built from the unread token
                 following = mx.argmax(upcoming)
             encoder.settle()                           # `chosen`'s step (or `chosen`) is now queued
-            encoder.submit([upcoming, following])
+            encoder.submit([upcoming, following], _step_pieces(session))
             token = int(chosen.item())                 # a wait on the device
             after, session.state = session.state, before
             after.tokens[-1] = token
@@ -220,14 +220,31 @@ def _greedy_pipelined(session, logits: mx.array, emitter: Emitter, max_tokens: i
         encoder.close()
 
 
+def _step_pieces(session) -> list[mx.array]:
+    """The arrays a decode step is handed over by before the whole of it (`Model.stream_commits`):
+    each listed layer's raw window, made by that layer's attention."""
+    layers = session.state.layers
+    return [layers[il].raw for il in session.model.stream_commits if 0 <= il < len(layers)]
+
+
+def _queue(arrays: list[mx.array], pieces: list[mx.array]) -> None:
+    """`mx.async_eval` of each piece, then of `arrays`: with MLX's graph limits raised past a step
+    (MLX_MAX_OPS_PER_BUFFER, MLX_MAX_MB_PER_BUFFER), one CUDA graph each, committed at the same
+    places every step (so MLX updates its cached graphs instead of building new ones), and the
+    device starts on the first piece while the rest is encoded."""
+    for piece in pieces:
+        mx.async_eval(piece)
+    mx.async_eval(arrays)
+
+
 class _InlineEncoder:
     """Steps queued from this thread (`mx.async_eval` encodes them before it returns)."""
 
     def stream(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
-    def submit(self, arrays: list[mx.array]) -> None:
-        mx.async_eval(arrays)
+    def submit(self, arrays: list[mx.array], pieces: list[mx.array] = ()) -> None:
+        _queue(arrays, list(pieces))
 
     def settle(self) -> None:
         pass
@@ -306,12 +323,12 @@ class _WorkerEncoder:
 
     def _encode(self) -> None:
         unbound = self._driver is not None
-        while (arrays := self._queued.get()) is not None:
+        while (work := self._queued.get()) is not None:
             try:
                 if unbound:                    # the context first (`_cuda_context`)
                     _cuda_context(self._driver, self._context)
                     unbound = False
-                mx.async_eval(arrays)
+                _queue(*work)
                 self._encoded.put(None)
             except BaseException as error:     # handed to the generator, which raises it
                 self._encoded.put(error)
@@ -319,8 +336,8 @@ class _WorkerEncoder:
     def stream(self) -> contextlib.AbstractContextManager:
         return mx.stream(_any_thread_stream())
 
-    def submit(self, arrays: list[mx.array]) -> None:
-        self._queued.put(arrays)
+    def submit(self, arrays: list[mx.array], pieces: list[mx.array] = ()) -> None:
+        self._queued.put((arrays, list(pieces)))
         self._busy = True
 
     def settle(self) -> None:

@@ -116,9 +116,19 @@ def test_dump_logprobs_are_the_models_and_scoring_is_exact(tmp_path, tiny):
     assert row["mean_abs_logprob_diff"] == pytest.approx(0.25 / 4, abs=1e-12)
 
 
-def test_greedy_stream_runs_ahead_yet_leaves_the_session_as_plain_decoding(tmp_path, tiny):
+@pytest.fixture(params=[(), (0, 1, 99)], ids=["one piece", "pieces"])
+def commits(request, tiny):
+    """The greedy stream handing each step over in one piece, or in pieces up to layers 0 and 1
+    (and a layer past the model's, which is left out)."""
+    tiny.stream_commits = request.param
+    yield request.param
+    tiny.stream_commits = ()
+
+
+def test_greedy_stream_runs_ahead_yet_leaves_the_session_as_plain_decoding(tmp_path, tiny, commits):
     """Greedy `stream` queues each next step before reading the token (pipelined); its tokens
-    and the session it leaves, also when the caller stops early, are plain decoding's."""
+    and the session it leaves, also when the caller stops early, are plain decoding's, whether
+    a step is handed over in one piece or in several (`Model.stream_commits`)."""
     prompt = list(range(700, 720))
     plain = tiny.session()
     logits = plain.prefill(prompt)

@@ -121,6 +121,11 @@ class Model:
         # ... and which of the MERGED_LAUNCHES run in another step's launch (the same values;
         # any set of them: for measuring them, `bench/stream_ab.py`).
         self.merged_launches = set(DEFAULT_MERGED)
+        # The greedy stream hands a decode step to MLX in pieces: first up to each of these
+        # layers' attention (their raw windows), then the rest, each piece one `mx.async_eval`
+        # and so one commit of MLX's CUDA graph (`generation._WorkerEncoder`). Empty: the step
+        # in one piece, MLX committing where its own limits say.
+        self.stream_commits: tuple[int, ...] = ()
 
     # ---- public entry points --------------------------------------------------------
     def __call__(self, tokens, experts=None) -> mx.array:
