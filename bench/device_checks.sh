@@ -30,6 +30,10 @@
 #                                        # layers, base clock), then the step's device time without the
 #                                        # routed experts' gate/up launch and without q8_hc (one CUDA graph
 #                                        # a step, each kernel priced in place; ~8 min)
+#   bash bench/device_checks.sh commits  # the issue's bench at 4096 as it is; then, under MLX's graph limits raised
+#                                        # past a step, the greedy stream handing each step over in pieces
+#                                        # (`Model.stream_commits`) against one piece, in one process, and
+#                                        # the bench with the pieces (~8 min)
 #   bash bench/device_checks.sh warm     # every kernel variant of a 43-layer run compiled into .ptx_cache
 #                                        # (bench/warm_kernels.py; ~4 min on 2 cores, so best made on
 #                                        # the CPU machine and carried)
@@ -140,6 +144,23 @@ profile() {
         --variants base without:expert_swiglu without:q8_hc base
 }
 
+commits() {
+    # MLX commits a CUDA graph whenever the inputs it has counted pass MLX_MAX_MB_PER_BUFFER
+    # (1000 MB on an H200, each routed-expert tensor counted whole): about twice a layer, ~86
+    # commits a step, each a graph update, launch and teardown on the host (the encoding
+    # worker's samples: 29% under cudaGraphDestroy, 2026-12-05). One graph a step encodes in
+    # 4-5 ms where those take 10-13, but the device then starts only when the whole step is
+    # encoded. Pieces: the device starts on the first layers while the rest is encoded, and
+    # each piece is committed at the same place every step (MLX's graph cache keeps hitting).
+    local bench=(python3 bench/bench_model.py --in-memory --layers 43 --prompt 4096 --steps 64 --rounds 3)
+    local one_graph=(env MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=100000000)
+    local layers=(1 3 7 14 26)
+    step commits_default 150 "${bench[@]}"
+    step commits_ab 200 "${one_graph[@]}" python3 bench/stream_ab.py --variant commits --commits "${layers[@]}" \
+        --steps 32 --rounds 4
+    step commits_bench 150 "${one_graph[@]}" "${bench[@]}" --commits "${layers[@]}"
+}
+
 stream() {
     step research 200 python3 bench/check_device_research.py
     step decode43 280 python3 bench/bench_model.py --in-memory --layers 43 --prompt 128 4096 --steps 64 --rounds 3
@@ -165,6 +186,7 @@ case "${1:-all}" in
     merged) shift; merged "$@" ;;
     stream) stream ;;
     profile) profile ;;
+    commits) commits ;;
     warm) step warm 900 python3 bench/warm_kernels.py --cache .ptx_cache ;;
     all) checks; speed ;;
     *) echo "usage: $0 [checks|speed|split|graphs|geometry|merged [checks|paths|speed]|stream|warm|all]" >&2; exit 2 ;;

@@ -39,12 +39,15 @@ __device__ __forceinline__ uint32_t ds4lab_iq2_grid_codes(uint2 entry) {
     return codes;
 }
 // The signs of a 7-bit IQ2_XXS sign index as two words of 0x80/0x00 bytes (byte k of word h:
-// value 4h + k negative). Bit k of the index lands on bit 8k + 7 by one multiply (the four
-// shifted copies do not overlap, so nothing carries); the eighth sign is the index's parity
-// (ds4lab_iq2_signs).
+// value 4h + k negative). One multiply puts bit k of the index on bit 8k + 7: word 0's copies
+// the index shifted by 7, 14, 21 and 28 (bit k of copy k + 1 lands there), word 1's by 3, 10
+// and 17 (bit 4 + k of copy k + 1). Two copies of one word meet on a bit only where their
+// index bits are 7 or 14 apart, and the index has 7 bits, so nothing carries and the other
+// bits fall outside the mask: no mask or shift of the index first. The eighth sign is the
+// index's parity (ds4lab_iq2_signs).
 __device__ __forceinline__ void ds4lab_iq2_sign_words(uint32_t index7, uint32_t (&words)[2]) {
-    words[0] = ((index7 & 15u) * 0x10204080u) & 0x80808080u;
-    words[1] = (((index7 >> 4) * 0x10204080u) & 0x80808080u) | ((uint32_t)__popc(index7) << 31);
+    words[0] = (index7 * 0x10204080u) & 0x80808080u;
+    words[1] = ((index7 * 0x00020408u) & 0x00808080u) | ((uint32_t)__popc(index7) << 31);
 }
 // A lane takes 16 values of a block (half a 32-value group: two grid indices, one u16), so
 // a warp covers two blocks a step, the lanes 16 apart on different blocks: the block's scale
