@@ -28,8 +28,8 @@
 #                                        # with MLX's own kernels added, back as $OUT/ptx_cache.tgz
 #   bash bench/device_checks.sh profile  # where a 43-layer step's device time goes at 4096: ncu per kernel (4
 #                                        # layers, base clock), then the step's device time without the
-#                                        # routed experts' gate/up launch and without q8_hc (one CUDA graph
-#                                        # a step, each kernel priced in place; ~8 min)
+#                                        # routed experts' gate/up launch and without compressor_slot (one
+#                                        # CUDA graph a step, each kernel priced in place; ~3 min)
 #   bash bench/device_checks.sh commits  # the issue's bench at 4096 as it is; then, under MLX's graph limits raised
 #                                        # past a step, the greedy stream handing each step over in pieces
 #                                        # (`Model.stream_commits`) against one piece, in one process, and
@@ -141,7 +141,7 @@ merged() {
 profile() {
     step kernel_times 240 python3 bench/kernel_times.py --layers 4 --context 4096 --steps 2
     step in_place 300 python3 bench/device_time_ab.py --layers 43 --context 4096 \
-        --variants base without:expert_swiglu without:q8_hc base
+        --variants base without:expert_swiglu without:compressor_slot base
 }
 
 commits() {
