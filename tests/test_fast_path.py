@@ -745,7 +745,7 @@ def test_expert_tiles_group_every_pair_once_by_expert():
 
 
 def test_kernel_sources_lose_comments_and_indentation_not_code_or_line_numbers():
-    """What NVRTC gets (and MLX hashes at every launch): each line of every source, comment
+    """What `header_for` cuts (and the host tests compile): each line of every source, comment
     cut and stripped, at its own line number; a string literal (the MMA's asm) kept whole."""
     sent_total = raw_total = 0
     for path in sorted(kernels.KERNEL_DIR.iterdir()):
@@ -761,10 +761,9 @@ def test_kernel_sources_lose_comments_and_indentation_not_code_or_line_numbers()
     assert sent_total < 0.7 * raw_total
 
 
-def test_a_kernel_header_keeps_what_its_source_uses_and_blanks_the_rest(tmp_path, monkeypatch):
-    """MLX hashes and rebuilds a kernel's whole text at every launch: its header goes out
-    with only the definitions the source reaches (through each other too), each line where
-    it was; preprocessor lines and unrecognised pieces stay."""
+def test_a_header_cut_to_a_body_keeps_what_it_uses_and_blanks_the_rest(tmp_path, monkeypatch):
+    """`header_for` (the host tests' headers): only the definitions the body reaches (through
+    each other too), each line where it was; preprocessor lines and unrecognised pieces stay."""
     (tmp_path / "helpers.cuh").write_text(
         "#include <cuda_fp16.h>\n"
         "// a comment\n"
@@ -783,10 +782,8 @@ def test_a_kernel_header_keeps_what_its_source_uses_and_blanks_the_rest(tmp_path
         "typedef float real;\n")
     (tmp_path / "k.cu").write_text("out[0] = used_by_source<2>(table[0]);\n")
     monkeypatch.setattr(kernels, "KERNEL_DIR", tmp_path)
-    texts = kernels.kernel_texts("k.cu", "helpers.cuh")
-    lines = texts["header"].split("\n")
+    lines = kernels.header_for(kernels.kernel_source("k.cu"), "helpers.cuh").split("\n")
     assert len(lines) == len(kernels.kernel_source("helpers.cuh").split("\n"))
-    assert texts["source"] == kernels.kernel_source("k.cu")
     kept = "\n".join(lines)
     for name in ("#include <cuda_fp16.h>", "leaf(float v)", "used_by_source(float v)", "table[2]", "typedef float"):
         assert name in kept, name
@@ -794,8 +791,32 @@ def test_a_kernel_header_keeps_what_its_source_uses_and_blanks_the_rest(tmp_path
         assert name not in kept, name
     assert lines[4] == "__device__ float used_by_source(float v) {"      # still on its own line
     monkeypatch.undo()
-    q8 = kernels.kernel_texts("q8_pair.cu", "ds4lab_block.cuh", "q8_rows.cuh")["header"]
+    q8 = kernels.header_for(kernels.kernel_source("q8_pair.cu"), "ds4lab_block.cuh", "q8_rows.cuh")
     assert "ds4lab_rms_inverse" in q8 and "ds4lab_block_sum" in q8 and "ds4lab_hc_value" not in q8
+
+
+def test_a_kernel_is_sent_as_includes_of_its_files_after_their_fingerprint(tmp_path, monkeypatch):
+    """MLX hashes a kernel's whole text at every launch: the fast path sends `#include` lines
+    of its files by absolute path (headers at file scope, the body inside the function) and
+    a fingerprint of their text, so the text (MLX's key of the compiled module) changes with
+    any of the files and with nothing else."""
+    for name in ("a.cuh", "b.cuh", "k.cu"):
+        (tmp_path / name).write_text(f"// {name}\n")
+    monkeypatch.setattr(kernels, "KERNEL_DIR", tmp_path)
+    texts = kernels.kernel_texts("k.cu", "a.cuh", "b.cuh")
+    assert texts["source"] == f'#include "{tmp_path / "k.cu"}"\n'
+    first, *includes = texts["header"].rstrip("\n").split("\n")
+    assert includes == [f'#include "{tmp_path / "a.cuh"}"', f'#include "{tmp_path / "b.cuh"}"']
+    assert first.startswith("// ds4lab kernel files ") and kernels.kernel_texts("k.cu", "a.cuh", "b.cuh") == texts
+    for name in ("a.cuh", "k.cu"):
+        (tmp_path / name).write_text(f"// {name}, edited\n")
+        edited = kernels.kernel_texts("k.cu", "a.cuh", "b.cuh")["header"]
+        assert edited.split("\n")[0] != first and edited.split("\n")[1:] == texts["header"].split("\n")[1:]
+        first = edited.split("\n")[0]
+    monkeypatch.undo()
+    for name, (source, headers, _, _) in kernels._KERNELS.items():
+        sent = kernels.kernel_texts(source, *headers)
+        assert len(sent["source"]) + len(sent["header"]) < 1024, name
 
 
 def test_kernel_constants_stay_bounded_over_a_long_session():

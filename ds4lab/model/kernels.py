@@ -78,6 +78,7 @@ fast path uses them only on a CUDA GPU (`numerics.Numerics.fast`).
 
 from __future__ import annotations
 
+import hashlib
 import math
 import re
 from dataclasses import dataclass
@@ -184,11 +185,10 @@ _TOKEN = re.compile(r'"(?:\\.|[^"\\\n])*"|//[^\n]*|/\*.*?\*/', re.S)
 
 
 def kernel_source(*files: str) -> str:
-    """The text of these files (in `kernels/cuda/`) as handed to NVRTC: comments and each
-    line's indentation removed, every line break kept, so a compiler message's line numbers
-    still match the files'. MLX hashes a kernel's whole source (header included) at every
-    launch, the key of its compiled module: ~0.5 µs of host time per KB (`bench/host_costs.py`)
-    on each of a decode step's ~1000 launches; comments and indentation are 40% of these files."""
+    """The text of these files (in `kernels/cuda/`) with comments and each line's indentation
+    removed, every line break kept, so a compiler message's line numbers still match the
+    files': what `header_for` cuts to a body's definitions (the host tests compile the dot
+    and router headers as C++ so)."""
     def blank(match: re.Match) -> str:
         text = match.group()
         return text if text.startswith('"') else "\n" * text.count("\n")
@@ -229,13 +229,23 @@ def _header_pieces(lines: list[str]) -> list[tuple[int, int, str | None]]:
 
 
 def kernel_texts(source: str, *headers: str) -> dict[str, str]:
-    """A kernel's `source=` and `header=` for `mx.fast.cuda_kernel`, as `kernel_source` sends
-    them, the header cut to the definitions the source uses (`header_for`). Every kernel
-    includes `ds4lab_block.cuh` (3.9 KB of shared helpers) and uses a few of them: since MLX
-    hashes the whole text at every launch and rebuilds it at every call, ~2-3 KB fewer a
-    launch are ~1 µs less of each of a step's ~1000."""
-    body = kernel_source(source)
-    return {"source": body, "header": header_for(body, *headers)}
+    """A kernel's `source=` and `header=` for `mx.fast.cuda_kernel`: `#include` lines of its
+    files in `kernels/cuda/` by absolute path (the header files at file scope, the body file
+    inside the kernel's function), which NVRTC reads itself, after a line holding the SHA-256
+    of the files' text.
+
+    MLX hashes a kernel's whole text at every launch (its compiled module's key; ~0.5 µs a KB
+    on the H200 machines' hosts, on the thread that encodes) and rebuilds it at every call
+    that is not a compiled replay. Sent as text, with comments cut and the headers cut to the
+    definitions the body uses (`header_for`), a decode layer's launches still carried ~90 KB:
+    ~4 MB hashed a 43-layer step. The includes are ~0.3 KB a kernel. The fingerprint makes
+    the text, and so the key, change whenever a file does: MLX's disk cache of compiled
+    modules (`kernel_cache`) never serves one built from older files. A compiler message
+    now names the files and lines as written."""
+    files = [KERNEL_DIR / name for name in (*headers, source)]
+    digest = hashlib.sha256(b"\0".join(path.read_bytes() for path in files)).hexdigest()[:32]
+    includes = "".join(f'#include "{path}"\n' for path in files[:-1])
+    return {"source": f'#include "{files[-1]}"\n', "header": f"// ds4lab kernel files {digest}\n{includes}"}
 
 
 def header_for(body: str, *headers: str) -> str:
