@@ -243,6 +243,8 @@ def kernel_texts(source: str, *headers: str) -> dict[str, str]:
     modules (`kernel_cache`) never serves one built from older files. A compiler message
     now names the files and lines as written."""
     files = [KERNEL_DIR / name for name in (*headers, source)]
+    if '"' in str(KERNEL_DIR):
+        raise ValueError(f"kernels: the kernel folder's path {KERNEL_DIR} holds a '\"', which an #include line cannot")
     digest = hashlib.sha256(b"\0".join(path.read_bytes() for path in files)).hexdigest()[:32]
     includes = "".join(f'#include "{path}"\n' for path in files[:-1])
     return {"source": f'#include "{files[-1]}"\n', "header": f"// ds4lab kernel files {digest}\n{includes}"}
