@@ -29,7 +29,8 @@
 #   bash bench/device_checks.sh profile  # where a 43-layer step's device time goes at 4096: ncu per kernel (4
 #                                        # layers, base clock), then the step's device time without the
 #                                        # routed experts' gate/up launch and without compressor_slot (one
-#                                        # CUDA graph a step, each kernel priced in place; ~3 min)
+#                                        # CUDA graph a step, each kernel priced in place), then a launch's
+#                                        # read of a small input by where MLX put it (~4 min)
 #   bash bench/device_checks.sh commits  # the issue's bench at 4096 as it is; then, under MLX's graph limits raised
 #                                        # past a step, the greedy stream handing each step over in pieces
 #                                        # (`Model.stream_commits`) against one piece, in one process, and
@@ -142,6 +143,7 @@ profile() {
     step kernel_times 240 python3 bench/kernel_times.py --layers 4 --context 4096 --steps 2
     step in_place 300 python3 bench/device_time_ab.py --layers 43 --context 4096 \
         --variants base without:expert_swiglu without:compressor_slot base
+    step small_inputs 120 python3 bench/small_inputs.py
 }
 
 commits() {
