@@ -48,6 +48,10 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -d .ptx_cache ]; then export MLX_PTX_CACHE_DIR="$PWD/.ptx_cache"; fi
+# A kernel's text goes to MLX as an #include of a file in $DS4LAB_CACHE/kernels
+# (`kernels.kernel_texts`), and MLX's key of the compiled module is that text's hash: the
+# cache path must be the same where `warm` fills .ptx_cache and where the runs read it.
+export DS4LAB_CACHE="${DS4LAB_CACHE:-$PWD/.ds4lab_cache}"
 
 step() {
     local name=$1 limit=$2

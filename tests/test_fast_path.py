@@ -795,28 +795,41 @@ def test_a_header_cut_to_a_body_keeps_what_it_uses_and_blanks_the_rest(tmp_path,
     assert "ds4lab_rms_inverse" in q8 and "ds4lab_block_sum" in q8 and "ds4lab_hc_value" not in q8
 
 
-def test_a_kernel_is_sent_as_includes_of_its_files_after_their_fingerprint(tmp_path, monkeypatch):
-    """MLX hashes a kernel's whole text at every launch: the fast path sends `#include` lines
-    of its files by absolute path (headers at file scope, the body inside the function) and
-    a fingerprint of their text, so the text (MLX's key of the compiled module) changes with
-    any of the files and with nothing else."""
-    for name in ("a.cuh", "b.cuh", "k.cu"):
-        (tmp_path / name).write_text(f"// {name}\n")
+def test_a_kernel_is_sent_as_includes_of_its_text_written_under_its_hash(tmp_path, monkeypatch):
+    """MLX hashes a kernel's whole text at every launch: the fast path sends an `#include` line
+    of its body and one of its header, each the text it used to send (comments cut, the header
+    cut to what the body uses), written once to a file named by the text's SHA-256: the
+    lines (MLX's key of the compiled module) change with the text and with nothing else."""
+    monkeypatch.setenv("DS4LAB_CACHE", str(tmp_path / "cache"))
+    (tmp_path / "helpers.cuh").write_text("__device__ float used(float v) { return v; }\n"
+                                          "__device__ float unused(float v) { return v; }\n")
+    (tmp_path / "k.cu").write_text("out[0] = used(1.0f);  // a comment\n")
     monkeypatch.setattr(kernels, "KERNEL_DIR", tmp_path)
-    texts = kernels.kernel_texts("k.cu", "a.cuh", "b.cuh")
-    assert texts["source"] == f'#include "{tmp_path / "k.cu"}"\n'
-    first, *includes = texts["header"].rstrip("\n").split("\n")
-    assert includes == [f'#include "{tmp_path / "a.cuh"}"', f'#include "{tmp_path / "b.cuh"}"']
-    assert first.startswith("// ds4lab kernel files ") and kernels.kernel_texts("k.cu", "a.cuh", "b.cuh") == texts
-    for name in ("a.cuh", "k.cu"):
-        (tmp_path / name).write_text(f"// {name}, edited\n")
-        edited = kernels.kernel_texts("k.cu", "a.cuh", "b.cuh")["header"]
-        assert edited.split("\n")[0] != first and edited.split("\n")[1:] == texts["header"].split("\n")[1:]
-        first = edited.split("\n")[0]
+
+    def sent(texts: dict[str, str]) -> dict[str, Path]:
+        paths = {}
+        for key, text in texts.items():
+            line = text.split("\n")[-2]
+            assert line.startswith('#include "') and line.endswith('"'), line
+            paths[key] = Path(line[len('#include "'):-1])
+        return paths
+
+    texts = kernels.kernel_texts("k.cu", "helpers.cuh")
+    files = sent(texts)
+    body = kernels.kernel_source("k.cu")
+    assert files["source"].read_text() == body == "out[0] = used(1.0f);\n"
+    assert files["header"].read_text() == kernels.header_for(body, "helpers.cuh")
+    assert "unused" not in files["header"].read_text()
+    assert all(p.parent == tmp_path / "cache" / "kernels" for p in files.values())
+    assert kernels.kernel_texts("k.cu", "helpers.cuh") == texts
+    (tmp_path / "k.cu").write_text("out[0] = used(2.0f);\n")
+    edited = sent(kernels.kernel_texts("k.cu", "helpers.cuh"))
+    assert edited["source"] != files["source"] and edited["header"] == files["header"]
+    assert files["source"].read_text() == body                     # the older text stays as it was
     monkeypatch.undo()
     for name, (source, headers, _, _) in kernels._KERNELS.items():
-        sent = kernels.kernel_texts(source, *headers)
-        assert len(sent["source"]) + len(sent["header"]) < 1024, name
+        made = kernels.kernel_texts(source, *headers)
+        assert len(made["source"]) + len(made["header"]) < 512, name
 
 
 def test_kernel_constants_stay_bounded_over_a_long_session():

@@ -89,7 +89,9 @@ from typing import TYPE_CHECKING, NamedTuple
 import mlx.core as mx
 import numpy as np
 
+from ..atomic import atomic_open
 from ..floats import log2f_carry_table
+from ..paths import cache_dir
 from ..quants.formats import row_bytes
 from ..quants.tables import IQ2XXS_GRID_BYTES
 
@@ -229,25 +231,37 @@ def _header_pieces(lines: list[str]) -> list[tuple[int, int, str | None]]:
 
 
 def kernel_texts(source: str, *headers: str) -> dict[str, str]:
-    """A kernel's `source=` and `header=` for `mx.fast.cuda_kernel`: `#include` lines of its
-    files in `kernels/cuda/` by absolute path (the header files at file scope, the body file
-    inside the kernel's function), which NVRTC reads itself, after a line holding the SHA-256
-    of the files' text.
+    """A kernel's `source=` and `header=` for `mx.fast.cuda_kernel`: an `#include` line each.
 
     MLX hashes a kernel's whole text at every launch (its compiled module's key; ~0.5 µs a KB
     on the H200 machines' hosts, on the thread that encodes) and rebuilds it at every call
-    that is not a compiled replay. Sent as text, with comments cut and the headers cut to the
-    definitions the body uses (`header_for`), a decode layer's launches still carried ~90 KB:
-    ~4 MB hashed a 43-layer step. The includes are ~0.3 KB a kernel. The fingerprint makes
-    the text, and so the key, change whenever a file does: MLX's disk cache of compiled
-    modules (`kernel_cache`) never serves one built from older files. A compiler message
-    now names the files and lines as written."""
-    files = [KERNEL_DIR / name for name in (*headers, source)]
-    if '"' in str(KERNEL_DIR):
-        raise ValueError(f"kernels: the kernel folder's path {KERNEL_DIR} holds a '\"', which an #include line cannot")
-    digest = hashlib.sha256(b"\0".join(path.read_bytes() for path in files)).hexdigest()[:32]
-    includes = "".join(f'#include "{path}"\n' for path in files[:-1])
-    return {"source": f'#include "{files[-1]}"\n', "header": f"// ds4lab kernel files {digest}\n{includes}"}
+    that is not a compiled replay. Sent as text, the body without comments (`kernel_source`)
+    and the headers cut to the definitions it uses (`header_for`), a decode layer's launches
+    carried ~90 KB: ~4 MB hashed a 43-layer step. That same text is now written once to a
+    file named by its SHA-256 (`sent_text`), which NVRTC reads; MLX hashes the ~0.1 KB line.
+    A changed file gives another name, so MLX's disk cache of compiled modules
+    (`kernel_cache`) never serves a module built from older text. (Including `kernels/cuda/`
+    itself would send less still, but NVRTC then parses every definition of every header:
+    the fast path's variants took 1.7x as long to compile.)"""
+    body = kernel_source(source)
+    # A declaration before the header's include: NVRTC's automatic precompiled header (`-pch`,
+    # kernel_cache.Nvrtc) stops at the first one, so it holds the CUDA headers every kernel
+    # shares and not one kernel's own (one made per kernel took the variants 4x as long here).
+    header = "namespace ds4lab_kernel {}\n" + sent_text(header_for(body, *headers), ".cuh")
+    return {"source": sent_text(body, ".cu"), "header": header}
+
+
+def sent_text(text: str, suffix: str) -> str:
+    """An `#include` line of `text`, written (once, atomically) to `<cache>/kernels/<SHA-256
+    of text><suffix>`. A compiler message names that file, whose lines are the kernel files'
+    (`kernel_source` keeps every line break; a header file's lines follow the one before)."""
+    path = cache_dir() / "kernels" / f"{hashlib.sha256(text.encode()).hexdigest()[:32]}{suffix}"
+    if '"' in str(path):
+        raise ValueError(f"kernels: the cache path {path} holds a '\"', which an #include line cannot")
+    if not path.exists():
+        with atomic_open(path, private=True) as fh:
+            fh.write(text.encode())
+    return f'#include "{path}"\n'
 
 
 def header_for(body: str, *headers: str) -> str:
