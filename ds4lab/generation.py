@@ -227,7 +227,7 @@ def _step_pieces(session) -> list[mx.array]:
     return [layers[il].raw for il in session.model.stream_commits if 0 <= il < len(layers)]
 
 
-def _queue(arrays: list[mx.array], pieces: list[mx.array]) -> None:
+def _queue(arrays: list[mx.array], pieces: Sequence[mx.array]) -> None:
     """`mx.async_eval` of each piece, then of `arrays`: with MLX's graph limits raised past a step
     (MLX_MAX_OPS_PER_BUFFER, MLX_MAX_MB_PER_BUFFER), one CUDA graph each, committed at the same
     places every step (so MLX updates its cached graphs instead of building new ones), and the
@@ -243,8 +243,8 @@ class _InlineEncoder:
     def stream(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
-    def submit(self, arrays: list[mx.array], pieces: list[mx.array] = ()) -> None:
-        _queue(arrays, list(pieces))
+    def submit(self, arrays: list[mx.array], pieces: Sequence[mx.array] = ()) -> None:
+        _queue(arrays, pieces)
 
     def settle(self) -> None:
         pass
@@ -336,8 +336,8 @@ class _WorkerEncoder:
     def stream(self) -> contextlib.AbstractContextManager:
         return mx.stream(_any_thread_stream())
 
-    def submit(self, arrays: list[mx.array], pieces: list[mx.array] = ()) -> None:
-        self._queued.put((arrays, list(pieces)))
+    def submit(self, arrays: list[mx.array], pieces: Sequence[mx.array] = ()) -> None:
+        self._queued.put((arrays, pieces))
         self._busy = True
 
     def settle(self) -> None:
