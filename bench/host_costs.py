@@ -66,8 +66,9 @@ def _kinds() -> dict[str, Callable[[mx.array], mx.array]]:
         # commits a CUDA graph once its inputs pass MLX_MAX_MB_PER_BUFFER (1000 MB on an H100
         # or H200), counting each input whole: a routed-expert tensor is 0.5-0.7 GB.
         # Earlier forms of the fast path sent its files' text without comments
-        # (`kernels.kernel_source`); it now sends `#include` lines of them after their
-        # fingerprint (`kernels.kernel_texts`: here q8_matvec's), which NVRTC reads.
+        # (`kernels.kernel_source`), the headers cut to what the body uses; it now writes that
+        # text once under its SHA-256 and sends `#include` lines of it (`kernels.kernel_texts`:
+        # here q8_matvec's header), which NVRTC reads.
         files = ("ds4lab_block.cuh", "q8_rows.cuh")
         for how, header in (("as written", "\n".join((kernels.KERNEL_DIR / f).read_text() for f in files)),
                             ("without comments", kernels.kernel_source(*files)),

@@ -246,7 +246,7 @@ def kernel_texts(source: str, *headers: str) -> dict[str, str]:
     body = kernel_source(source)
     # A declaration before the header's include: NVRTC's automatic precompiled header (`-pch`,
     # kernel_cache.Nvrtc) stops at the first one, so it holds the CUDA headers every kernel
-    # shares and not one kernel's own (one made per kernel took the variants 4x as long here).
+    # shares and not one kernel's own (one made per kernel took the variants 3.7x as long here: 96 s against 26).
     header = "namespace ds4lab_kernel {}\n" + sent_text(header_for(body, *headers), ".cuh")
     return {"source": sent_text(body, ".cu"), "header": header}
 
