@@ -23,6 +23,7 @@ from test_fast_path import (
     STAND_INS,
     _expert_matvec,
     _expert_swiglu,
+    _expert_swiglu_planes,
     _launcher,
     _q8_hc_routed,
     _quant_gemm,
@@ -43,6 +44,8 @@ def compile_log(nvrtc: kernel_cache.Nvrtc, variant: kernel_cache.KernelVariant) 
 def _stand_in(short: str):
     """The stand-in of a kernel named ds4lab_<short>, and its name for `_launcher`."""
     types = {v: k for k, v in kernels._TYPES.items()} | {"q8_0": "Q8_0"}
+    if short == "expert_swiglu_planes_iq2_xxs":
+        return "expert_swiglu_planes", _expert_swiglu_planes
     for prefix, make in (("expert_swiglu_", _expert_swiglu), ("expert_matvec_", _expert_matvec),
                          ("routed_swiglu_", _routed_swiglu), ("quant_gemm_", _quant_gemm),
                          ("q8_hc_", _q8_hc_routed)):
@@ -172,6 +175,14 @@ def test_every_launched_kernel_compiles_with_nvrtc(recorded_launches, nvrtc, tin
     kernels.router(mx.ones((1, 4096)), mx.zeros((256,)), 6, 1.5, weight=mx.ones((256, 4096)))
     kernels.router(mx.ones((1, 4096)), None, 6, 1.5, weight=mx.ones((256, 4096)),
                    hashed=(mx.zeros((100, 6), mx.int32), mx.array([7], mx.int32)))
+    # and writing the input's byte planes, which the IQ2_XXS gate and up then read (with the
+    # shared expert's rows in the launch and without)
+    planes = kernels.router_planes(mx.ones((1, 4096)), mx.zeros((256,)), 6, 1.5, mx.ones((256, 4096)))[3]
+    iq2 = ExpertBlocks(mx.zeros((3, 5 * row_bytes("IQ2_XXS", 4096)), mx.uint8), "IQ2_XXS", 5, 4096)
+    shared_4096 = Q8Matrix(mx.zeros((5, 1024), mx.uint32), mx.zeros((5, 128)), mx.zeros((5, 128)), 5, 4096)
+    for shared in (None, (shared_4096, shared_4096)):
+        kernels.expert_swiglu(iq2, iq2, mx.array([[0, 2]], mx.int32), mx.ones((1, 4096)), mx.ones((1, 2)), 0.0,
+                              shared, planes)
     for eps in (None, 1e-6):
         kernels.attention_heads(q, mx.ones((128, 512)), mx.ones((1, 1152), mx.bool_), mx.zeros((64,)), rope,
                                 mx.ones((1024, 512)), q_eps=eps)
@@ -182,7 +193,8 @@ def test_every_launched_kernel_compiles_with_nvrtc(recorded_launches, nvrtc, tin
     names = {launch.name for launch in distinct.values()}
     # The step's kernels and a chunk's: the fused ones, an expert format's pair, the GEMM.
     assert {"ds4lab_hc_pre", "ds4lab_hc_mix", "ds4lab_q8_hc", "ds4lab_attention_heads", "ds4lab_attention_shares",
-            "ds4lab_prefill_attention", "ds4lab_router", "ds4lab_indexer_queries"} <= names, names
+            "ds4lab_prefill_attention", "ds4lab_router", "ds4lab_indexer_queries", "ds4lab_router_planes",
+            "ds4lab_expert_swiglu_planes_iq2_xxs"} <= names, names
     experts = {f"ds4lab_{kind}_{name}" for kind in ("expert_swiglu", "expert_matvec", "routed_swiglu", "q8_hc")
                for name in kernels._TYPES.values()}
     assert experts <= names, names

@@ -475,8 +475,16 @@ def _gemm_split_x(inputs, t, grid, threadgroup):
     return [mx.array(hi), mx.array(lo), mx.array(sums), mx.array(k)]
 
 
+def _router_planes(inputs, t, grid, threadgroup):
+    """router_planes.cu: the router's decode form, then its input x as byte planes, as
+    `kernels.input_planes` writes them (the host test checks the CUDA maker against it)."""
+    assert t["PRODUCT"] and t["N"] % 32 == 0
+    return [*_router(inputs, t, grid, threadgroup), kernels.input_planes(inputs[0])]
+
+
 STAND_INS = {"q8_matvec": _q8_matvec, "q8_pair": _q8_pair, "q8_swiglu": _q8_swiglu, "q8_hc": _q8_hc,
-             "router": _router, "row_finish": _row_finish, "hc_pre": _hc_pre, "hc_mix": _hc_mix,
+             "router": _router, "router_planes": _router_planes, "row_finish": _row_finish, "hc_pre": _hc_pre,
+             "hc_mix": _hc_mix,
              "hc_post": _hc_post, "gemm_split_x": _gemm_split_x,
              "attention_heads": _attention_heads, "attention_shares": _attention_shares,
              "prefill_attention": _prefill_attention,
@@ -521,6 +529,16 @@ def _expert_swiglu(type_name):
         assert shared.shape == (tokens, shared_rows)
         return [mid.reshape(*ids.shape, rows), shared]
     return run
+
+
+def _expert_swiglu_planes(inputs, t, grid, threadgroup):
+    """expert_swiglu_planes.cu: expert_swiglu.cu's, the routed pairs' input the values its
+    planes hold (`kernels.planes_values`; the shared expert's still x)."""
+    planes, x = inputs[10], inputs[3]
+    assert planes.dtype == mx.uint8 and planes.shape == (x.size // 32 * kernels.PLANE_GROUP_BYTES,)
+    swiglu, rest = _expert_swiglu("IQ2_XXS"), [*inputs[4:10], *inputs[11:]]
+    mid, _ = swiglu([*inputs[:3], kernels.planes_values(planes, *x.shape), *rest], t, grid, threadgroup)
+    return [mid, swiglu([*inputs[:4], *rest], t, grid, threadgroup)[1]]
 
 
 def _routed_swiglu(type_name):
@@ -612,6 +630,8 @@ def stand_in_kernels(monkeypatch, batched):
     monkeypatch.setattr(kernels, "_kernel", lambda type_name, swiglu=False: (
         _launcher("expert_swiglu", _expert_swiglu(type_name), calls) if swiglu
         else _launcher("expert_matvec", _expert_matvec(type_name), calls)))
+    monkeypatch.setattr(kernels, "_planes_kernel", lambda: _launcher("expert_swiglu_planes", _expert_swiglu_planes,
+                                                                     calls))
     monkeypatch.setattr(kernels, "_routed_kernel", lambda type_name: _launcher("routed_swiglu",
                                                                                _routed_swiglu(type_name), calls))
     monkeypatch.setattr(kernels, "_gemm_kernel", lambda type_name: _launcher("quant_gemm", _quant_gemm(type_name),
@@ -654,7 +674,7 @@ def test_fast_path_wiring_matches_the_reference(request, weights_fixture, merged
     # Merged, a decode step routes inside the routed experts' launch (router and expert_swiglu
     # apart: with a hook that reads the experts, or unmerged) and its compressor frontiers are
     # made in the q_a / kv launch)
-    every = (set(STAND_INS) - {"attention_shares", "q8_swiglu"}) | {"expert_swiglu", "quant_gemm"}
+    every = (set(STAND_INS) - {"attention_shares", "q8_swiglu", "router_planes"}) | {"expert_swiglu", "quant_gemm"}
     if merged == "all":
         every = every - {"compressor_slot", "expert_swiglu"} | {"routed_swiglu"}
     assert set(stand_in_kernels) == every, f"kernels never called: {every - set(stand_in_kernels)}"
@@ -664,6 +684,26 @@ def test_fast_path_wiring_matches_the_reference(request, weights_fixture, merged
     assert np.abs(fast_full - ref_full).max() / scale < 1e-4
     assert np.abs(fast_decoded - ref_decoded).max() / scale < 1e-4
     assert np.abs(fast_decoded - fast_full[-6:]).max() / scale < 1e-4
+
+
+@pytest.mark.parametrize("weights_fixture", ["small_weights", "tiny_weights"])
+def test_expert_planes_route_decode_steps_through_the_integer_launches(request, weights_fixture,
+                                                                       stand_in_kernels):
+    """With `Model.expert_planes` each decode step's router writes the FFN input's planes and
+    the IQ2_XXS gate and up read them (a prefill keeps its router and GEMMs); the logits stay within the
+    fast path's bar of the reference's, and the planes hold each input to 2^-22 of its
+    group's largest (the stand-in checks it)."""
+    model = Model(request.getfixturevalue(weights_fixture))
+    model.expert_planes = True
+    tokens = [(37 * i + 11) % 1000 + 100 for i in range(40)]
+    _, fast_decoded = _prefill_and_decode(model, tokens, 4)
+    n_layer = model.config.n_layer
+    # (a compiled decode sublayer calls a stand-in once, when traced: once a layer)
+    assert stand_in_kernels["router_planes"] == stand_in_kernels["expert_swiglu_planes"] == n_layer
+    assert "expert_swiglu" not in stand_in_kernels and "router" in stand_in_kernels   # the prefill: GEMMs
+    model.numerics.allow_fast = False
+    ref_full, ref_decoded = _prefill_and_decode(model, tokens, 4)
+    assert np.abs(fast_decoded - ref_decoded).max() / ref_full.std() < 1e-4
 
 
 def test_fast_decode_compressor_state_matches_the_reference(small_weights, stand_in_kernels):

@@ -167,6 +167,9 @@ _KERNELS = {
                         ["out", "out2"]),
     "router": ("router.cu", ("ds4lab_block.cuh", "router.cuh"),
                ["x", "w", "bias", "scale", "counter", "table", "tokens"], ["probs", "experts", "weights"]),
+    "router_planes": ("router_planes.cu", ("ds4lab_block.cuh", "router.cuh", "expert_planes.cuh"),
+                      ["x", "w", "bias", "scale", "counter", "table", "tokens"],
+                      ["probs", "experts", "weights", "planes"]),
     "q8_matvec": ("q8_matvec.cu", ("ds4lab_block.cuh", "q8_rows.cuh"), ["codes", "scales", "x"], ["y"]),
     "q8_pair": ("q8_pair.cu", ("ds4lab_block.cuh", "q8_rows.cuh", "compressor_slot.cuh"),
                 ["codes_a", "scales_a", "codes_b", "scales_b", "x", "norm_w", "eps", "counter", "codes_c", "scales_c",
@@ -903,6 +906,24 @@ def router(x: mx.array, bias: mx.array | None, n_used: int, scale: float, weight
     (weight float32, or F16 as `LayerWeights.kernel_dense` gives it: widened as loaded).
     With `hashed` = (table [vocab, n_used] int32, tokens [T] int32) the experts are the
     tokens' rows of the table (a hash layer's), not the best."""
+    return _router_launch("router", x, bias, n_used, scale, weight, hashed, slot)
+
+
+def router_planes(x: mx.array, bias: mx.array | None, n_used: int, scale: float, weight: mx.array,
+                  hashed: tuple[mx.array, mx.array] | None = None,
+                  slot: int | None = 0) -> tuple[mx.array, mx.array, mx.array, mx.array]:
+    """`router` of a decode step (the logits made inside from the FFN input x [T, N], `weight`
+    given) that also writes x as byte planes, the input of `expert_swiglu(planes=)`:
+    (probs, experts, weights, planes). `input_planes` says what the planes hold."""
+    if x.shape[1] % 32:
+        raise ValueError(f"router_planes: rows of {x.shape[1]} values (planes of 32-value groups)")
+    return _router_launch("router_planes", x, bias, n_used, scale, weight, hashed, slot)
+
+
+def _router_launch(name: str, x: mx.array, bias: mx.array | None, n_used: int, scale: float,
+                   weight: mx.array | None, hashed: tuple[mx.array, mx.array] | None,
+                   slot: int | None) -> tuple[mx.array, ...]:
+    """The launch of `router` ("router") or `router_planes` ("router_planes", one more output)."""
     t = x.shape[0]
     e = x.shape[1] if weight is None else weight.shape[0]
     threads = -(-e // 32) * 32
@@ -912,16 +933,54 @@ def router(x: mx.array, bias: mx.array | None, n_used: int, scale: float, weight
         raise ValueError(f"router: the logits made inside for at most {MATVEC_MAX_TOKENS} tokens, not {t}")
     if weight is not None and weight.shape[1] % 4:
         raise ValueError(f"router: rows of {weight.shape[1]} values (the kernel reads float4: a multiple of 4)")
-    table, tokens = _hash_inputs("router", hashed, n_used, t)
+    table, tokens = _hash_inputs(name, hashed, n_used, t)
     blocks = 1 if weight is None else -(-e // (threads // 32))
-    return tuple(_fused("router")(
+    planes = [(t * x.shape[1] // 32 * PLANE_GROUP_BYTES,)] if name == "router_planes" else []
+    return tuple(_fused(name)(
         inputs=[x, _scalar(0.0) if weight is None else weight, _scalar(0.0) if bias is None else bias, _scalar(scale),
                 _arrival_counters(slot), table, tokens],
         template=[("E", e), ("K", n_used), ("N", x.shape[1]), ("HAS_BIAS", bias is not None),
                   ("PRODUCT", weight is not None), ("HASH", hashed is not None)],
         grid=(blocks * threads, t, 1) if weight is not None else (t * threads, 1, 1),
         threadgroup=(threads, 1, 1),
-        output_shapes=[(t, e), (t, n_used), (t, n_used)], output_dtypes=[mx.float32, mx.int32, mx.float32]))
+        output_shapes=[(t, e), (t, n_used), (t, n_used), *planes],
+        output_dtypes=[mx.float32, mx.int32, mx.float32, *[mx.uint8] * len(planes)]))
+
+
+# Bytes of a 32-value group in `router_planes`' buffer: its three byte planes and its scale.
+PLANE_GROUP_BYTES = 3 * 32 + 4
+
+
+def input_planes(x: mx.array) -> mx.array:
+    """The byte planes `router_planes` writes for the rows x [T, N] (kernels/cuda/
+    expert_planes.cuh has the format), in MLX operations: uint8 [T * N / 32 *
+    PLANE_GROUP_BYTES]. For each 32-value group, scale = 2^(E - 21) with 2^E <= its largest
+    magnitude < 2^(E+1), and q = rint(x / scale) (ties to even) split as p0 = q >> 16 (int8),
+    p1 = (q >> 8) & 255, p2 = q & 255; a group below 2^-100 is zeros with scale 0, one
+    holding inf or NaN has scale NaN (and planes of its other values)."""
+    t, n = x.shape
+    groups = x.astype(mx.float32).reshape(t, n // 32, 32)
+    finite = mx.isfinite(groups)
+    largest = mx.where(finite, mx.abs(groups), 0.0).max(axis=-1)
+    e = mx.view(largest, mx.uint32).astype(mx.int32) >> 23          # the biased exponent (largest >= 0)
+    zero = e < 27
+    inverse = mx.view(mx.where(zero, 127, 275 - e) << 23, mx.float32)  # 2^(21 - E); 1 where unused
+    q = mx.where(zero[..., None] | ~finite, 0, mx.round(groups * inverse[..., None])).astype(mx.int32)
+    planes = mx.stack([q >> 16, q >> 8, q], axis=2).astype(mx.uint8)  # [T, G, 3, 32]: low bytes of each
+    scales = mx.where(zero, 0.0, mx.view(mx.where(zero, 0, e - 21) << 23, mx.float32))
+    scales = mx.where(finite.all(axis=-1), scales, float("nan"))
+    return mx.concatenate([planes.reshape(-1), mx.view(scales.reshape(-1), mx.uint8)])
+
+
+def planes_values(buffer: mx.array, n_tokens: int, cols: int) -> mx.array:
+    """The values [T, N] that a `router_planes` buffer holds: scale * (p0 * 65536 + p1 * 256
+    + p2), exact in float32."""
+    g = cols // 32
+    planes = buffer[:n_tokens * g * 96].reshape(n_tokens, g, 3, 32).astype(mx.int32)
+    scales = mx.view(buffer[n_tokens * g * 96:], mx.float32).reshape(n_tokens, g, 1)
+    p0 = planes[:, :, 0] - (planes[:, :, 0] >= 128) * 256
+    q = p0 * 65536 + planes[:, :, 1] * 256 + planes[:, :, 2]
+    return (q.astype(mx.float32) * scales).reshape(n_tokens, cols)
 
 
 def _hash_inputs(name: str, hashed: tuple[mx.array, mx.array] | None, n_used: int,
@@ -1080,6 +1139,18 @@ def _kernel(type_name: str, swiglu: bool = False):
 
 
 @cache
+def _planes_kernel():
+    """`expert_swiglu` of IQ2_XXS gate and up on the input's byte planes."""
+    headers = ("ds4lab_block.cuh", "expert_matvec_common.cuh", "expert_dot_iq2_xxs.cuh", "expert_planes.cuh",
+               "expert_dot_iq2_xxs_planes.cuh", "q8_rows.cuh", "expert_swiglu.cuh")
+    return mx.fast.cuda_kernel(name="ds4lab_expert_swiglu_planes_iq2_xxs",
+                               input_names=["raw_gate", "raw_up", "ids", "x", "w", "clamp", "codes_g", "scales_g",
+                                            "codes_u", "scales_u", "planes", *_TABLE_NAMES["IQ2_XXS"]],
+                               output_names=["mid", "shared"],
+                               **kernel_texts("expert_swiglu_planes.cu", *headers))
+
+
+@cache
 def _routed_kernel(type_name: str):
     """The routed experts' gate-and-up form with the router inside (`routed_swiglu`)."""
     name = _TYPES[type_name]
@@ -1137,13 +1208,15 @@ def expert_matvec(tensor: ExpertBlocks, ids: mx.array, x: mx.array, *, pairs_per
 
 
 def expert_swiglu(gate: ExpertBlocks, up: ExpertBlocks, ids: mx.array, x: mx.array, weights: mx.array,
-                  clamp: float,
-                  shared: tuple[Q8Matrix, Q8Matrix] | None = None) -> mx.array | tuple[mx.array, mx.array]:
+                  clamp: float, shared: tuple[Q8Matrix, Q8Matrix] | None = None,
+                  planes: mx.array | None = None) -> mx.array | tuple[mx.array, mx.array]:
     """The routed experts' mid [T, U, rows] in one launch: for pair (t, u), expert ids[t, u]'s
     swiglu(G·x[t], U·x[t]) times its route weight weights[t, u] (`moe.swiglu`'s clamp, 0 for
     none), read from the block bytes; x [T, cols], the token's input, is read by its U pairs.
     With `shared` (the shared expert's Q8_0 gate and up, as `q8_swiglu` takes them) also its
-    swiglu(G·x[t], U·x[t]) [T, rows], by more thread blocks of the same launch: (mid, that)."""
+    swiglu(G·x[t], U·x[t]) [T, rows], by more thread blocks of the same launch: (mid, that).
+    With `planes` (IQ2_XXS gate and up; x as `router_planes` wrote it) the routed dots take x
+    from its planes, on integers (expert_swiglu_planes.cu); the shared expert's still read x."""
     rows, cols = gate.rows, gate.cols
     shared_rows, q8 = _gate_up_and_shared("expert_swiglu", gate, up, shared)
     if ids.ndim != 2 or weights.shape != ids.shape or x.shape != (ids.shape[0], cols):
@@ -1152,9 +1225,12 @@ def expert_swiglu(gate: ExpertBlocks, up: ExpertBlocks, ids: mx.array, x: mx.arr
     n_row_bytes = row_bytes(gate.type_name, cols)
     threads = 32 * _EXPERT_WARPS
     t = ids.shape[0]
-    mid, shared_mid = _kernel(gate.type_name, True)(
+    if planes is not None and (gate.type_name != "IQ2_XXS" or planes.shape != (t * cols // 32 * PLANE_GROUP_BYTES,)):
+        raise ValueError(f"expert_swiglu: planes {tuple(planes.shape)} with {gate.type_name} experts and input "
+                         f"{tuple(x.shape)} (IQ2_XXS, {t * cols // 32 * PLANE_GROUP_BYTES} bytes)")
+    mid, shared_mid = (_kernel(gate.type_name, True) if planes is None else _planes_kernel())(
         inputs=[gate.raw, up.raw, ids.astype(mx.int32), x.astype(mx.float32), weights.astype(mx.float32),
-                _scalar(clamp), *q8, *_tables(gate.type_name)],
+                _scalar(clamp), *q8, *([] if planes is None else [planes]), *_tables(gate.type_name)],
         template=[("ROWS", rows), ("COLS", cols), ("ROW_BYTES", n_row_bytes),
                   ("EXPERT_BYTES", rows * n_row_bytes), ("X_DIV", ids.shape[1]), ("SHARED_ROWS", shared_rows),
                   ("P", _SWIGLU_ROWS)],

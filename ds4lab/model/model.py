@@ -126,6 +126,11 @@ class Model:
         # and so one commit of MLX's CUDA graph (`generation._WorkerEncoder`). Empty: the step
         # in one piece, MLX committing where its own limits say.
         self.stream_commits: tuple[int, ...] = ()
+        # A decode step's router also writes the FFN input as byte planes, and IQ2_XXS routed
+        # experts' gate and up take it from them on integers (`kernels.router_planes`,
+        # `expert_swiglu(planes=)`; within 2^-22 of each 32 values' largest, not the same bits):
+        # for measuring the two forms in one process.
+        self.expert_planes = False
 
     # ---- public entry points --------------------------------------------------------
     def __call__(self, tokens, experts=None) -> mx.array:
@@ -484,7 +489,7 @@ class Model:
         if hooked or not mm.fast or arrays[0].shape[0] > kernels.MATVEC_MAX_TOKENS:
             return fn(layer, mm, *arrays, **weights)
         key = (layer.index, part, len(arrays), tuple(name for name, w in weights.items() if w is not None),
-               self.hc_input_in_product, frozenset(self.merged_launches))
+               self.hc_input_in_product, frozenset(self.merged_launches), self.expert_planes)
         if key not in self._compiled:
             # Weights enter the traced graph as constants: evaluated first, so that none of
             # them brings its own graph (a lazy view) into every call.
@@ -607,9 +612,10 @@ class Model:
         if made is not None:
             experts, routed, mid = made
         else:
-            experts, weights = self._route(h, layer, xf, token_ids, mm)
+            experts, weights, planes = self._route(h, layer, xf, token_ids, mm, one_kernel and self.expert_planes)
             if one_kernel:
-                routed, mid = moe.routed_and_shared_mid(layer, xf, experts, weights, clamp, mm, on_mid, down_later)
+                routed, mid = moe.routed_and_shared_mid(layer, xf, experts, weights, clamp, mm, on_mid, down_later,
+                                                        planes)
         if one_kernel:                           # the down products and the HC step: one kernel
             streams, ready = hc_expand_q8(layer.q8["ffn_down_shexp.weight"], mid, streams, control, mm,
                                           add=routed if down_later else h("hook_routed_out", routed),
@@ -621,13 +627,17 @@ class Model:
             routed, shared = h("hook_out", routed + shared), None
         return hc_expand(routed, streams, control, mm, add=shared), experts, None
 
-    def _route(self, h: Scope, layer: LayerWeights, xf: mx.array, token_ids: mx.array,
-               mm: Schedule) -> tuple[mx.array, mx.array]:
-        """The router of the FFN input xf: (experts, weights), each hooked (`hook_router_probs`
-        off the fast path), each replacement used by the next step."""
+    def _route(self, h: Scope, layer: LayerWeights, xf: mx.array, token_ids: mx.array, mm: Schedule,
+               planes: bool = False) -> tuple[mx.array, mx.array, mx.array | None]:
+        """The router of the FFN input xf: (experts, weights, planes), each hooked
+        (`hook_router_probs` off the fast path), each replacement used by the next step;
+        planes: with `planes`, xf's byte planes where the fast path's router writes them
+        (`moe.route_fused`), else None."""
         cfg = self.config
+        made = None
         if mm.fast:
-            probs, chosen, weights = moe.route_fused(layer, xf, token_ids, cfg.n_expert_used, cfg.expert_weight_scale)
+            probs, chosen, weights, made = moe.route_fused(layer, xf, token_ids, cfg.n_expert_used,
+                                                           cfg.expert_weight_scale, planes)
             experts = h("hook_experts", chosen)
             if experts is not chosen:
                 weights = moe.route_weights(probs, experts, cfg.expert_weight_scale)
@@ -647,7 +657,7 @@ class Model:
             probs = h("hook_router_probs", moe.router_probs(layer, xf, mm))
             experts = h("hook_experts", moe.select_experts(layer, probs, token_ids, cfg.n_expert_used))
             weights = moe.route_weights(probs, experts, cfg.expert_weight_scale)
-        return experts, h("hook_expert_weights", weights)
+        return experts, h("hook_expert_weights", weights), made
 
     def _head(self, streams: mx.array, mm: Schedule, prefix: str = "", made: mx.array | None = None) -> mx.array:
         """Collapse, norm and output matrix; with prefix "mtp." the MTP head's own collapse and

@@ -56,18 +56,22 @@ def route_weights(probs: mx.array, experts: mx.array, scale: float) -> mx.array:
     return chosen / denom * scale
 
 
-def route_fused(layer: LayerWeights, xf: mx.array, tokens: mx.array, n_used: int,
-                scale: float) -> tuple[mx.array, mx.array, mx.array]:
+def route_fused(layer: LayerWeights, xf: mx.array, tokens: mx.array, n_used: int, scale: float,
+                planes: bool = False) -> tuple[mx.array, mx.array, mx.array, mx.array | None]:
     """The fast path's router: one kernel for `router_probs`, `select_experts` (the hash table's
     rows of `tokens` [T] on hash layers) and `route_weights`, after the logits' GEMM, or in a
-    decode step with the logits made inside: (probs, experts, weights)."""
+    decode step with the logits made inside: (probs, experts, weights, planes). With `planes`
+    a decode step of IQ2_XXS gate and up also writes xf as `expert_swiglu(planes=)` takes it
+    (`kernels.router_planes`); planes is None where it is not made."""
     if xf.shape[0] <= kernels.MATVEC_MAX_TOKENS:
         route = _route(layer, tokens, n_used, scale)
-        return kernels.router(xf, route.bias, n_used, scale, weight=route.weight, hashed=route.hashed,
-                              slot=route.slot)
+        if planes and _expert_tensors(layer)[0].type_name == "IQ2_XXS" and xf.shape[1] % 256 == 0:
+            return kernels.router_planes(xf, route.bias, n_used, scale, route.weight, route.hashed, route.slot)
+        return (*kernels.router(xf, route.bias, n_used, scale, weight=route.weight, hashed=route.hashed,
+                                slot=route.slot), None)
     hashed = (layer.tid2eid, tokens) if layer.tid2eid is not None else None
-    return kernels.router(xf @ layer.transposed("ffn_gate_inp.weight"), layer.dense.get("exp_probs_b.bias"), n_used,
-                          scale, hashed=hashed, slot=layer.index)
+    return (*kernels.router(xf @ layer.transposed("ffn_gate_inp.weight"), layer.dense.get("exp_probs_b.bias"), n_used,
+                            scale, hashed=hashed, slot=layer.index), None)
 
 
 def _route(layer: LayerWeights, tokens: mx.array, n_used: int, scale: float) -> kernels.Route:
@@ -176,18 +180,22 @@ def routed_experts(layer: LayerWeights, xf: mx.array, experts: mx.array, weights
 
 def routed_and_shared_mid(layer: LayerWeights, xf: mx.array, experts: mx.array, weights: mx.array, clamp: float,
                           mm: Schedule, on_mid: Callable[[mx.array], object] | None = None,
-                          down_later: bool = False) -> tuple[mx.array | kernels.RoutedDown, mx.array]:
+                          down_later: bool = False,
+                          planes: mx.array | None = None) -> tuple[mx.array | kernels.RoutedDown, mx.array]:
     """(`routed_experts`, `shared_mid`). In a fast-path decode step whose routed gate and up
     share a block format, the routed pairs' SwiGLU and the shared expert's come from one launch
     (`kernels.expert_swiglu(shared=)`: both read the FFN input); there, with `down_later`, the
     routed output is left as its down products still to make (`kernels.RoutedDown`: the
     shared expert's down launch makes them beside its own rows, `hc.hc_expand_q8`, when the
-    two down matrices have one shape)."""
+    two down matrices have one shape). `planes`: xf as `route_fused` wrote it, for that launch's
+    routed dots (`kernels.expert_swiglu(planes=)`), used where the experts read xf unrounded."""
     if not _in_one_launch(layer, xf, experts.size, mm):
         return routed_experts(layer, xf, experts, weights, clamp, mm, on_mid), shared_mid(layer, xf, clamp, mm)
     gate_t, up_t, down_t = _expert_tensors(layer)
-    return _routed_gathered(gate_t, up_t, down_t, mm.experts_in(xf), experts, weights, clamp, mm.experts_in, on_mid,
-                            True, _shared_gate_up(layer), _down_later(layer, down_later))
+    x_in = mm.experts_in(xf)
+    return _routed_gathered(gate_t, up_t, down_t, x_in, experts, weights, clamp, mm.experts_in, on_mid,
+                            True, _shared_gate_up(layer), _down_later(layer, down_later),
+                            planes if x_in is xf else None)
 
 
 def routed_and_shared_mid_routing(layer: LayerWeights, xf: mx.array, tokens: mx.array, n_used: int, scale: float,
@@ -250,11 +258,11 @@ def _native_form(tensor: ExpertBlocks) -> tuple[mx.array, str] | None:
 def _routed_gathered(gate_t: ExpertBlocks, up_t: ExpertBlocks, down_t: ExpertBlocks, x_in: mx.array,
                      experts: mx.array, weights: mx.array, clamp: float, act_round,
                      on_mid: Callable[[mx.array], object] | None, fused: bool,
-                     shared: tuple[Q8Matrix, Q8Matrix] | None = None,
-                     down_later: bool = False) -> tuple[mx.array | kernels.RoutedDown, mx.array | None]:
+                     shared: tuple[Q8Matrix, Q8Matrix] | None = None, down_later: bool = False,
+                     planes: mx.array | None = None) -> tuple[mx.array | kernels.RoutedDown, mx.array | None]:
     """(the routed output (fused, with `down_later`: its down products still to make), and
     with `shared` (fused, gate and up in one format) the shared expert's SwiGLU made in the
-    routed one's launch; else None)."""
+    routed one's launch; else None). `planes`: x_in's byte planes for that launch."""
     t, u = experts.shape
     shared_mid = None
     if fused:
@@ -262,7 +270,7 @@ def _routed_gathered(gate_t: ExpertBlocks, up_t: ExpertBlocks, down_t: ExpertBlo
         # U pairs in place; then the down projections, summed in the kernel. (Gate and up in
         # two block formats: one kernel each and a compiled SwiGLU.)
         if gate_t.type_name == up_t.type_name:
-            mid = kernels.expert_swiglu(gate_t, up_t, experts, x_in, weights, clamp, shared)    # [T, U, n_ff]
+            mid = kernels.expert_swiglu(gate_t, up_t, experts, x_in, weights, clamp, shared, planes)  # [T, U, n_ff]
             if shared is not None:
                 mid, shared_mid = mid
         else:

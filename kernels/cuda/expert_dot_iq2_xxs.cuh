@@ -49,6 +49,26 @@ __device__ __forceinline__ void ds4lab_iq2_sign_words(uint32_t index7, uint32_t 
     words[0] = (index7 * 0x10204080u) & 0x80808080u;
     words[1] = ((index7 * 0x00020408u) & 0x00808080u) | ((uint32_t)__popc(index7) << 31);
 }
+// The lane's words of U steps of R rows from step s0 on (every load in flight before any is
+// used): each block's f16 scale d, its group's signs-and-scale word aux and the lane's two
+// grid indices.
+template <int NB, int U, int R>
+__device__ __forceinline__ void ds4lab_iq2_loads(const uint8_t* const (&w)[R], int s0, int lane, uint32_t (&d)[U][R],
+                                                 uint32_t (&aux)[U][R], uint32_t (&index)[U][R]) {
+    const int upper = lane >> 4, group = (lane >> 1) & 7, pair = lane & 1;
+    #pragma unroll
+    for (int u = 0; u < U; ++u) {
+        const int b = NB % 2 == 0 || 2 * (s0 + u) + upper < NB ? 2 * (s0 + u) + upper : NB - 1;
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const uint16_t* blk = reinterpret_cast<const uint16_t*>(w[r] + b * 66);
+            const uint16_t* s16 = blk + 1 + 4 * group;            // the group's 8 bytes
+            d[u][r] = blk[0];
+            aux[u][r] = (uint32_t)s16[2] | ((uint32_t)s16[3] << 16);
+            index[u][r] = s16[pair];                              // grid indices of values 0-7, 8-15
+        }
+    }
+}
 // A lane takes 16 values of a block (half a 32-value group: two grid indices, one u16), so
 // a warp covers two blocks a step, the lanes 16 apart on different blocks: the block's scale
 // and its group's signs word are read and made once for 16 values, and a step has twice the
@@ -63,18 +83,7 @@ __device__ __forceinline__ void ds4lab_expert_dot(const uint8_t* const (&w)[R], 
     for (int r = 0; r < R; ++r) sums[r] = 0.0f;
     for (int s0 = 0; s0 < STEPS; s0 += U) {
         uint32_t d[U][R], aux[U][R], index[U][R];
-        #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int b = NB % 2 == 0 || 2 * (s0 + u) + upper < NB ? 2 * (s0 + u) + upper : NB - 1;
-            #pragma unroll
-            for (int r = 0; r < R; ++r) {
-                const uint16_t* blk = reinterpret_cast<const uint16_t*>(w[r] + b * 66);
-                const uint16_t* s16 = blk + 1 + 4 * group;            // the group's 8 bytes
-                d[u][r] = blk[0];
-                aux[u][r] = (uint32_t)s16[2] | ((uint32_t)s16[3] << 16);
-                index[u][r] = s16[pair];                              // grid indices of values 0-7, 8-15
-            }
-        }
+        ds4lab_iq2_loads<NB, U, R>(w, s0, lane, d, aux, index);
         #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int b = 2 * (s0 + u) + upper;

@@ -1,11 +1,14 @@
 // One thread block's share of the routed experts' gate, up and SwiGLU (expert_swiglu.cu says
 // what the launch makes; routed_swiglu.cu makes it too, after routing): the block of output
 // rows bx of grid row p, which is a pair p < n_pairs (its expert `id`, its route weight `wp`)
-// or, with SHARED_ROWS, token p - n_pairs's shared expert. `tables`: DS4LAB_DOT_TABLES.
-template <int ROWS, int COLS, int ROW_BYTES, int EXPERT_BYTES, int X_DIV, int SHARED_ROWS, int P, typename... Tables>
+// or, with SHARED_ROWS, token p - n_pairs's shared expert. x: the tokens' inputs [T, COLS];
+// xp: pair p's input as the format's routed dot reads it (its token's row of x, or of its
+// planes: expert_planes.cuh). `tables`: DS4LAB_DOT_TABLES (or DS4LAB_PLANES_TABLES).
+template <int ROWS, int COLS, int ROW_BYTES, int EXPERT_BYTES, int X_DIV, int SHARED_ROWS, int P, typename Input,
+          typename... Tables>
 __device__ __forceinline__ void ds4lab_swiglu_rows(int bx, int p, int n_pairs, int id, float wp,
                                                    const uint8_t* raw_gate, const uint8_t* raw_up, const float* x,
-                                                   float clamp, const uint32_t* codes_g, const float* scales_g,
+                                                   Input xp, float clamp, const uint32_t* codes_g, const float* scales_g,
                                                    const uint32_t* codes_u, const float* scales_u, float* mid,
                                                    float* shared, Tables... tables) {
     const int lane = threadIdx.x & 31;
@@ -41,7 +44,7 @@ __device__ __forceinline__ void ds4lab_swiglu_rows(int bx, int p, int n_pairs, i
         rows[2 * i + 1] = raw_up + at;
     }
     float gu[2 * P] = {};
-    ds4lab_expert_dot<COLS, 2 * P>(rows, x + (size_t)(p / X_DIV) * COLS, lane, gu, tables...);
+    ds4lab_expert_dot<COLS, 2 * P>(rows, xp, lane, gu, tables...);
 #pragma unroll
     for (int i = 0; i < P; ++i) {
         const float g = ds4lab_warp_sum(gu[2 * i]);

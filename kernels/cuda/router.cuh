@@ -110,3 +110,24 @@ __device__ void ds4lab_route(const float* logits, float* probs, const float (&b)
         }
     }
 }
+
+// router.cu's work for its thread block (router.cu says what it makes): token blockIdx.y with
+// PRODUCT (grid x's blocks a warp a row of w, the last to finish routing), else blockIdx.x.
+template <int E, int K, int N, bool HAS_BIAS, bool PRODUCT, bool HASH, typename W>
+__device__ __forceinline__ void ds4lab_router_token(const float* x, const W* w, const float* bias, const float* scale,
+                                                    const int* counter, const int* table, const int* tokens,
+                                                    float* probs, int* experts, float* weights) {
+    const int t = PRODUCT ? blockIdx.y : blockIdx.x;
+    float b[1];
+    const int hashed = ds4lab_route_reads<E, K, 1, HAS_BIAS, HASH>(bias, table, tokens, t, b);
+    if (PRODUCT) {
+        const int lane = threadIdx.x & 31, r = blockIdx.x * (blockDim.x >> 5) + (threadIdx.x >> 5);
+        if (r < E) {
+            const float s = ds4lab_router_logit<N>(w + (size_t)r * N, x + (size_t)t * N, lane);
+            if (lane == 0) probs[(size_t)t * E + r] = s;
+        }
+        if (!ds4lab_last_block(const_cast<int*>(counter) + t, gridDim.x)) return;
+    }
+    ds4lab_route<E, K, 1, HAS_BIAS, HASH>((PRODUCT ? probs : x) + (size_t)t * E, probs + (size_t)t * E, b, hashed,
+                                          scale[0], experts + t * K, weights + t * K);
+}

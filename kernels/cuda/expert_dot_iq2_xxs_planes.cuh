@@ -1,0 +1,83 @@
+// ds4lab_expert_dot for IQ2_XXS rows (expert_dot_iq2_xxs.cuh's loads, lanes and tables) on the
+// input as byte planes (expert_planes.cuh): the integer form of expert_swiglu_planes.cu.
+// dp4a: c + the dot of a's four signed bytes with b's four bytes, signed (ss) or unsigned (su).
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ int ds4lab_dp4a_ss(uint32_t a, uint32_t b, int c) {
+    int d;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+__device__ __forceinline__ int ds4lab_dp4a_su(uint32_t a, uint32_t b, int c) {
+    int d;
+    asm("dp4a.s32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+#endif
+
+// A value's byte is its signed level: a selector nibble code | sign << 2 picks byte `code` of
+// the levels word or of their negatives, so one permute makes four signed bytes once the
+// signs sit at bit 2 of each nibble of the entry's codes word (ds4lab_iq2_sign4, a word per
+// 7-bit sign index, staged by DS4LAB_PLANES_STAGE). Each 16 values of a row then take four
+// dp4a a plane; the three planes' sums meet as float(p0's) * 65536 + float(p1's * 256 + p2's)
+// (int32: |p1's sum| * 256 < 2^26), times the block's and the group's scales. Exact but for
+// the input's rounding to its planes and the float sums after.
+#define DS4LAB_IQ2_NEGATIVES 0x00d5e7f8u
+__device__ __forceinline__ uint32_t ds4lab_iq2_sign_nibbles(uint32_t index7) {
+    uint32_t words[2], nibbles = 0;
+    ds4lab_iq2_sign_words(index7, words);
+    for (int k = 0; k < 8; ++k) nibbles |= ((words[k >> 2] >> (8 * (k & 3) + 7)) & 1u) << (4 * k + 2);
+    return nibbles;
+}
+#define DS4LAB_PLANES_STAGE                                                                      \
+    __shared__ uint32_t ds4lab_iq2_sign4[128];                                                   \
+    for (int i = threadIdx.x; i < 128; i += blockDim.x) ds4lab_iq2_sign4[i] = ds4lab_iq2_sign_nibbles(i); \
+    __syncthreads();
+#define DS4LAB_PLANES_TABLES , ds4lab_iq2_grid4, ds4lab_iq2_sign4
+
+template <int COLS, int R>
+__device__ __forceinline__ void ds4lab_expert_dot(const uint8_t* const (&w)[R], ds4lab_planes xin, int lane,
+                                                  float (&acc)[R], const uint32_t* grid4, const uint32_t* sign4) {
+    const int upper = lane >> 4, group = (lane >> 1) & 7, pair = lane & 1;
+    constexpr int NB = COLS / 256, STEPS = (NB + 1) / 2, U = ds4lab_step<STEPS, R>::U;
+    float sums[R];
+    #pragma unroll
+    for (int r = 0; r < R; ++r) sums[r] = 0.0f;
+    for (int s0 = 0; s0 < STEPS; s0 += U) {
+        uint32_t d[U][R], aux[U][R], index[U][R];
+        ds4lab_iq2_loads<NB, U, R>(w, s0, lane, d, aux, index);
+        #pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int b = 2 * (s0 + u) + upper;
+            if (NB % 2 != 0 && b >= NB) continue;
+            const int g = b * 8 + group;                              // the input's 32-value group
+            const uint4* planes = reinterpret_cast<const uint4*>(xin.bytes + g * 96 + pair * 16);
+            const uint4 p0 = planes[0], p1 = planes[2], p2 = planes[4];
+            const float xscale = xin.scales[g];
+            #pragma unroll
+            for (int r = 0; r < R; ++r) {
+                uint32_t v[4];
+                #pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                    const uint32_t sel = grid4[(index[u][r] >> (8 * j)) & 0xffu] | sign4[(aux[u][r] >> (7 * (2 * pair + j))) & 127];
+                    v[2 * j] = ds4lab_prmt(DS4LAB_IQ2_LEVELS, DS4LAB_IQ2_NEGATIVES, sel);
+                    v[2 * j + 1] = ds4lab_prmt(DS4LAB_IQ2_LEVELS, DS4LAB_IQ2_NEGATIVES, sel >> 16);
+                }
+                int hi = ds4lab_dp4a_ss(v[0], p0.x, 0), mid = ds4lab_dp4a_su(v[0], p1.x, 0);
+                hi = ds4lab_dp4a_ss(v[1], p0.y, hi);
+                hi = ds4lab_dp4a_ss(v[2], p0.z, hi);
+                hi = ds4lab_dp4a_ss(v[3], p0.w, hi);
+                mid = ds4lab_dp4a_su(v[1], p1.y, mid);
+                mid = ds4lab_dp4a_su(v[2], p1.z, mid);
+                mid = ds4lab_dp4a_su(v[3], p1.w, mid);
+                int lo = ds4lab_dp4a_su(v[0], p2.x, mid * 256);
+                lo = ds4lab_dp4a_su(v[1], p2.y, lo);
+                lo = ds4lab_dp4a_su(v[2], p2.z, lo);
+                lo = ds4lab_dp4a_su(v[3], p2.w, lo);
+                const float db = ds4lab_f16_bits(d[u][r]) * (0.5f + ds4lab_small_uint(aux[u][r] >> 28)) * 0.25f;
+                sums[r] = fmaf(db * xscale, fmaf((float)hi, 65536.0f, (float)lo), sums[r]);
+            }
+        }
+    }
+    #pragma unroll
+    for (int r = 0; r < R; ++r) acc[r] += sums[r];
+}
