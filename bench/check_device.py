@@ -775,9 +775,12 @@ def _row_rel(a: mx.array, b: mx.array) -> float:
     return float((mx.abs(a - b).max(axis=-1) / mx.maximum(mx.abs(b).max(axis=-1), 1e-30)).max())
 
 
-def fast_vs_reference(shape: str, tokens: list[int]) -> None:
-    """The fast path against the reference composition on the default device."""
+def fast_vs_reference(shape: str, tokens: list[int], planes: bool = False) -> None:
+    """The fast path against the reference composition on the default device (with `planes`,
+    the IQ2_XXS gate and up of its decode steps on integers: `Model.expert_planes`)."""
     model = Model(random_weights(preset(shape), "q2", seed=2))
+    model.expert_planes = planes
+    shape = f"{shape} (expert planes)" if planes else shape
     fast = np.array(model(tokens))
     session = model.session()
     fast_decode = np.stack([np.array(session.decode(t)) for t in tokens])
@@ -825,10 +828,73 @@ def check_paths() -> None:
         imatrix_fast_vs_reference(shape)
 
 
+def check_planes() -> None:
+    """The IQ2_XXS gate and up on integers (`Model.expert_planes`, off by default): the planes
+    `router_planes` writes against `kernels.input_planes` on the CPU (the same bytes: a power of
+    two and one rounding) and its routing against `router`'s (the same bits); `expert_swiglu`
+    on the planes against its float form and against the decoded rows times the values the
+    planes hold; the fast path with them against the reference; then the launches' times."""
+    for t, hashed in ((1, False), (3, False), (1, True)):
+        magnitudes = mx.power(2.0, mx.random.randint(-8, 8, (t, 128, 1)).astype(mx.float32))   # a power a group
+        x = (mx.random.normal((t, 128, 32)) * magnitudes).reshape(t, 4096)
+        rw, bias = mx.random.normal((256, 4096)) * 0.05, mx.random.normal((256,)) * 0.1
+        table = (mx.random.randint(0, 256, (1000, 6)).astype(mx.int32), mx.array([7, 8, 9][:t], mx.int32))
+        route = (x, bias, 6, 1.5, rw, table if hashed else None)
+        *made, planes = kernels.router_planes(*route, slot=0)
+        plain = kernels.router(*route[:4], weight=rw, hashed=route[5], slot=1)
+        with mx.stream(mx.cpu):
+            want = kernels.input_planes(x)
+        same_planes = bool(mx.array_equal(planes, want).item())
+        same_route = all(bool(mx.array_equal(a, b).item()) for a, b in zip(made, plain, strict=True))
+        _bar(f"router_planes {t} tokens{' hash layer' if hashed else ''}", same_planes and same_route)
+        print(f"router_planes ({t} tokens, 256 experts of 4096{', hash layer' if hashed else ''}): planes the "
+              f"same bytes as input_planes on the CPU {same_planes}; routing the same bits as router's {same_route}")
+    ids = mx.array([[3, 15, 0, 9, 7, 12], [1, 3, 5, 15, 2, 8]], dtype=mx.int32)
+    weights = mx.random.uniform(0.1, 1.0, ids.shape)
+    for rows, cols in ((101, 768), (512, 1024), (2048, 4096)):
+        g_t, u_t = (_expert_blocks("IQ2_XXS", 16, rows, cols) for _ in range(2))
+        xe = mx.random.normal((2, cols)) * 4.0
+        planes = kernels.router_planes(xe, None, 6, 1.5, mx.random.normal((16, cols)), slot=0)[3]
+        shared = (_q8_matrix(rows - 3, cols), _q8_matrix(rows - 3, cols))
+        on_planes, shared_planes = kernels.expert_swiglu(g_t, u_t, ids, xe, weights, 10.0, shared, planes)
+        on_floats, shared_floats = kernels.expert_swiglu(g_t, u_t, ids, xe, weights, 10.0, shared)
+        held = mx.repeat(kernels.planes_values(planes, 2, cols), 6, axis=0)[:, :, None]
+        g, u = ((_decode(t, ids.reshape(-1)) @ held)[..., 0] for t in (g_t, u_t))
+        err_held = _rel(on_planes, (moe.swiglu(g, u, 10.0) * weights.reshape(-1, 1)).reshape(2, 6, -1))
+        err_float = _rel(on_planes, on_floats)
+        same_shared = bool(mx.array_equal(shared_planes, shared_floats).item())
+        _bar(f"expert_swiglu on planes {rows}x{cols}", err_held <= _KERNEL_BAR and err_float <= _KERNEL_BAR
+             and same_shared)
+        print(f"expert_swiglu IQ2_XXS on planes (2 tokens x 6 of 16 experts, {rows}x{cols}) vs the decoded rows "
+              f"times the planes' values: max rel err {err_held:.2e}; vs the float form {err_float:.2e}; the "
+              f"shared expert's rows the same bits {same_shared}")
+    for shape in ("small", "tiny"):
+        fast_vs_reference(shape, list(range(2000, 2048)), planes=True)
+    gate, up = (_expert_blocks("IQ2_XXS", 16, 2048, 4096) for _ in range(2))
+    shared = (_q8_matrix(2048, 4096), _q8_matrix(2048, 4096))
+    one_ids, x1, rw = ids[:1], mx.random.normal((1, 4096)), mx.random.normal((256, 4096)) * 0.05
+    planes = kernels.router_planes(x1, None, 6, 1.5, rw, slot=0)[3]
+    nbytes = 2 * gate.raw.nbytes / 16 * one_ids.size
+    for label, extra in (("", ()), (" with the shared expert's 2 x 2048x4096 Q8_0", (shared,))):
+        on_planes = _seconds(lambda v, extra=extra: kernels.expert_swiglu(
+            gate, up, one_ids, v, mx.ones(one_ids.shape), 10.0, *(extra or (None,)), planes=planes)[0], x1)
+        on_floats = _seconds(lambda v, extra=extra: kernels.expert_swiglu(
+            gate, up, one_ids, v, mx.ones(one_ids.shape), 10.0, *extra)[0], x1)
+        print(f"expert_swiglu IQ2_XXS 6 x 2 x 2048x4096{label}: on planes {on_planes * 1e6:7.1f} us "
+              f"({nbytes / on_planes / 1e9:5.0f} GB/s of routed weights), on floats {on_floats * 1e6:7.1f} us "
+              f"({nbytes / on_floats / 1e9:5.0f}): {on_floats / on_planes:.2f}x")
+    slots = iter(range(2, 10**6))
+    with_planes = _seconds(lambda v: kernels.router_planes(v, None, 6, 1.5, rw, slot=next(slots))[3], x1)
+    without = _seconds(lambda v: kernels.router(v, None, 6, 1.5, weight=rw, slot=next(slots))[2], x1)
+    print(f"router (256 x 4096, one token): writing the planes {with_planes * 1e6:.1f} us, without "
+          f"{without * 1e6:.1f} us")
+
+
 # Each part runs in a few minutes on an H200; `--parts` picks some (the whole run takes about
 # seven, over some machines' limit for one command).
 PARTS = {"experts": check_fused_experts, "kernels": check_fused_kernels, "fused": check_fused_products,
-         "q8": check_q8_matvec, "gemm": check_gemm, "paths": check_paths, "cpu": check_gpu_vs_cpu}
+         "q8": check_q8_matvec, "gemm": check_gemm, "paths": check_paths, "cpu": check_gpu_vs_cpu,
+         "planes": check_planes}
 
 
 def main() -> None:

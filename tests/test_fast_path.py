@@ -1425,3 +1425,21 @@ def test_the_device_check_of_the_merged_launches_runs_on_the_stand_ins(stand_in_
     out = capsys.readouterr().out
     assert "q8_pair with a compressor update (ratio 4" in out and "compressor_pool with the rows finished" in out
 
+
+
+def test_the_device_check_of_the_expert_planes_runs_on_the_stand_ins(stand_in_kernels, monkeypatch, capsys):
+    """bench/check_device.py's planes part runs through on the CPU with the stand-ins, and its
+    kernel lines meet their bars there: the wrappers hand router_planes what router gets and
+    expert_swiglu on planes what its float form gets (the fast path against the reference with
+    planes: `test_expert_planes_route_decode_steps_through_the_integer_launches`)."""
+    spec = importlib.util.spec_from_file_location(
+        "check_device", Path(__file__).resolve().parents[1] / "bench" / "check_device.py")
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    monkeypatch.setattr(check, "_seconds", lambda fn, x, calls=20: (mx.eval(fn(x)), 1e-6)[1])
+    monkeypatch.setattr(check, "fast_vs_reference", lambda shape, tokens, planes=False: None)
+    check.check_planes()
+    assert stand_in_kernels["router_planes"] and stand_in_kernels["expert_swiglu_planes"]
+    assert not check._MISSED, check._MISSED
+    out = capsys.readouterr().out
+    assert out.count("same bytes as input_planes on the CPU True") == 3 and "on planes (2 tokens x 6 of 16" in out
