@@ -22,6 +22,9 @@ every token to expert 0, so read it as an upper bound of nothing. (On the H200 t
 `q8_matvec` and `attention` ended in an illegal memory access a few variants into the run,
 not yet found; `expert_swiglu` and `expert_matvec` ran.)
 
+A variant "planes" runs the IQ2_XXS gate and up on the FFN input's byte planes
+(`Model.expert_planes`).
+
     python bench/device_time_ab.py [--layers 43] [--context 4096] \
         [--variants base _ATTENTION_SHARE_KEYS=64 _Q8_WARPS_WANTED=8192 without:expert_swiglu]
 
@@ -91,7 +94,8 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=8, help="steps timed per variant (the fastest wait kept)")
     parser.add_argument("--variants", nargs="+", default=["base"])
     args = parser.parse_args()
-    variants = [(text, {} if text.startswith("without:") else parse_variant(text)) for text in args.variants]
+    variants = [(text, {} if text.startswith("without:") or text == "planes" else parse_variant(text))
+                for text in args.variants]
     if not kernels.cuda_ready():
         raise SystemExit("device_time_ab: the fast path is off on this device (no CUDA): nothing to compare")
     model, session = decoding_session(random_weights(preset("flash-dims", args.layers), "q2"), args.context)
@@ -103,6 +107,7 @@ def main() -> None:
         for name, value in {**defaults, **changes}.items():
             setattr(kernels, name, value)
         model._compiled.clear()
+        model.expert_planes = text == "planes"
         stubbed = without(text.removeprefix("without:")) if text.startswith("without:") else contextlib.nullcontext()
         with stubbed:
             time_step(model, session.state, 999, repeat=2)        # this variant's kernels and traces

@@ -15,6 +15,8 @@ Variants (`--variant`):
   and then the rest (A), or in one piece (B) (`Model.stream_commits`). Run it with MLX's graph
   limits past a step (MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=100000000), so that
   each piece is one CUDA graph and B is one graph a step.
+- `planes`: the IQ2_XXS routed experts' gate and up on integers, the router writing the FFN
+  input as byte planes (A, `Model.expert_planes`), or on floats (B, the default).
 - `router`, `q_b`, `output_a`, `compressor_slot`, `head`: that step in the launch of another
   (A) or in its own launches (B), the other steps as `Model.merged_launches` has them (by
   default only the head merged, `model.DEFAULT_MERGED`): the router before the
@@ -59,6 +61,10 @@ def _commits(layers: tuple[int, ...]) -> Callable[[Model, bool], None]:
     return choose
 
 
+def _planes(model: Model, a: bool) -> None:
+    model.expert_planes = a
+
+
 def _merged(step: str) -> Callable[[Model, bool], None]:
     def choose(model: Model, a: bool) -> None:
         (model.merged_launches.add if a else model.merged_launches.discard)(step)
@@ -68,6 +74,7 @@ def _merged(step: str) -> Callable[[Model, bool], None]:
 # name -> (what A and B are, the setter: variant A when given True)
 VARIANTS: dict[str, tuple[str, str, Callable[[Model, bool], None]]] = {
     "hc_input": ("HC input in the product's last block", "HC input apart (hc_mix + hc_pre)", _hc_input),
+    "planes": ("IQ2_XXS gate and up on the input's byte planes", "on floats", _planes),
     **{step: (f"{step} in another step's launch", f"{step} in its own launch", _merged(step))
        for step in MERGED_LAUNCHES},
 }
