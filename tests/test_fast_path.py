@@ -973,6 +973,22 @@ def test_q8_matvec_refuses_an_output_shape_of_other_size(small_weights):
         kernels.q8_matvec(q_b, mx.zeros((1, q_b.cols)), shape=(1, 2, q_b.rows))
 
 
+def test_expert_planes_are_refused_for_other_formats_and_other_sizes():
+    """Planes serve IQ2_XXS gate and up only, and must hold the tokens' whole input (the
+    kernel reads T * cols / 32 groups of them): anything else is refused before any launch;
+    router_planes takes rows of whole 32-value groups."""
+    ids, x, w = mx.array([[0, 1]], mx.int32), mx.zeros((1, 512)), mx.ones((1, 2))
+    planes = mx.zeros((512 // 32 * kernels.PLANE_GROUP_BYTES,), mx.uint8)
+    q4 = _expert_blocks("Q4_K", 3, 8, 512)
+    with pytest.raises(ValueError, match="planes"):
+        kernels.expert_swiglu(q4, q4, ids, x, w, 0.0, None, planes)
+    iq2 = _expert_blocks("IQ2_XXS", 3, 8, 512)
+    with pytest.raises(ValueError, match="planes"):
+        kernels.expert_swiglu(iq2, iq2, ids, x, w, 0.0, None, planes[:-4])
+    with pytest.raises(ValueError, match="32-value groups"):
+        kernels.router_planes(mx.zeros((1, 100)), None, 2, 1.0, mx.zeros((8, 100)))
+
+
 def test_a_hook_off_the_boundaries_sends_only_its_block_to_the_reference(small_weights, stand_in_kernels):
     model = Model(small_weights)
     tokens = [5, 6, 7]

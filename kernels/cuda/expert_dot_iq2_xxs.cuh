@@ -73,10 +73,12 @@ __device__ __forceinline__ void ds4lab_iq2_loads(const uint8_t* const (&w)[R], i
 // a warp covers two blocks a step, the lanes 16 apart on different blocks: the block's scale
 // and its group's signs word are read and made once for 16 values, and a step has twice the
 // bytes in flight. An odd block count leaves the upper half-warp's last step out.
-template <int COLS, int R>
-__device__ __forceinline__ void ds4lab_expert_dot(const uint8_t* const (&w)[R], const float* xv, int lane,
-                                                  float (&acc)[R], const uint32_t* grid4) {
-    const int upper = lane >> 4, group = (lane >> 1) & 7, pair = lane & 1;
+// ds4lab_iq2_walk is that walk, shared by the float dot below and the integer one
+// (expert_dot_iq2_xxs_planes.cuh): body(b, d, aux, index, sums) for each block b the lane
+// takes, with its rows' words (ds4lab_iq2_loads) and their sums, added to acc at the end.
+template <int COLS, int R, typename Body>
+__device__ __forceinline__ void ds4lab_iq2_walk(const uint8_t* const (&w)[R], int lane, float (&acc)[R], Body body) {
+    const int upper = lane >> 4;
     constexpr int NB = COLS / 256, STEPS = (NB + 1) / 2, U = ds4lab_step<STEPS, R>::U;
     float sums[R];
     #pragma unroll
@@ -88,36 +90,46 @@ __device__ __forceinline__ void ds4lab_expert_dot(const uint8_t* const (&w)[R], 
         for (int u = 0; u < U; ++u) {
             const int b = 2 * (s0 + u) + upper;
             if (NB % 2 != 0 && b >= NB) continue;
-            float xs[16];
-            const float* xb = xv + b * 256 + group * 32 + pair * 16;
-            ds4lab_load8(xb, xs);
-            ds4lab_load8(xb + 8, xs + 8);
-            ds4lab_scale_inputs(xs);
-            #pragma unroll
-            for (int r = 0; r < R; ++r) {
-                const float db = ds4lab_f16_bits(d[u][r]) * (0.5f + ds4lab_small_uint(aux[u][r] >> 28)) * (0.25f * DS4LAB_CODE_SCALE);
-                float gx = 0.0f;
-                #pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    const uint32_t grid_index = (index[u][r] >> (8 * j)) & 0xffu;
-                    const uint32_t sign_index = (aux[u][r] >> (7 * (2 * pair + j))) & 127;
-                    const uint32_t codes = grid4[grid_index];
-                    const uint32_t g[2] = {ds4lab_prmt(DS4LAB_IQ2_LEVELS, 0u, codes),
-                                           ds4lab_prmt(DS4LAB_IQ2_LEVELS, 0u, codes >> 16)};
-                    uint32_t sw[2];
-                    ds4lab_iq2_sign_words(sign_index, sw);
-                    #pragma unroll
-                    for (int k = 0; k < 8; ++k) {
-                        // bytes: grid byte k, its sign bit twice (zero), sign byte k
-                        const uint32_t c = k & 3;
-                        const uint32_t bits = ds4lab_prmt(g[k >> 2], sw[k >> 2], c | ((8 | c) * 0x110u) | ((4 + c) << 12));
-                        gx = fmaf(__uint_as_float(bits), xs[8 * j + k], gx);
-                    }
-                }
-                sums[r] = fmaf(db, gx, sums[r]);
-            }
+            body(b, d[u], aux[u], index[u], sums);
         }
     }
     #pragma unroll
     for (int r = 0; r < R; ++r) acc[r] += sums[r];
+}
+
+template <int COLS, int R>
+__device__ __forceinline__ void ds4lab_expert_dot(const uint8_t* const (&w)[R], const float* xv, int lane,
+                                                  float (&acc)[R], const uint32_t* grid4) {
+    const int group = (lane >> 1) & 7, pair = lane & 1;
+    ds4lab_iq2_walk<COLS, R>(w, lane, acc, [&](int b, const uint32_t (&d)[R], const uint32_t (&aux)[R],
+                                               const uint32_t (&index)[R], float (&sums)[R]) {
+        float xs[16];
+        const float* xb = xv + b * 256 + group * 32 + pair * 16;
+        ds4lab_load8(xb, xs);
+        ds4lab_load8(xb + 8, xs + 8);
+        ds4lab_scale_inputs(xs);
+        #pragma unroll
+        for (int r = 0; r < R; ++r) {
+            const float db = ds4lab_f16_bits(d[r]) * (0.5f + ds4lab_small_uint(aux[r] >> 28)) * (0.25f * DS4LAB_CODE_SCALE);
+            float gx = 0.0f;
+            #pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const uint32_t grid_index = (index[r] >> (8 * j)) & 0xffu;
+                const uint32_t sign_index = (aux[r] >> (7 * (2 * pair + j))) & 127;
+                const uint32_t codes = grid4[grid_index];
+                const uint32_t g[2] = {ds4lab_prmt(DS4LAB_IQ2_LEVELS, 0u, codes),
+                                       ds4lab_prmt(DS4LAB_IQ2_LEVELS, 0u, codes >> 16)};
+                uint32_t sw[2];
+                ds4lab_iq2_sign_words(sign_index, sw);
+                #pragma unroll
+                for (int k = 0; k < 8; ++k) {
+                    // bytes: grid byte k, its sign bit twice (zero), sign byte k
+                    const uint32_t c = k & 3;
+                    const uint32_t bits = ds4lab_prmt(g[k >> 2], sw[k >> 2], c | ((8 | c) * 0x110u) | ((4 + c) << 12));
+                    gx = fmaf(__uint_as_float(bits), xs[8 * j + k], gx);
+                }
+            }
+            sums[r] = fmaf(db, gx, sums[r]);
+        }
+    });
 }

@@ -37,47 +37,35 @@ __device__ __forceinline__ uint32_t ds4lab_iq2_sign_nibbles(uint32_t index7) {
 template <int COLS, int R>
 __device__ __forceinline__ void ds4lab_expert_dot(const uint8_t* const (&w)[R], ds4lab_planes xin, int lane,
                                                   float (&acc)[R], const uint32_t* grid4, const uint32_t* sign4) {
-    const int upper = lane >> 4, group = (lane >> 1) & 7, pair = lane & 1;
-    constexpr int NB = COLS / 256, STEPS = (NB + 1) / 2, U = ds4lab_step<STEPS, R>::U;
-    float sums[R];
-    #pragma unroll
-    for (int r = 0; r < R; ++r) sums[r] = 0.0f;
-    for (int s0 = 0; s0 < STEPS; s0 += U) {
-        uint32_t d[U][R], aux[U][R], index[U][R];
-        ds4lab_iq2_loads<NB, U, R>(w, s0, lane, d, aux, index);
+    const int group = (lane >> 1) & 7, pair = lane & 1;
+    ds4lab_iq2_walk<COLS, R>(w, lane, acc, [&](int b, const uint32_t (&d)[R], const uint32_t (&aux)[R],
+                                               const uint32_t (&index)[R], float (&sums)[R]) {
+        const int g = b * 8 + group;                              // the input's 32-value group
+        const uint4* planes = reinterpret_cast<const uint4*>(xin.bytes + g * 96 + pair * 16);
+        const uint4 p0 = planes[0], p1 = planes[2], p2 = planes[4];
+        const float xscale = xin.scales[g];
         #pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int b = 2 * (s0 + u) + upper;
-            if (NB % 2 != 0 && b >= NB) continue;
-            const int g = b * 8 + group;                              // the input's 32-value group
-            const uint4* planes = reinterpret_cast<const uint4*>(xin.bytes + g * 96 + pair * 16);
-            const uint4 p0 = planes[0], p1 = planes[2], p2 = planes[4];
-            const float xscale = xin.scales[g];
+        for (int r = 0; r < R; ++r) {
+            uint32_t v[4];
             #pragma unroll
-            for (int r = 0; r < R; ++r) {
-                uint32_t v[4];
-                #pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    const uint32_t sel = grid4[(index[u][r] >> (8 * j)) & 0xffu] | sign4[(aux[u][r] >> (7 * (2 * pair + j))) & 127];
-                    v[2 * j] = ds4lab_prmt(DS4LAB_IQ2_LEVELS, DS4LAB_IQ2_NEGATIVES, sel);
-                    v[2 * j + 1] = ds4lab_prmt(DS4LAB_IQ2_LEVELS, DS4LAB_IQ2_NEGATIVES, sel >> 16);
-                }
-                int hi = ds4lab_dp4a_ss(v[0], p0.x, 0), mid = ds4lab_dp4a_su(v[0], p1.x, 0);
-                hi = ds4lab_dp4a_ss(v[1], p0.y, hi);
-                hi = ds4lab_dp4a_ss(v[2], p0.z, hi);
-                hi = ds4lab_dp4a_ss(v[3], p0.w, hi);
-                mid = ds4lab_dp4a_su(v[1], p1.y, mid);
-                mid = ds4lab_dp4a_su(v[2], p1.z, mid);
-                mid = ds4lab_dp4a_su(v[3], p1.w, mid);
-                int lo = ds4lab_dp4a_su(v[0], p2.x, mid * 256);
-                lo = ds4lab_dp4a_su(v[1], p2.y, lo);
-                lo = ds4lab_dp4a_su(v[2], p2.z, lo);
-                lo = ds4lab_dp4a_su(v[3], p2.w, lo);
-                const float db = ds4lab_f16_bits(d[u][r]) * (0.5f + ds4lab_small_uint(aux[u][r] >> 28)) * 0.25f;
-                sums[r] = fmaf(db * xscale, fmaf((float)hi, 65536.0f, (float)lo), sums[r]);
+            for (int j = 0; j < 2; ++j) {
+                const uint32_t sel = grid4[(index[r] >> (8 * j)) & 0xffu] | sign4[(aux[r] >> (7 * (2 * pair + j))) & 127];
+                v[2 * j] = ds4lab_prmt(DS4LAB_IQ2_LEVELS, DS4LAB_IQ2_NEGATIVES, sel);
+                v[2 * j + 1] = ds4lab_prmt(DS4LAB_IQ2_LEVELS, DS4LAB_IQ2_NEGATIVES, sel >> 16);
             }
+            int hi = ds4lab_dp4a_ss(v[0], p0.x, 0), mid = ds4lab_dp4a_su(v[0], p1.x, 0);
+            hi = ds4lab_dp4a_ss(v[1], p0.y, hi);
+            hi = ds4lab_dp4a_ss(v[2], p0.z, hi);
+            hi = ds4lab_dp4a_ss(v[3], p0.w, hi);
+            mid = ds4lab_dp4a_su(v[1], p1.y, mid);
+            mid = ds4lab_dp4a_su(v[2], p1.z, mid);
+            mid = ds4lab_dp4a_su(v[3], p1.w, mid);
+            int lo = ds4lab_dp4a_su(v[0], p2.x, mid * 256);
+            lo = ds4lab_dp4a_su(v[1], p2.y, lo);
+            lo = ds4lab_dp4a_su(v[2], p2.z, lo);
+            lo = ds4lab_dp4a_su(v[3], p2.w, lo);
+            const float db = ds4lab_f16_bits(d[r]) * (0.5f + ds4lab_small_uint(aux[r] >> 28)) * 0.25f;
+            sums[r] = fmaf(db * xscale, fmaf((float)hi, 65536.0f, (float)lo), sums[r]);
         }
-    }
-    #pragma unroll
-    for (int r = 0; r < R; ++r) acc[r] += sums[r];
+    });
 }
