@@ -176,7 +176,8 @@ planes() {
     # device time with and without them (one CUDA graph a step), the stream A/B in one
     # process, and the bench with them.
     step planes_checks 300 env MLX_ENABLE_TF32=0 python3 bench/check_device.py --parts planes
-    step planes_in_place 240 python3 bench/device_time_ab.py --layers 43 --context 4096 --variants base planes base
+    step planes_in_place 300 python3 bench/device_time_ab.py --layers 43 --context 4096 \
+        --variants base planes planes,_SWIGLU_ROWS=1 _SWIGLU_ROWS=1 base
     step planes_ab 200 python3 bench/stream_ab.py --variant planes --steps 32 --rounds 4
     step planes_bench 150 python3 bench/bench_model.py --in-memory --layers 43 --prompt 4096 --steps 64 --rounds 3 \
         --planes

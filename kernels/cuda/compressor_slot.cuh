@@ -32,7 +32,6 @@ __device__ void ds4lab_compressor_slot(int block, int blocks, const float* x, co
                                        const float* score2, const int* at, float* kv_out, float* score_out,
                                        float* kv_out2, float* score_out2) {
     const int lane = threadIdx.x & 31;
-    const int row = at[0];
     // The copy's float4s: the first compressor's kv, score, then the second's, as one flat range.
     constexpr size_t Q1 = (size_t)ROWS * R / 4, Q2 = (size_t)ROWS2 * R2 / 4, QT = 2 * (Q1 + Q2);
     const size_t id = (size_t)block * blockDim.x + threadIdx.x, threads = (size_t)blocks * blockDim.x;
@@ -42,7 +41,7 @@ __device__ void ds4lab_compressor_slot(int block, int blocks, const float* x, co
     auto frontier_out = [&](bool in2, bool is_score) {
         return in2 ? (is_score ? score_out2 : kv_out2) : (is_score ? score_out : kv_out);
     };
-    auto copy_at = [&](size_t g, const float4*& src, float4*& dst) {   // false: g is in the token's row
+    auto copy_at = [&](size_t g, const float4*& src, float4*& dst) {   // the input row g is copied from
         const bool in2 = g >= 2 * Q1;
         const size_t local = in2 ? g - 2 * Q1 : g, n = in2 ? Q2 : Q1;
         const bool is_score = local >= n;
@@ -52,12 +51,16 @@ __device__ void ds4lab_compressor_slot(int block, int blocks, const float* x, co
         const int from = source_row(i);
         src = reinterpret_cast<const float4*>(frontier_in(in2, is_score)) + (size_t)from * quads + c;
         dst = reinterpret_cast<float4*>(frontier_out(in2, is_score)) + k;
-        return from != row;
+        return from;
     };
+    // The frontier and APE rows are first used after the product: `at` is 8 bytes,
+    // which MLX keeps in host memory (its scalar pool), so a read of it is a trip over the bus,
+    // and nothing before the product waits for it (the held float4 is loaded whatever its row).
     const float4* held_src = nullptr;
     float4* held_dst = nullptr;
-    const bool holds = id < QT && copy_at(id, held_src, held_dst);
-    const float4 held = holds ? *held_src : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const int held_from = id < QT ? copy_at(id, held_src, held_dst) : -1;
+    const float4 held = held_from >= 0 ? *held_src : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    const int row = at[0], ape_row = at[1];                     // first used after the product
     int warp = block * (blockDim.x >> 5) + (threadIdx.x >> 5);
     const bool second = warp >= 2 * R;
     if (second) warp -= 2 * R;
@@ -91,16 +94,16 @@ __device__ void ds4lab_compressor_slot(int block, int blocks, const float* x, co
         }
     #pragma unroll
         for (int offset = 16; offset > 0; offset >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, offset);
-        const float value = is_score ? acc + (second ? ape2 : ape)[(size_t)at[1] * r + c] : acc;
+        const float value = is_score ? acc + (second ? ape2 : ape)[(size_t)ape_row * r + c] : acc;
         float* dst = frontier_out(second, is_score);
         for (int i = lane; i < rows; i += 32) {
             if (source_row(i) == row) dst[(size_t)i * r + c] = value;
         }
     }
-    if (holds) *held_dst = held;
+    if (held_from >= 0 && held_from != row) *held_dst = held;
     for (size_t g = id + threads; g < QT; g += threads) {          // frontiers of more rows than threads
         const float4* src;
         float4* dst;
-        if (copy_at(g, src, dst)) *dst = *src;
+        if (copy_at(g, src, dst) != row) *dst = *src;
     }
 }
