@@ -40,7 +40,10 @@ static inline int __all_sync(unsigned, int v) {
 static inline float __uint_as_float(uint32_t v) { float f; std::memcpy(&f, &v, 4); return f; }
 static inline float __int_as_float(int v) { float f; std::memcpy(&f, &v, 4); return f; }
 static inline uint32_t __float_as_uint(float f) { uint32_t v; std::memcpy(&v, &f, 4); return v; }
-static inline int __float2int_rn(float v) { return std::isfinite(v) ? (int)std::nearbyint(v) : 0; }
+static inline int __float2int_rn(float v) {                  // cvt.rni.s32.f32: saturating, NaN 0
+    return std::isnan(v) ? 0 : v >= 2147483647.0f ? 2147483647 : v <= -2147483648.0f ? (-2147483647 - 1)
+                                                              : (int)std::nearbyint(v);
+}
 """
 
 _MAKER_DRIVER = r"""
@@ -153,6 +156,7 @@ def test_a_warps_planes_are_numpys_bytes_and_hold_the_input_to_22_bits(host_make
 def test_a_group_with_an_infinity_or_a_nan_has_a_nan_scale(host_maker):
     x = _activations(1, 512, seed=5)
     x[0, 3], x[0, 200] = np.inf, np.nan
+    np.testing.assert_array_equal(_host_planes(host_maker, x, 64), _planes(x))
     for planes in (_host_planes(host_maker, x, 64), _planes(x)):
         values = _values(planes, 1, 512)
         assert np.isnan(values[0, :32]).all() and np.isnan(values[0, 192:224]).all()

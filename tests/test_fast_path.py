@@ -706,6 +706,23 @@ def test_expert_planes_route_decode_steps_through_the_integer_launches(request, 
     assert np.abs(fast_decoded - ref_decoded).max() / ref_full.std() < 1e-4
 
 
+def test_expert_planes_are_made_only_where_they_are_read(small_weights, stand_in_kernels):
+    """No planes where the gate and up do not read them: with the router inside the routed
+    experts' launch (`routed_swiglu`, on floats), or with `ffn.hook_shared_out` hooked (the
+    routed experts then apart, `expert_matvec`)."""
+    model = Model(small_weights)
+    model.expert_planes = True
+    model.merged_launches = {"router"}
+    session = model.session()
+    session.prefill([(37 * i + 11) % 1000 + 100 for i in range(12)])
+    session.decode(7)
+    assert stand_in_kernels["routed_swiglu"] and "router_planes" not in stand_in_kernels
+    model.merged_launches = set()
+    with model.hooks([("blocks.1.ffn.hook_shared_out", lambda value, hook: None)]):
+        session.decode(8)
+    assert stand_in_kernels["router_planes"] == model.config.n_layer - 1 and stand_in_kernels["expert_matvec"]
+
+
 def test_fast_decode_compressor_state_matches_the_reference(small_weights, stand_in_kernels):
     """A decode token's compressor kernels leave the state the reference leaves, from the same
     frontier and the same inputs (so that no float order upstream enters, whatever the BLAS):

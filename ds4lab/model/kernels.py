@@ -915,8 +915,9 @@ def router_planes(x: mx.array, bias: mx.array | None, n_used: int, scale: float,
     """`router` of a decode step (the logits made inside from the FFN input x [T, N], `weight`
     given) that also writes x as byte planes, the input of `expert_swiglu(planes=)`:
     (probs, experts, weights, planes). `input_planes` says what the planes hold."""
-    if x.shape[1] % 32:
-        raise ValueError(f"router_planes: rows of {x.shape[1]} values (planes of 32-value groups)")
+    if x.shape[1] % 32 or weight is None:
+        raise ValueError(f"router_planes: rows of {x.shape[1]} values (planes of 32-value groups) and the router "
+                         f"matrix {None if weight is None else tuple(weight.shape)} (the logits made inside)")
     return _router_launch("router_planes", x, bias, n_used, scale, weight, hashed, slot)
 
 

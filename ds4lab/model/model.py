@@ -129,7 +129,8 @@ class Model:
         # A decode step's router also writes the FFN input as byte planes, and IQ2_XXS routed
         # experts' gate and up take it from them on integers (`kernels.router_planes`,
         # `expert_swiglu(planes=)`; within 2^-22 of each 32 values' largest, not the same bits):
-        # for measuring the two forms in one process.
+        # for measuring the two forms in one process. (Where the router has its own launch: with
+        # "router" in `merged_launches` it runs inside the experts' launch, on floats.)
         self.expert_planes = False
 
     # ---- public entry points --------------------------------------------------------
@@ -344,12 +345,26 @@ class Model:
             mm = mm.reference()
         h = self._hooks.scope(prefix)
         ready, streams = _kept(ready, streams, h("hook_resid_pre", streams))
-        streams, ready = self._attention_block(layer, cache, streams, p0, rotation, mm, ready)
-        ready, streams = _kept(ready, streams, h("hook_resid_mid", streams))
-        streams, experts, ready = self._sublayer("ffn", layer, mm, self._ffn_block, streams, token_ids,
-                                                 *(ready or ()), next_input=next_input)
+        heads, *control = self._attention_block(layer, cache, streams, p0, rotation, mm, ready)
+        if h.wants("hook_resid_mid") or self._sublayer_hooked(prefix, "attn") or self._sublayer_hooked(prefix, "ffn"):
+            streams, ready = self._sublayer("attn_out", layer, mm, self._attention_output, heads, streams, *control)
+            ready, streams = _kept(ready, streams, h("hook_resid_mid", streams))
+            streams, experts, ready = self._sublayer("ffn", layer, mm, self._ffn_block, streams, token_ids,
+                                                     *(ready or ()), next_input=next_input)
+        else:
+            # Nothing to fire or replace between them: the attention's output and the FFN as one
+            # compiled call (`_sublayer`), one replay fewer a block to build.
+            streams, experts, ready = self._sublayer("attn_out+ffn", layer, mm, self._output_and_ffn, heads, streams,
+                                                     *control, token_ids, next_input=next_input)
         ready, streams = _kept(ready, streams, h("hook_resid_post", streams))
         return streams, experts, ready
+
+    def _output_and_ffn(self, layer: LayerWeights, mm: Schedule, heads: mx.array, streams: mx.array,
+                        pre: mx.array, post: mx.array, comb: mx.array, token_ids: mx.array,
+                        next_input: HCInput | None = None) -> tuple[mx.array, mx.array, tuple[mx.array, ...] | None]:
+        """`_attention_output` then `_ffn_block` on its streams and the FFN input it made."""
+        streams, ready = self._attention_output(layer, mm, heads, streams, pre, post, comb)
+        return self._ffn_block(layer, mm, streams, token_ids, *(ready or ()), next_input=next_input)
 
     def _hc_input(self, layer: LayerWeights, sub: str) -> HCInput:
         """The weights and constants of a sublayer's HC input ("attn" or "ffn")."""
@@ -359,11 +374,11 @@ class Model:
 
     def _attention_block(self, layer: LayerWeights, cache: LayerCache, streams: mx.array, p0: int,
                          rotation: Rotation, mm: Schedule,
-                         ready: tuple[mx.array, ...] | None = None) -> tuple[mx.array, tuple[mx.array, ...] | None]:
+                         ready: tuple[mx.array, ...] | None = None) -> tuple[mx.array, ...]:
         """Attention of the chunk's tokens (positions p0..) over the raw window and the
         compressed rows; extends `cache`. Masks are built on the host: positions are known.
-        `ready`: the sublayer's input made by the launch before (see `block`). Returns the new
-        streams and, on the fast path's decode steps, the FFN's input made of them."""
+        `ready`: the sublayer's input made by the launch before (see `block`). Returns the
+        heads and the HC control (pre, post, comb) that `_attention_output` takes."""
         cfg, d = self.config, layer.dense
         h = self._hooks.scope(f"{_prefix(layer)}.attn")
         # The indexer scores once more rows are visible than it keeps: its queries are then
@@ -414,7 +429,7 @@ class Model:
         else:
             heads = h("hook_z", attention.attend_heads(q, keys, mask, d["attn_sinks.weight"], rotation, mm, comp,
                                                        cfg.rms_eps if q_in_attention else None, layer.index))
-        return self._sublayer("attn_out", layer, mm, self._attention_output, heads, streams, pre, post, comb)
+        return heads, pre, post, comb
 
     def _attention_inputs(self, layer: LayerWeights, mm: Schedule, streams: mx.array, cos: mx.array,
                           sin: mx.array, frontiers: tuple[mx.array, ...], *ready: mx.array, indexed: bool,
@@ -485,7 +500,7 @@ class Model:
         building its graph then costs one call instead of some twenty kernel wrappers', and MLX
         fuses its elementwise steps. A hook in the sublayer keeps the part as written, as does
         the reference path; both compute the same steps."""
-        hooked = self._sublayer_hooked(_prefix(layer), "ffn" if part == "ffn" else "attn")
+        hooked = any(self._sublayer_hooked(_prefix(layer), sub) for sub in ("attn", "ffn") if sub in part)
         if hooked or not mm.fast or arrays[0].shape[0] > kernels.MATVEC_MAX_TOKENS:
             return fn(layer, mm, *arrays, **weights)
         key = (layer.index, part, len(arrays), tuple(name for name, w in weights.items() if w is not None),
@@ -612,7 +627,8 @@ class Model:
         if made is not None:
             experts, routed, mid = made
         else:
-            experts, weights, planes = self._route(h, layer, xf, token_ids, mm, one_kernel and self.expert_planes)
+            planes = one_kernel and self.expert_planes and moe.planes_serve(layer, xf, cfg.n_expert_used, mm)
+            experts, weights, planes = self._route(h, layer, xf, token_ids, mm, planes)
             if one_kernel:
                 routed, mid = moe.routed_and_shared_mid(layer, xf, experts, weights, clamp, mm, on_mid, down_later,
                                                         planes)

@@ -61,17 +61,25 @@ def route_fused(layer: LayerWeights, xf: mx.array, tokens: mx.array, n_used: int
     """The fast path's router: one kernel for `router_probs`, `select_experts` (the hash table's
     rows of `tokens` [T] on hash layers) and `route_weights`, after the logits' GEMM, or in a
     decode step with the logits made inside: (probs, experts, weights, planes). With `planes`
-    a decode step of IQ2_XXS gate and up also writes xf as `expert_swiglu(planes=)` takes it
+    (where `planes_serve`) a decode step also writes xf as `expert_swiglu(planes=)` takes it
     (`kernels.router_planes`); planes is None where it is not made."""
     if xf.shape[0] <= kernels.MATVEC_MAX_TOKENS:
         route = _route(layer, tokens, n_used, scale)
-        if planes and _expert_tensors(layer)[0].type_name == "IQ2_XXS" and xf.shape[1] % 256 == 0:
+        if planes:
             return kernels.router_planes(xf, route.bias, n_used, scale, route.weight, route.hashed, route.slot)
         return (*kernels.router(xf, route.bias, n_used, scale, weight=route.weight, hashed=route.hashed,
                                 slot=route.slot), None)
     hashed = (layer.tid2eid, tokens) if layer.tid2eid is not None else None
     return (*kernels.router(xf @ layer.transposed("ffn_gate_inp.weight"), layer.dense.get("exp_probs_b.bias"), n_used,
                             scale, hashed=hashed, slot=layer.index), None)
+
+
+def planes_serve(layer: LayerWeights, xf: mx.array, n_used: int, mm: Schedule) -> bool:
+    """Whether the FFN input's byte planes would be read if the router wrote them: a decode
+    step whose routed gate and up (IQ2_XXS) come from one launch (`routed_and_shared_mid`)
+    reading xf as it is."""
+    return (_in_one_launch(layer, xf, xf.shape[0] * n_used, mm) and _expert_tensors(layer)[0].type_name == "IQ2_XXS"
+            and xf.shape[0] <= kernels.MATVEC_MAX_TOKENS and mm.experts_in(xf) is xf)
 
 
 def _route(layer: LayerWeights, tokens: mx.array, n_used: int, scale: float) -> kernels.Route:

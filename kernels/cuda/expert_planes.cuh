@@ -11,7 +11,8 @@
 // rounding) and |q| < 2^22, so p0 = q >> 16 (floor) lies in [-64, 64]. Each value keeps 22
 // bits below the group's largest, as a float keeps 24 of its own: the rounding error is at
 // most 2^-22 of m. A group whose largest magnitude is below 2^-100 is held as zeros (scale
-// 0); one holding an infinity or a NaN gets scale NaN, so that the dots it feeds are NaN.
+// 0); one holding an infinity or a NaN gets scale NaN, so that the dots it feeds are NaN
+// (those values' bytes are zeros).
 // Layout of a launch's buffer for T tokens of COLS values (G = COLS / 32 groups a token):
 // first the planes, token t's group g at byte (t * G + g) * 96: p0 of its 32 values, then
 // p1, then p2 (32 bytes each, 16-byte aligned); then the scales, float32 [T, G].
@@ -36,7 +37,7 @@ __device__ __forceinline__ void ds4lab_make_planes(const float* xt, uint8_t* byt
     const uint32_t e = __float_as_uint(m) >> 23;               // m >= 0: the biased exponent
     const bool zero = e < 27;                                  // m < 2^-100 (or 0)
     // x / scale = x * 2^(21 - E): biased exponent 148 - e + 127; scale's e - 21 (both normal for 27 <= e <= 254)
-    const int q = zero ? 0 : __float2int_rn(v * __uint_as_float((275u - e) << 23));
+    const int q = zero || !finite ? 0 : __float2int_rn(v * __uint_as_float((275u - e) << 23));
     uint8_t* out = bytes_t + g * 96;
     out[lane] = (uint8_t)(q >> 16);
     out[32 + lane] = (uint8_t)(q >> 8);
