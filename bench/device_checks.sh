@@ -35,9 +35,10 @@
 #                                        # past a step, the greedy stream handing each step over in pieces
 #                                        # (`Model.stream_commits`) against one piece, in one process, and
 #                                        # the bench with the pieces (~8 min)
-#   bash bench/device_checks.sh planes   # the IQ2_XXS gate and up on the FFN input's byte planes: check_device's
-#                                        # planes part (bars, then the launches' times), the step's device time
-#                                        # with them and without, the stream A/B, the bench with them (~12 min)
+#   bash bench/device_checks.sh planes   # the IQ2_XXS gate and up on the FFN input's byte planes, two calls:
+#                                        # `planes checks` (check_device's planes part: bars, the launches'
+#                                        # times; then the bench with them), `planes speed` (the step's device
+#                                        # time with and without them, the stream A/B) (~6 min each)
 #   bash bench/device_checks.sh warm     # every kernel variant of a 43-layer run compiled into .ptx_cache
 #                                        # (bench/warm_kernels.py; ~4 min on 2 cores, so best made on
 #                                        # the CPU machine and carried)
@@ -172,15 +173,20 @@ commits() {
 
 planes() {
     # The IQ2_XXS gate and up on the FFN input's byte planes (`Model.expert_planes`, off by
-    # default): the kernels' bars and times, fast vs reference with them, then the step's
-    # device time with and without them (one CUDA graph a step), the stream A/B in one
-    # process, and the issue's bench with them.
-    step planes_checks 300 env MLX_ENABLE_TF32=0 python3 bench/check_device.py --parts planes
-    step planes_in_place 300 python3 bench/device_time_ab.py --layers 43 --context 4096 \
-        --variants base planes planes,_SWIGLU_ROWS=1 _SWIGLU_ROWS=1 base
-    step planes_ab 200 python3 bench/stream_ab.py --variant planes --steps 32 --rounds 4
-    step planes_bench 150 python3 bench/bench_model.py --in-memory --layers 43 --prompt 4096 --steps 64 --rounds 3 \
-        --planes
+    # default), in two calls (a call may run 10 minutes): `planes checks`, the kernels' bars
+    # and times and fast vs reference with them, then the issue's bench with them; `planes
+    # speed`, the step's device time with and without them (one CUDA graph a step; one output
+    # row a warp too), then the stream A/B in one process.
+    case "${1:-checks}" in
+        checks)
+            step planes_checks 300 env MLX_ENABLE_TF32=0 python3 bench/check_device.py --parts planes
+            step planes_bench 150 python3 bench/bench_model.py --in-memory --layers 43 --prompt 4096 --steps 64 \
+                --rounds 3 --planes ;;
+        speed)
+            step planes_in_place 300 python3 bench/device_time_ab.py --layers 43 --context 4096 \
+                --variants base planes planes,_SWIGLU_ROWS=1 _SWIGLU_ROWS=1 base
+            step planes_ab 200 python3 bench/stream_ab.py --variant planes --steps 32 --rounds 4 ;;
+    esac
 }
 
 stream() {
@@ -209,9 +215,9 @@ case "${1:-all}" in
     stream) stream ;;
     profile) profile ;;
     commits) commits ;;
-    planes) planes ;;
+    planes) shift; planes "$@" ;;
     warm) step warm 900 python3 bench/warm_kernels.py --cache .ptx_cache ;;
     all) checks; speed ;;
-    *) echo "usage: $0 [checks|speed|split|graphs|geometry|merged [checks|paths|speed]|stream|profile|commits|planes|warm|all]" >&2
+    *) echo "usage: $0 [checks|speed|split|graphs|geometry|merged [checks|paths|speed]|stream|profile|commits|planes [checks|speed]|warm|all]" >&2
        exit 2 ;;
 esac
