@@ -691,7 +691,7 @@ def test_expert_planes_route_decode_steps_through_the_integer_launches(request, 
                                                                        stand_in_kernels):
     """With `Model.expert_planes` each decode step's router writes the FFN input's planes and
     the IQ2_XXS gate and up read them (a prefill keeps its router and GEMMs); the logits stay within the
-    fast path's bar of the reference's, and the planes hold each input to 2^-22 of its
+    fast path's bar of the reference's, and the planes hold each input to 2^-21 of its
     group's largest (the stand-in checks it)."""
     model = Model(request.getfixturevalue(weights_fixture))
     model.expert_planes = True

@@ -955,7 +955,7 @@ PLANE_GROUP_BYTES = 3 * 32 + 4
 def input_planes(x: mx.array) -> mx.array:
     """The byte planes `router_planes` writes for the rows x [T, N] (kernels/cuda/
     expert_planes.cuh has the format), in MLX operations: uint8 [T * N / 32 *
-    PLANE_GROUP_BYTES]. For each 32-value group, scale = 2^(E - 21) with 2^E <= its largest
+    PLANE_GROUP_BYTES]. For each 32-value group, scale = 2^(E - 20) with 2^E <= its largest
     magnitude < 2^(E+1), and q = rint(x / scale) (ties to even) split as p0 = q >> 16 (int8),
     p1 = (q >> 8) & 255, p2 = q & 255; a group below 2^-100 is zeros with scale 0, one
     holding inf or NaN has scale NaN (and planes of its other values)."""
@@ -965,10 +965,10 @@ def input_planes(x: mx.array) -> mx.array:
     largest = mx.where(finite, mx.abs(groups), 0.0).max(axis=-1)
     e = mx.view(largest, mx.uint32).astype(mx.int32) >> 23          # the biased exponent (largest >= 0)
     zero = e < 27
-    inverse = mx.view(mx.where(zero, 127, 275 - e) << 23, mx.float32)  # 2^(21 - E); 1 where unused
+    inverse = mx.view(mx.where(zero, 127, 274 - e) << 23, mx.float32)  # 2^(20 - E); 1 where unused
     q = mx.where(zero[..., None] | ~finite, 0, mx.round(groups * inverse[..., None])).astype(mx.int32)
     planes = mx.stack([q >> 16, q >> 8, q], axis=2).astype(mx.uint8)  # [T, G, 3, 32]: low bytes of each
-    scales = mx.where(zero, 0.0, mx.view(mx.where(zero, 0, e - 21) << 23, mx.float32))
+    scales = mx.where(zero, 0.0, mx.view(mx.where(zero, 0, e - 20) << 23, mx.float32))
     scales = mx.where(finite.all(axis=-1), scales, float("nan"))
     return mx.concatenate([planes.reshape(-1), mx.view(scales.reshape(-1), mx.uint8)])
 

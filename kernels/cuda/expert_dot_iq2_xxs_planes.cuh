@@ -18,8 +18,9 @@ __device__ __forceinline__ int ds4lab_dp4a_su(uint32_t a, uint32_t b, int c) {
 // the levels word or of their negatives, so one permute makes four signed bytes once the
 // signs sit at bit 2 of each nibble of the entry's codes word (ds4lab_iq2_sign4, a word per
 // 7-bit sign index, staged by DS4LAB_PLANES_STAGE). Each 16 values of a row then take four
-// dp4a a plane; the three planes' sums meet as float(p0's) * 65536 + float(p1's * 256 + p2's)
-// (int32: |p1's sum| * 256 < 2^26), times the block's and the group's scales. Exact but for
+// dp4a a plane, in one int32 chain: p0's sum, times 256 plus p1's, times 256 plus p2's
+// (|p0| <= 32: at most 16 * 43 * 32 * 65536 + 16 * 43 * 255 * 257 < 1.5 * 10^9), one
+// conversion and the block's and the group's scales. Exact but for
 // the input's rounding to its planes and the float sums after.
 #define DS4LAB_IQ2_NEGATIVES 0x00d5e7f8u
 __device__ __forceinline__ uint32_t ds4lab_iq2_sign_nibbles(uint32_t index7) {
@@ -34,6 +35,11 @@ __device__ __forceinline__ uint32_t ds4lab_iq2_sign_nibbles(uint32_t index7) {
     __syncthreads();
 #define DS4LAB_PLANES_TABLES , ds4lab_iq2_grid4, ds4lab_iq2_sign4
 
+// The word at byte offset `offset` of a table of words.
+__device__ __forceinline__ uint32_t ds4lab_word_at(const uint32_t* table, uint32_t offset) {
+    return *reinterpret_cast<const uint32_t*>(reinterpret_cast<const uint8_t*>(table) + offset);
+}
+
 template <int COLS, int R>
 __device__ __forceinline__ void ds4lab_expert_dot(const uint8_t* const (&w)[R], ds4lab_planes xin, int lane,
                                                   float (&acc)[R], const uint32_t* grid4, const uint32_t* sign4) {
@@ -47,25 +53,28 @@ __device__ __forceinline__ void ds4lab_expert_dot(const uint8_t* const (&w)[R], 
         #pragma unroll
         for (int r = 0; r < R; ++r) {
             uint32_t v[4];
+            const uint32_t aux4 = aux[r] << 2, index4 = index[r] << 2;   // table byte offsets: no shift a lookup
             #pragma unroll
             for (int j = 0; j < 2; ++j) {
-                const uint32_t sel = grid4[(index[r] >> (8 * j)) & 0xffu] | sign4[(aux[r] >> (7 * (2 * pair + j))) & 127];
+                const uint32_t sel = ds4lab_word_at(grid4, (index4 >> (8 * j)) & 0x3fcu)
+                                     | ds4lab_word_at(sign4, (aux4 >> (7 * (2 * pair + j))) & 0x1fcu);
                 v[2 * j] = ds4lab_prmt(DS4LAB_IQ2_LEVELS, DS4LAB_IQ2_NEGATIVES, sel);
                 v[2 * j + 1] = ds4lab_prmt(DS4LAB_IQ2_LEVELS, DS4LAB_IQ2_NEGATIVES, sel >> 16);
             }
-            int hi = ds4lab_dp4a_ss(v[0], p0.x, 0), mid = ds4lab_dp4a_su(v[0], p1.x, 0);
-            hi = ds4lab_dp4a_ss(v[1], p0.y, hi);
-            hi = ds4lab_dp4a_ss(v[2], p0.z, hi);
-            hi = ds4lab_dp4a_ss(v[3], p0.w, hi);
-            mid = ds4lab_dp4a_su(v[1], p1.y, mid);
-            mid = ds4lab_dp4a_su(v[2], p1.z, mid);
-            mid = ds4lab_dp4a_su(v[3], p1.w, mid);
-            int lo = ds4lab_dp4a_su(v[0], p2.x, mid * 256);
-            lo = ds4lab_dp4a_su(v[1], p2.y, lo);
-            lo = ds4lab_dp4a_su(v[2], p2.z, lo);
-            lo = ds4lab_dp4a_su(v[3], p2.w, lo);
+            int q = ds4lab_dp4a_ss(v[0], p0.x, 0);
+            q = ds4lab_dp4a_ss(v[1], p0.y, q);
+            q = ds4lab_dp4a_ss(v[2], p0.z, q);
+            q = ds4lab_dp4a_ss(v[3], p0.w, q);
+            q = ds4lab_dp4a_su(v[0], p1.x, q * 256);
+            q = ds4lab_dp4a_su(v[1], p1.y, q);
+            q = ds4lab_dp4a_su(v[2], p1.z, q);
+            q = ds4lab_dp4a_su(v[3], p1.w, q);
+            q = ds4lab_dp4a_su(v[0], p2.x, q * 256);
+            q = ds4lab_dp4a_su(v[1], p2.y, q);
+            q = ds4lab_dp4a_su(v[2], p2.z, q);
+            q = ds4lab_dp4a_su(v[3], p2.w, q);
             const float db = ds4lab_f16_bits(d[r]) * (0.5f + ds4lab_small_uint(aux[r] >> 28)) * 0.25f;
-            sums[r] = fmaf(db * xscale, fmaf((float)hi, 65536.0f, (float)lo), sums[r]);
+            sums[r] = fmaf(db * xscale, (float)q, sums[r]);
         }
     });
 }

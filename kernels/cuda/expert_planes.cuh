@@ -6,11 +6,11 @@
 // values at once (~2.6 instructions a weight).
 // Each 32-value group of a token's input row is held as three byte planes and a power of two:
 //   x = scale * (p0 * 65536 + p1 * 256 + p2),  p0 signed (int8), p1 and p2 unsigned (uint8),
-// where scale = 2^(E - 21) and E is the exponent of the group's largest magnitude m
+// where scale = 2^(E - 20) and E is the exponent of the group's largest magnitude m
 // (2^E <= m < 2^(E+1)): q = rint(x / scale) is exact to compute (a power of two, then one
-// rounding) and |q| < 2^22, so p0 = q >> 16 (floor) lies in [-64, 64]. Each value keeps 22
+// rounding) and |q| <= 2^21, so p0 = q >> 16 (floor) lies in [-32, 32]. Each value keeps 21
 // bits below the group's largest, as a float keeps 24 of its own: the rounding error is at
-// most 2^-22 of m. A group whose largest magnitude is below 2^-100 is held as zeros (scale
+// most 2^-21 of m. (p0 that small lets the dot keep one int32 sum: expert_dot_iq2_xxs_planes.cuh.) A group whose largest magnitude is below 2^-100 is held as zeros (scale
 // 0); one holding an infinity or a NaN gets scale NaN, so that the dots it feeds are NaN
 // (those values' bytes are zeros).
 // Layout of a launch's buffer for T tokens of COLS values (G = COLS / 32 groups a token):
@@ -36,14 +36,14 @@ __device__ __forceinline__ void ds4lab_make_planes(const float* xt, uint8_t* byt
     for (int offset = 16; offset > 0; offset >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
     const uint32_t e = __float_as_uint(m) >> 23;               // m >= 0: the biased exponent
     const bool zero = e < 27;                                  // m < 2^-100 (or 0)
-    // x / scale = x * 2^(21 - E): biased exponent 148 - e + 127; scale's e - 21 (both normal for 27 <= e <= 254)
-    const int q = zero || !finite ? 0 : __float2int_rn(v * __uint_as_float((275u - e) << 23));
+    // x / scale = x * 2^(20 - E): biased exponent 147 - e + 127; scale's e - 20 (both normal for 27 <= e <= 254)
+    const int q = zero || !finite ? 0 : __float2int_rn(v * __uint_as_float((274u - e) << 23));
     uint8_t* out = bytes_t + g * 96;
     out[lane] = (uint8_t)(q >> 16);
     out[32 + lane] = (uint8_t)(q >> 8);
     out[64 + lane] = (uint8_t)q;
     const bool all_finite = __all_sync(0xffffffffu, finite);
-    if (lane == 0) scales_t[g] = !all_finite ? __int_as_float(0x7fc00000) : zero ? 0.0f : __uint_as_float((e - 21u) << 23);
+    if (lane == 0) scales_t[g] = !all_finite ? __int_as_float(0x7fc00000) : zero ? 0.0f : __uint_as_float((e - 20u) << 23);
 }
 
 // One token's planes, warp `warp` of `n_warps` taking every n_warps-th group.
