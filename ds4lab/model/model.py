@@ -345,26 +345,12 @@ class Model:
             mm = mm.reference()
         h = self._hooks.scope(prefix)
         ready, streams = _kept(ready, streams, h("hook_resid_pre", streams))
-        heads, *control = self._attention_block(layer, cache, streams, p0, rotation, mm, ready)
-        if h.wants("hook_resid_mid") or self._sublayer_hooked(prefix, "attn") or self._sublayer_hooked(prefix, "ffn"):
-            streams, ready = self._sublayer("attn_out", layer, mm, self._attention_output, heads, streams, *control)
-            ready, streams = _kept(ready, streams, h("hook_resid_mid", streams))
-            streams, experts, ready = self._sublayer("ffn", layer, mm, self._ffn_block, streams, token_ids,
-                                                     *(ready or ()), next_input=next_input)
-        else:
-            # Nothing to fire or replace between them: the attention's output and the FFN as one
-            # compiled call (`_sublayer`), one replay fewer a block to build.
-            streams, experts, ready = self._sublayer("attn_out+ffn", layer, mm, self._output_and_ffn, heads, streams,
-                                                     *control, token_ids, next_input=next_input)
+        streams, ready = self._attention_block(layer, cache, streams, p0, rotation, mm, ready)
+        ready, streams = _kept(ready, streams, h("hook_resid_mid", streams))
+        streams, experts, ready = self._sublayer("ffn", layer, mm, self._ffn_block, streams, token_ids,
+                                                 *(ready or ()), next_input=next_input)
         ready, streams = _kept(ready, streams, h("hook_resid_post", streams))
         return streams, experts, ready
-
-    def _output_and_ffn(self, layer: LayerWeights, mm: Schedule, heads: mx.array, streams: mx.array,
-                        pre: mx.array, post: mx.array, comb: mx.array, token_ids: mx.array,
-                        next_input: HCInput | None = None) -> tuple[mx.array, mx.array, tuple[mx.array, ...] | None]:
-        """`_attention_output` then `_ffn_block` on its streams and the FFN input it made."""
-        streams, ready = self._attention_output(layer, mm, heads, streams, pre, post, comb)
-        return self._ffn_block(layer, mm, streams, token_ids, *(ready or ()), next_input=next_input)
 
     def _hc_input(self, layer: LayerWeights, sub: str) -> HCInput:
         """The weights and constants of a sublayer's HC input ("attn" or "ffn")."""
@@ -374,11 +360,11 @@ class Model:
 
     def _attention_block(self, layer: LayerWeights, cache: LayerCache, streams: mx.array, p0: int,
                          rotation: Rotation, mm: Schedule,
-                         ready: tuple[mx.array, ...] | None = None) -> tuple[mx.array, ...]:
+                         ready: tuple[mx.array, ...] | None = None) -> tuple[mx.array, tuple[mx.array, ...] | None]:
         """Attention of the chunk's tokens (positions p0..) over the raw window and the
         compressed rows; extends `cache`. Masks are built on the host: positions are known.
-        `ready`: the sublayer's input made by the launch before (see `block`). Returns the
-        heads and the HC control (pre, post, comb) that `_attention_output` takes."""
+        `ready`: the sublayer's input made by the launch before (see `block`). Returns the new
+        streams and, on the fast path's decode steps, the FFN's input made of them."""
         cfg, d = self.config, layer.dense
         h = self._hooks.scope(f"{_prefix(layer)}.attn")
         # The indexer scores once more rows are visible than it keeps: its queries are then
@@ -429,7 +415,7 @@ class Model:
         else:
             heads = h("hook_z", attention.attend_heads(q, keys, mask, d["attn_sinks.weight"], rotation, mm, comp,
                                                        cfg.rms_eps if q_in_attention else None, layer.index))
-        return heads, pre, post, comb
+        return self._sublayer("attn_out", layer, mm, self._attention_output, heads, streams, pre, post, comb)
 
     def _attention_inputs(self, layer: LayerWeights, mm: Schedule, streams: mx.array, cos: mx.array,
                           sin: mx.array, frontiers: tuple[mx.array, ...], *ready: mx.array, indexed: bool,
@@ -500,7 +486,7 @@ class Model:
         building its graph then costs one call instead of some twenty kernel wrappers', and MLX
         fuses its elementwise steps. A hook in the sublayer keeps the part as written, as does
         the reference path; both compute the same steps."""
-        hooked = any(self._sublayer_hooked(_prefix(layer), sub) for sub in ("attn", "ffn") if sub in part)
+        hooked = self._sublayer_hooked(_prefix(layer), "ffn" if part == "ffn" else "attn")
         if hooked or not mm.fast or arrays[0].shape[0] > kernels.MATVEC_MAX_TOKENS:
             return fn(layer, mm, *arrays, **weights)
         key = (layer.index, part, len(arrays), tuple(name for name, w in weights.items() if w is not None),
