@@ -90,10 +90,26 @@ static void warp_dot(const uint8_t* const* w, const uint8_t* planes, float* out,
 #define ONE(COLS, R) extern "C" void dot_##COLS##_##R(const uint8_t* const* w, const uint8_t* planes, float* out, \
     const uint2* grid) { warp_dot<COLS, R>(w, planes, out, grid); }
 ONE(256, 1) ONE(768, 2) ONE(1280, 4) ONE(4096, 4)
+
+template <int COLS, int R>
+static void warp_q8_dot(const uint32_t* codes, const float* scales, const uint8_t* planes, float* out) {
+    const uint4* w[R];
+    const float* s[R];
+    for (int r = 0; r < R; ++r) { ds4lab_q8_row<COLS>(codes, scales, r, w[r], s[r]); out[r] = 0.0f; }
+    const ds4lab_planes xin = ds4lab_token_planes<COLS>(planes, 1, 0);
+    for (int lane = 0; lane < 32; ++lane) {
+        float acc[R];
+        ds4lab_q8_dots<R, COLS>(w, s, xin, lane, acc);
+        for (int r = 0; r < R; ++r) out[r] += acc[r];
+    }
+}
+#define Q8(COLS, R) extern "C" void q8_dot_##COLS##_##R(const uint32_t* codes, const float* scales, \
+    const uint8_t* planes, float* out) { warp_q8_dot<COLS, R>(codes, scales, planes, out); }
+Q8(256, 1) Q8(1024, 2) Q8(4096, 4)
 """
 
 _HEADERS = ("ds4lab_block.cuh", "expert_matvec_common.cuh", "expert_dot_iq2_xxs.cuh", "expert_planes.cuh",
-            "expert_dot_iq2_xxs_planes.cuh")
+            "expert_dot_iq2_xxs_planes.cuh", "q8_rows.cuh", "q8_rows_planes.cuh")
 
 
 @pytest.fixture(scope="module")
@@ -202,3 +218,33 @@ def test_the_planes_check_catches_a_wrong_sign_or_plane(host_planes_dot):
         bad[at] = (256 - int(bad[at])) % 256 if at % 96 < 32 else int(bad[at]) ^ 0x80
         got = _planes_dot(host_planes_dot, np.repeat(raw, 4, axis=0), bad, 1280, 4)[0]
         assert abs(got - decoded[0] @ _values(planes, 1, 1280)[0]) > 2.0 ** -20 * scale[0]
+
+
+def _q8_planes_dot(lib: ctypes.CDLL, codes: np.ndarray, scales: np.ndarray, planes: np.ndarray) -> np.ndarray:
+    r, cols = codes.shape
+    out = np.zeros(r, np.float32)
+    getattr(lib, f"q8_dot_{cols}_{r}")(_pointer(codes), _pointer(scales), _pointer(planes), _pointer(out))
+    return out
+
+
+@pytest.mark.parametrize("cols, r", [(256, 1), (1024, 2), (4096, 4)])
+def test_the_q8_planes_dot_is_the_decoded_rows_times_the_planes_values(host_planes_dot, cols, r):
+    """The shared expert's Q8_0 rows on the planes (q8_rows_planes.cuh), bytes code + 128 with
+    codes at both ends of [-128, 127] (the sums' largest): against float64, as the IQ2_XXS dot."""
+    rng = np.random.default_rng(cols + 3 * r)
+    codes = rng.integers(0, 256, (r, cols), dtype=np.uint8)
+    codes[0, :64] = 0                                    # code -128 on two whole groups
+    codes[-1, 64:96] = 255
+    scales = (rng.standard_normal((r, cols // 32)) * 0.01).astype(np.float32)
+    x = rng.standard_normal((1, cols)).astype(np.float32)
+    x[0, ::7] *= 40.0
+    x[0, :32] = -np.abs(x[0, :32])                       # its p0 bytes negative beside code -128
+    planes = _planes(x)
+    decoded = (codes.astype(np.float64) - 128.0) * np.repeat(scales, 32, axis=1)
+    scale = np.abs(decoded) @ np.abs(x[0]).astype(np.float64)
+    got = _q8_planes_dot(host_planes_dot, codes, scales, planes)
+    assert np.all(np.abs(got - decoded @ _values(planes, 1, cols)[0]) <= 2.0 ** -20 * scale)
+    assert np.all(np.abs(got - decoded @ x[0].astype(np.float64)) <= 2.0 ** -19 * scale)
+    bad = codes.copy()
+    bad[0, 5] ^= 0x80                                    # one code read as its byte, not byte - 128
+    assert abs(_q8_planes_dot(host_planes_dot, bad, scales, planes)[0] - got[0]) > 2.0 ** -20 * scale[0]

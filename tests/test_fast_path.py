@@ -532,13 +532,20 @@ def _expert_swiglu(type_name):
 
 
 def _expert_swiglu_planes(inputs, t, grid, threadgroup):
-    """expert_swiglu_planes.cu: expert_swiglu.cu's, the routed pairs' input the values its
-    planes hold (`kernels.planes_values`; the shared expert's still x)."""
-    planes, x = inputs[10], inputs[3]
-    assert planes.dtype == mx.uint8 and planes.shape == (x.size // 32 * kernels.PLANE_GROUP_BYTES,)
-    swiglu, rest = _expert_swiglu("IQ2_XXS"), [*inputs[4:10], *inputs[11:]]
-    mid, _ = swiglu([*inputs[:3], kernels.planes_values(planes, *x.shape), *rest], t, grid, threadgroup)
-    return [mid, swiglu([*inputs[:4], *rest], t, grid, threadgroup)[1]]
+    """expert_swiglu_planes.cu: expert_swiglu.cu's without x, the routed pairs' and the shared
+    expert's dots on the values its planes hold (`kernels.planes_values`); the shared expert's
+    summed in float64, as the device sums exact integer partials (a float32 sum of 4096 terms
+    is ~1e-5 off on the device check's rows)."""
+    ids, clamp, codes_g, scales_g, codes_u, scales_u, planes = inputs[2], *inputs[4:10]
+    n_tokens, cols = ids.shape[0], t["COLS"]
+    assert planes.dtype == mx.uint8 and planes.shape == (n_tokens * cols // 32 * kernels.PLANE_GROUP_BYTES,)
+    x = kernels.planes_values(planes, n_tokens, cols)
+    mid, _ = _expert_swiglu("IQ2_XXS")([*inputs[:3], x, *inputs[3:9], *inputs[10:]], t, grid, threadgroup)
+    if not t["SHARED_ROWS"]:
+        return [mid, mx.zeros((1, 1))]
+    g, u = ((x.astype(mx.float64)[:, None, :] * _q8_rows(c, s, cols).astype(mx.float64)[None]).sum(axis=-1)
+            .astype(mx.float32) for c, s in ((codes_g, scales_g), (codes_u, scales_u)))
+    return [mid, moe.swiglu(g, u, float(clamp.item()))]
 
 
 def _routed_swiglu(type_name):

@@ -1143,9 +1143,9 @@ def _kernel(type_name: str, swiglu: bool = False):
 def _planes_kernel():
     """`expert_swiglu` of IQ2_XXS gate and up on the input's byte planes."""
     headers = ("ds4lab_block.cuh", "expert_matvec_common.cuh", "expert_dot_iq2_xxs.cuh", "expert_planes.cuh",
-               "expert_dot_iq2_xxs_planes.cuh", "q8_rows.cuh", "expert_swiglu.cuh")
+               "expert_dot_iq2_xxs_planes.cuh", "q8_rows.cuh", "q8_rows_planes.cuh", "expert_swiglu.cuh")
     return mx.fast.cuda_kernel(name="ds4lab_expert_swiglu_planes_iq2_xxs",
-                               input_names=["raw_gate", "raw_up", "ids", "x", "w", "clamp", "codes_g", "scales_g",
+                               input_names=["raw_gate", "raw_up", "ids", "w", "clamp", "codes_g", "scales_g",
                                             "codes_u", "scales_u", "planes", *_TABLE_NAMES["IQ2_XXS"]],
                                output_names=["mid", "shared"],
                                **kernel_texts("expert_swiglu_planes.cu", *headers))
@@ -1216,8 +1216,8 @@ def expert_swiglu(gate: ExpertBlocks, up: ExpertBlocks, ids: mx.array, x: mx.arr
     none), read from the block bytes; x [T, cols], the token's input, is read by its U pairs.
     With `shared` (the shared expert's Q8_0 gate and up, as `q8_swiglu` takes them) also its
     swiglu(G·x[t], U·x[t]) [T, rows], by more thread blocks of the same launch: (mid, that).
-    With `planes` (IQ2_XXS gate and up; x as `router_planes` wrote it) the routed dots take x
-    from its planes, on integers (expert_swiglu_planes.cu); the shared expert's still read x."""
+    With `planes` (IQ2_XXS gate and up; x as `router_planes` wrote it) the routed and shared
+    dots take x from its planes, on integers (expert_swiglu_planes.cu)."""
     rows, cols = gate.rows, gate.cols
     shared_rows, q8 = _gate_up_and_shared("expert_swiglu", gate, up, shared)
     if ids.ndim != 2 or weights.shape != ids.shape or x.shape != (ids.shape[0], cols):
@@ -1230,8 +1230,9 @@ def expert_swiglu(gate: ExpertBlocks, up: ExpertBlocks, ids: mx.array, x: mx.arr
         raise ValueError(f"expert_swiglu: planes {tuple(planes.shape)} with {gate.type_name} experts and input "
                          f"{tuple(x.shape)} (IQ2_XXS, {t * cols // 32 * PLANE_GROUP_BYTES} bytes)")
     mid, shared_mid = (_kernel(gate.type_name, True) if planes is None else _planes_kernel())(
-        inputs=[gate.raw, up.raw, ids.astype(mx.int32), x.astype(mx.float32), weights.astype(mx.float32),
-                _scalar(clamp), *q8, *([] if planes is None else [planes]), *_tables(gate.type_name)],
+        inputs=[gate.raw, up.raw, ids.astype(mx.int32), *([x.astype(mx.float32)] if planes is None else []),
+                weights.astype(mx.float32), _scalar(clamp), *q8, *([] if planes is None else [planes]),
+                *_tables(gate.type_name)],
         template=[("ROWS", rows), ("COLS", cols), ("ROW_BYTES", n_row_bytes),
                   ("EXPERT_BYTES", rows * n_row_bytes), ("X_DIV", ids.shape[1]), ("SHARED_ROWS", shared_rows),
                   ("P", _SWIGLU_ROWS)],

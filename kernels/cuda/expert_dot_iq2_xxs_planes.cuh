@@ -1,19 +1,5 @@
 // ds4lab_expert_dot for IQ2_XXS rows (expert_dot_iq2_xxs.cuh's loads, lanes and tables) on the
 // input as byte planes (expert_planes.cuh): the integer form of expert_swiglu_planes.cu.
-// dp4a: c + the dot of a's four signed bytes with b's four bytes, signed (ss) or unsigned (su).
-#ifdef __CUDA_ARCH__
-__device__ __forceinline__ int ds4lab_dp4a_ss(uint32_t a, uint32_t b, int c) {
-    int d;
-    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-__device__ __forceinline__ int ds4lab_dp4a_su(uint32_t a, uint32_t b, int c) {
-    int d;
-    asm("dp4a.s32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
-    return d;
-}
-#endif
-
 // A value's byte is its signed level: a selector nibble code | sign << 2 picks byte `code` of
 // the levels word or of their negatives, so one permute makes four signed bytes once the
 // signs sit at bit 2 of each nibble of the entry's codes word (ds4lab_iq2_sign4, a word per

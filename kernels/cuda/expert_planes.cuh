@@ -55,3 +55,18 @@ __device__ __forceinline__ void ds4lab_make_token_planes(const float* xt, uint8_
     float* scales_t = reinterpret_cast<float*>(buffer + (size_t)n_tokens * G * 96) + t * G;
     for (int g = warp; g < G; g += n_warps) ds4lab_make_planes(xt, bytes_t, scales_t, g, lane);
 }
+
+// dp4a, as the dots on the planes use it: c + the dot of a's four signed bytes with b's four
+// bytes, signed (ss) or unsigned (su).
+#ifdef __CUDA_ARCH__
+__device__ __forceinline__ int ds4lab_dp4a_ss(uint32_t a, uint32_t b, int c) {
+    int d;
+    asm("dp4a.s32.s32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+__device__ __forceinline__ int ds4lab_dp4a_su(uint32_t a, uint32_t b, int c) {
+    int d;
+    asm("dp4a.s32.u32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+    return d;
+}
+#endif

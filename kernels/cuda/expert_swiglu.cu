@@ -16,7 +16,8 @@
 // int32), x [pairs / X_DIV, COLS], w (pairs), clamp [1] (0: none), the shared expert's matrices.
 DS4LAB_DOT_STAGE
 const int p = blockIdx.y, n_pairs = SHARED_ROWS > 0 ? gridDim.y / (X_DIV + 1) * X_DIV : gridDim.y;
+const int token = p < n_pairs ? p / X_DIV : p - n_pairs;
 ds4lab_swiglu_rows<ROWS, COLS, ROW_BYTES, EXPERT_BYTES, X_DIV, SHARED_ROWS, P>(
-    blockIdx.x, p, n_pairs, p < n_pairs ? ids[p] : 0, p < n_pairs ? w[p] : 0.0f, raw_gate, raw_up, x,
-    x + (size_t)(p / X_DIV) * COLS, clamp[0],
+    blockIdx.x, p, n_pairs, p < n_pairs ? ids[p] : 0, p < n_pairs ? w[p] : 0.0f, raw_gate, raw_up,
+    x + (size_t)token * COLS, clamp[0],
     codes_g, scales_g, codes_u, scales_u, mid, shared DS4LAB_DOT_TABLES);

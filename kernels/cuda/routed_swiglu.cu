@@ -60,8 +60,8 @@ if (job < routers) {
         __syncthreads();
     }
     ds4lab_swiglu_rows<ROWS, COLS, ROW_BYTES, EXPERT_BYTES, X_DIV, SHARED_ROWS, P>(
-        bx, p, n_pairs, is_shared ? 0 : id_s, is_shared ? 0.0f : w_s, raw_gate, raw_up, x,
-        x + (size_t)(p / X_DIV) * COLS, clamp[0], codes_g,
+        bx, p, n_pairs, is_shared ? 0 : id_s, is_shared ? 0.0f : w_s, raw_gate, raw_up,
+        x + (size_t)(is_shared ? p - n_pairs : p / X_DIV) * COLS, clamp[0], codes_g,
         scales_g, codes_u, scales_u, mid, shared DS4LAB_DOT_TABLES);
 }
 if (ds4lab_last_block(count + 1, gridDim.x)) {
