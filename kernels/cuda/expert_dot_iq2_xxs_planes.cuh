@@ -47,18 +47,8 @@ __device__ __forceinline__ void ds4lab_expert_dot(const uint8_t* const (&w)[R], 
                 v[2 * j] = ds4lab_prmt(DS4LAB_IQ2_LEVELS, DS4LAB_IQ2_NEGATIVES, sel);
                 v[2 * j + 1] = ds4lab_prmt(DS4LAB_IQ2_LEVELS, DS4LAB_IQ2_NEGATIVES, sel >> 16);
             }
-            int q = ds4lab_dp4a_ss(v[0], p0.x, 0);
-            q = ds4lab_dp4a_ss(v[1], p0.y, q);
-            q = ds4lab_dp4a_ss(v[2], p0.z, q);
-            q = ds4lab_dp4a_ss(v[3], p0.w, q);
-            q = ds4lab_dp4a_su(v[0], p1.x, q * 256);
-            q = ds4lab_dp4a_su(v[1], p1.y, q);
-            q = ds4lab_dp4a_su(v[2], p1.z, q);
-            q = ds4lab_dp4a_su(v[3], p1.w, q);
-            q = ds4lab_dp4a_su(v[0], p2.x, q * 256);
-            q = ds4lab_dp4a_su(v[1], p2.y, q);
-            q = ds4lab_dp4a_su(v[2], p2.z, q);
-            q = ds4lab_dp4a_su(v[3], p2.w, q);
+            const int q0 = ds4lab_plane_dot_ss(v, p0, 0);
+            const int q = ds4lab_plane_dot_su(v, p2, ds4lab_plane_dot_su(v, p1, q0 * 256) * 256);
             const float db = ds4lab_f16_bits(d[r]) * (0.5f + ds4lab_small_uint(aux[r] >> 28)) * 0.25f;
             sums[r] = fmaf(db * xscale, (float)q, sums[r]);
         }

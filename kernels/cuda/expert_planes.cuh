@@ -70,3 +70,14 @@ __device__ __forceinline__ int ds4lab_dp4a_su(uint32_t a, uint32_t b, int c) {
     return d;
 }
 #endif
+
+// c + the dot of 16 signed bytes v (four words) with a plane's 16 bytes: p0 signed (ss), p1
+// and p2 unsigned (su); four dp4a in one chain.
+__device__ __forceinline__ int ds4lab_plane_dot_ss(const uint32_t (&v)[4], uint4 plane, int c) {
+    return ds4lab_dp4a_ss(v[3], plane.w, ds4lab_dp4a_ss(v[2], plane.z, ds4lab_dp4a_ss(v[1], plane.y,
+                          ds4lab_dp4a_ss(v[0], plane.x, c))));
+}
+__device__ __forceinline__ int ds4lab_plane_dot_su(const uint32_t (&v)[4], uint4 plane, int c) {
+    return ds4lab_dp4a_su(v[3], plane.w, ds4lab_dp4a_su(v[2], plane.z, ds4lab_dp4a_su(v[1], plane.y,
+                          ds4lab_dp4a_su(v[0], plane.x, c))));
+}

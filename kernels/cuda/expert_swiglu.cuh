@@ -16,7 +16,8 @@ template <int ROWS, int COLS, int ROW_BYTES, int EXPERT_BYTES, int X_DIV, int SH
           typename... Tables>
 __device__ __forceinline__ void ds4lab_swiglu_rows(int bx, int p, int n_pairs, int id, float wp,
                                                    const uint8_t* raw_gate, const uint8_t* raw_up, Input xp, float clamp,
-                                                   const uint32_t* codes_g, const float* scales_g, const uint32_t* codes_u, const float* scales_u, float* mid,
+                                                   const uint32_t* codes_g, const float* scales_g,
+                                                   const uint32_t* codes_u, const float* scales_u, float* mid,
                                                    float* shared, Tables... tables) {
     const int lane = threadIdx.x & 31;
     const int row0 = ((bx * blockDim.x + threadIdx.x) >> 5) * P;

@@ -23,18 +23,8 @@ __device__ __forceinline__ void ds4lab_q8_dots(const uint4* const* w, const floa
         for (int i = 0; i < NR; ++i) {
             const uint4 q = w[i][j];
             const uint32_t c[4] = {q.x ^ 0x80808080u, q.y ^ 0x80808080u, q.z ^ 0x80808080u, q.w ^ 0x80808080u};
-            int hi = ds4lab_dp4a_ss(c[0], p0.x, 0);
-            hi = ds4lab_dp4a_ss(c[1], p0.y, hi);
-            hi = ds4lab_dp4a_ss(c[2], p0.z, hi);
-            hi = ds4lab_dp4a_ss(c[3], p0.w, hi);
-            int lo = ds4lab_dp4a_su(c[0], p1.x, 0);
-            lo = ds4lab_dp4a_su(c[1], p1.y, lo);
-            lo = ds4lab_dp4a_su(c[2], p1.z, lo);
-            lo = ds4lab_dp4a_su(c[3], p1.w, lo);
-            lo = ds4lab_dp4a_su(c[0], p2.x, lo * 256);
-            lo = ds4lab_dp4a_su(c[1], p2.y, lo);
-            lo = ds4lab_dp4a_su(c[2], p2.z, lo);
-            lo = ds4lab_dp4a_su(c[3], p2.w, lo);
+            const int hi = ds4lab_plane_dot_ss(c, p0, 0);
+            const int lo = ds4lab_plane_dot_su(c, p2, ds4lab_plane_dot_su(c, p1, 0) * 256);
             acc[i] = fmaf(s[i][j >> 1] * xscale, fmaf((float)hi, 65536.0f, (float)lo), acc[i]);
         }
     }
