@@ -2,7 +2,7 @@
 // (expert_planes.cuh, made by router_planes.cu in the launch before): the same launch, grid
 // and outputs, the routed rows' dots on integers (expert_dot_iq2_xxs_planes.cuh), and the
 // shared expert's Q8_0 rows' too (q8_rows_planes.cuh): nothing reads x.
-// Inputs: expert_swiglu.cu's, then planes (the buffer for the T tokens of x), then the grid.
+// Inputs: expert_swiglu.cu's but x, then planes (the buffer for the T tokens of x), then the grid.
 DS4LAB_DOT_STAGE
 DS4LAB_PLANES_STAGE
 const int p = blockIdx.y, n_pairs = SHARED_ROWS > 0 ? gridDim.y / (X_DIV + 1) * X_DIV : gridDim.y;
