@@ -38,7 +38,8 @@
 #   bash bench/device_checks.sh planes   # the IQ2_XXS gate and up on the FFN input's byte planes, two calls:
 #                                        # `planes checks` (check_device's planes part: bars, the launches'
 #                                        # times; then the bench with them), `planes speed` (the step's device
-#                                        # time with and without them, the stream A/B) (~6 min each)
+#                                        # time with and without them, the stream A/B) (~6 min each); or
+#                                        # `planes quick`, the bars and the device time only (~4 min)
 #   bash bench/device_checks.sh warm     # every kernel variant of a 43-layer run compiled into .ptx_cache
 #                                        # (bench/warm_kernels.py; ~4 min on 2 cores, so best made on
 #                                        # the CPU machine and carried)
@@ -182,6 +183,10 @@ planes() {
             step planes_checks 300 env MLX_ENABLE_TF32=0 python3 bench/check_device.py --parts planes
             step planes_bench 150 python3 bench/bench_model.py --in-memory --layers 43 --prompt 4096 --steps 64 \
                 --rounds 3 --planes ;;
+        quick)      # for a short budget: the bars, then the step's device time (~4 min)
+            step planes_checks 300 env MLX_ENABLE_TF32=0 python3 bench/check_device.py --parts planes
+            step planes_in_place 200 python3 bench/device_time_ab.py --layers 43 --context 4096 \
+                --variants base planes base ;;
         speed)
             step planes_in_place 300 python3 bench/device_time_ab.py --layers 43 --context 4096 \
                 --variants base planes planes,_SWIGLU_ROWS=1 _SWIGLU_ROWS=1 base
@@ -218,6 +223,6 @@ case "${1:-all}" in
     planes) shift; planes "$@" ;;
     warm) step warm 900 python3 bench/warm_kernels.py --cache .ptx_cache ;;
     all) checks; speed ;;
-    *) echo "usage: $0 [checks|speed|split|graphs|geometry|merged [checks|paths|speed]|stream|profile|commits|planes [checks|speed]|warm|all]" >&2
+    *) echo "usage: $0 [checks|speed|split|graphs|geometry|merged [checks|paths|speed]|stream|profile|commits|planes [checks|speed|quick]|warm|all]" >&2
        exit 2 ;;
 esac
