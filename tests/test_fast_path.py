@@ -325,9 +325,9 @@ def _q8_rows(codes, scales, cols):
     return mx.dequantize(codes, scales, -128.0 * scales, group_size=32, bits=8).reshape(-1, cols)
 
 
-def _q8_products(w, x):
-    """x [T, cols] times each row of w, summed in float32 without a BLAS."""
-    return (x[:, None, :] * w[None]).sum(axis=-1)
+def _q8_products(w, x, dtype=mx.float32):
+    """x [T, cols] times each row of w, summed in `dtype` without a BLAS, as float32."""
+    return (x.astype(dtype)[:, None, :] * w.astype(dtype)[None]).sum(axis=-1).astype(mx.float32)
 
 
 def _q8_warps(t, grid, rows, n_tok):
@@ -506,9 +506,9 @@ def _expert_matvec(type_name):
     return run
 
 
-def _expert_swiglu(type_name):
+def _expert_swiglu(type_name, shared_dtype=mx.float32):
     """With SHARED_ROWS also the shared expert's SwiGLU, a warp a row, grid y's rows after
-    the pairs one a token."""
+    the pairs one a token (its products summed in `shared_dtype`)."""
     def run(inputs, t, grid, threadgroup):
         raw_gate, raw_up, ids, x, w, clamp, codes_g, scales_g, codes_u, scales_u = inputs[:10]
         rows, cols, x_div, shared_rows = t["ROWS"], t["COLS"], t["X_DIV"], t["SHARED_ROWS"]
@@ -523,9 +523,8 @@ def _expert_swiglu(type_name):
         mid = moe.swiglu(gate, up, float(clamp.item())) * w.reshape(-1, 1)
         if not shared_rows:
             return [mid.reshape(*ids.shape, rows), mx.zeros((1, 1))]
-        shared = moe.swiglu(*(_q8_products(_q8_rows(c, s, cols), x) for c, s in ((codes_g, scales_g),
-                                                                               (codes_u, scales_u))),
-                            float(clamp.item()))
+        shared = moe.swiglu(*(_q8_products(_q8_rows(c, s, cols), x, shared_dtype)
+                              for c, s in ((codes_g, scales_g), (codes_u, scales_u))), float(clamp.item()))
         assert shared.shape == (tokens, shared_rows)
         return [mid.reshape(*ids.shape, rows), shared]
     return run
@@ -536,16 +535,11 @@ def _expert_swiglu_planes(inputs, t, grid, threadgroup):
     expert's dots on the values its planes hold (`kernels.planes_values`); the shared expert's
     summed in float64, as the device sums exact integer partials (a float32 sum of 4096 terms
     is ~1e-5 off on the device check's rows)."""
-    ids, clamp, codes_g, scales_g, codes_u, scales_u, planes = inputs[2], *inputs[4:10]
+    ids, planes = inputs[2], inputs[9]
     n_tokens, cols = ids.shape[0], t["COLS"]
     assert planes.dtype == mx.uint8 and planes.shape == (n_tokens * cols // 32 * kernels.PLANE_GROUP_BYTES,)
     x = kernels.planes_values(planes, n_tokens, cols)
-    mid, _ = _expert_swiglu("IQ2_XXS")([*inputs[:3], x, *inputs[3:9], *inputs[10:]], t, grid, threadgroup)
-    if not t["SHARED_ROWS"]:
-        return [mid, mx.zeros((1, 1))]
-    g, u = ((x.astype(mx.float64)[:, None, :] * _q8_rows(c, s, cols).astype(mx.float64)[None]).sum(axis=-1)
-            .astype(mx.float32) for c, s in ((codes_g, scales_g), (codes_u, scales_u)))
-    return [mid, moe.swiglu(g, u, float(clamp.item()))]
+    return _expert_swiglu("IQ2_XXS", mx.float64)([*inputs[:3], x, *inputs[3:9], *inputs[10:]], t, grid, threadgroup)
 
 
 def _routed_swiglu(type_name):

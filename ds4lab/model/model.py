@@ -126,9 +126,10 @@ class Model:
         # and so one commit of MLX's CUDA graph (`generation._WorkerEncoder`). Empty: the step
         # in one piece, MLX committing where its own limits say.
         self.stream_commits: tuple[int, ...] = ()
-        # A decode step's router also writes the FFN input as byte planes, and IQ2_XXS routed
-        # experts' gate and up take it from them on integers (`kernels.router_planes`,
-        # `expert_swiglu(planes=)`; within 2^-21 of each 32 values' largest, not the same bits):
+        # A decode step's router also writes the FFN input as byte planes, and the IQ2_XXS
+        # routed experts' gate and up, and the shared expert's, take it from them on integers
+        # (`kernels.router_planes`, `expert_swiglu(planes=)`; within 2^-21 of each 32 values'
+        # largest, not the same bits):
         # for measuring the two forms in one process. (Where the router has its own launch: with
         # "router" in `merged_launches` it runs inside the experts' launch, on floats.)
         self.expert_planes = False

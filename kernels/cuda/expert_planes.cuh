@@ -10,9 +10,10 @@
 // (2^E <= m < 2^(E+1)): q = rint(x / scale) is exact to compute (a power of two, then one
 // rounding) and |q| <= 2^21, so p0 = q >> 16 (floor) lies in [-32, 32]. Each value keeps 21
 // bits below the group's largest, as a float keeps 24 of its own: the rounding error is at
-// most 2^-21 of m. (p0 that small lets the dot keep one int32 sum: expert_dot_iq2_xxs_planes.cuh.) A group whose largest magnitude is below 2^-100 is held as zeros (scale
-// 0); one holding an infinity or a NaN gets scale NaN, so that the dots it feeds are NaN
-// (those values' bytes are zeros).
+// most 2^-21 of m. (p0 that small lets the IQ2_XXS dot keep one int32 sum:
+// expert_dot_iq2_xxs_planes.cuh.) A group whose largest magnitude is below 2^-100 is held as
+// zeros (scale 0); one holding an infinity or a NaN gets scale NaN, so that the dots it feeds
+// are NaN (those values' bytes are zeros).
 // Layout of a launch's buffer for T tokens of COLS values (G = COLS / 32 groups a token):
 // first the planes, token t's group g at byte (t * G + g) * 96: p0 of its 32 values, then
 // p1, then p2 (32 bytes each, 16-byte aligned); then the scales, float32 [T, G].
