@@ -207,10 +207,10 @@ views() {
     # (0.966 when the host bound), and the bench at MLX's commit every 100 launches and 50.
     local bench=(python3 bench/bench_model.py --in-memory --layers 43 --prompt 4096 --steps 64 --rounds 3)
     step views_ab 150 python3 bench/stream_ab.py --variant expert_views --steps 32 --rounds 4
-    step views_bench 120 "${bench[@]}"
-    step views_planes_ab 120 python3 bench/stream_ab.py --variant planes --steps 32 --rounds 4
-    step views_bench_ops50 120 env MLX_MAX_OPS_PER_BUFFER=50 "${bench[@]}"
     step switch_ab 120 python3 bench/stream_ab.py --variant switch --steps 32 --rounds 4
+    step views_planes_ab 120 python3 bench/stream_ab.py --variant planes --steps 32 --rounds 4
+    step views_bench 120 "${bench[@]}"
+    step views_bench_ops50 120 env MLX_MAX_OPS_PER_BUFFER=50 "${bench[@]}"
 }
 
 stream() {
