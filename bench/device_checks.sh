@@ -43,7 +43,7 @@
 #   bash bench/device_checks.sh views    # the routed-expert tensors handed to launches as one expert's view
 #                                        # (MLX's graph commits: a few a step, not ~86) against whole, and the
 #                                        # GIL's switch interval, each a stream A/B in one process; then the
-#                                        # planes' A/B and the issue's bench at 4096 (~9 min)
+#                                        # issue's bench at 4096 (~5 min)
 #   bash bench/device_checks.sh warm     # every kernel variant of a 43-layer run compiled into .ptx_cache
 #                                        # (bench/warm_kernels.py; ~4 min on 2 cores, so best made on
 #                                        # the CPU machine and carried)
@@ -203,14 +203,9 @@ views() {
     # and counted each routed-expert tensor whole: ~86 graphs a 43-layer step, each an update,
     # launch and teardown on the encoding worker and a gap on the device. Handed over as one
     # expert's view (`ExpertBlocks.launch_view`), a step commits every 100 launches instead.
-    # Then, with fewer commits, whether the device or the host bounds: the planes' A/B again
-    # (0.966 when the host bound), and the bench at MLX's commit every 100 launches and 50.
-    local bench=(python3 bench/bench_model.py --in-memory --layers 43 --prompt 4096 --steps 64 --rounds 3)
-    step views_ab 150 python3 bench/stream_ab.py --variant expert_views --steps 32 --rounds 4
-    step switch_ab 120 python3 bench/stream_ab.py --variant switch --steps 32 --rounds 4
-    step views_planes_ab 120 python3 bench/stream_ab.py --variant planes --steps 32 --rounds 4
-    step views_bench 120 "${bench[@]}"
-    step views_bench_ops50 120 env MLX_MAX_OPS_PER_BUFFER=50 "${bench[@]}"
+    step views_ab 200 python3 bench/stream_ab.py --variant expert_views --steps 32 --rounds 4
+    step switch_ab 200 python3 bench/stream_ab.py --variant switch --steps 32 --rounds 4
+    step views_bench 150 python3 bench/bench_model.py --in-memory --layers 43 --prompt 4096 --steps 64 --rounds 3
 }
 
 stream() {
