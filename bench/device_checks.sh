@@ -40,10 +40,6 @@
 #                                        # times; then the bench with them), `planes speed` (the step's device
 #                                        # time with and without them, the stream A/B) (~6 min each); or
 #                                        # `planes quick`, the bars and the device time only (~4 min)
-#   bash bench/device_checks.sh views    # the routed-expert tensors handed to launches as one expert's view
-#                                        # (MLX's graph commits: a few a step, not ~86) against whole, and the
-#                                        # GIL's switch interval, each a stream A/B in one process; then the
-#                                        # issue's bench at 4096 (~5 min)
 #   bash bench/device_checks.sh warm     # every kernel variant of a 43-layer run compiled into .ptx_cache
 #                                        # (bench/warm_kernels.py; ~4 min on 2 cores, so best made on
 #                                        # the CPU machine and carried)
@@ -198,16 +194,6 @@ planes() {
     esac
 }
 
-views() {
-    # MLX commits a CUDA graph whenever the inputs it has counted pass MLX_MAX_MB_PER_BUFFER,
-    # and counted each routed-expert tensor whole: ~86 graphs a 43-layer step, each an update,
-    # launch and teardown on the encoding worker and a gap on the device. Handed over as one
-    # expert's view (`ExpertBlocks.launch_view`), a step commits every 100 launches instead.
-    step views_ab 200 python3 bench/stream_ab.py --variant expert_views --steps 32 --rounds 4
-    step switch_ab 200 python3 bench/stream_ab.py --variant switch --steps 32 --rounds 4
-    step views_bench 150 python3 bench/bench_model.py --in-memory --layers 43 --prompt 4096 --steps 64 --rounds 3
-}
-
 stream() {
     step research 200 python3 bench/check_device_research.py
     step decode43 280 python3 bench/bench_model.py --in-memory --layers 43 --prompt 128 4096 --steps 64 --rounds 3
@@ -234,10 +220,9 @@ case "${1:-all}" in
     stream) stream ;;
     profile) profile ;;
     commits) commits ;;
-    views) views ;;
     planes) shift; planes "$@" ;;
     warm) step warm 900 python3 bench/warm_kernels.py --cache .ptx_cache ;;
     all) checks; speed ;;
-    *) echo "usage: $0 [checks|speed|split|graphs|geometry|merged [checks|paths|speed]|stream|profile|commits|views|planes [checks|speed|quick]|warm|all]" >&2
+    *) echo "usage: $0 [checks|speed|split|graphs|geometry|merged [checks|paths|speed]|stream|profile|commits|planes [checks|speed|quick]|warm|all]" >&2
        exit 2 ;;
 esac

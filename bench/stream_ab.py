@@ -17,12 +17,6 @@ Variants (`--variant`):
   each piece is one CUDA graph and B is one graph a step.
 - `planes`: the IQ2_XXS routed experts' gate and up on integers, the router writing the FFN
   input as byte planes (A, `Model.expert_planes`), or on floats (B, the default).
-- `expert_views`: the routed-expert tensors handed to each launch as their first expert's view
-  (A, `kernels._EXPERT_VIEWS`: MLX counts one expert toward its graph's byte budget, and
-  commits a step in a few CUDA graphs) or whole (B: ~86 graphs a 43-layer step).
-- `switch`: Python's GIL switch interval at 0.1 ms (A) or its default 5 ms (B). The stream's
-  worker takes the GIL back when each `mx.async_eval` returns, while the generator holds it
-  building the next step; at 5 ms a handover can wait that long.
 - `router`, `q_b`, `output_a`, `compressor_slot`, `head`: that step in the launch of another
   (A) or in its own launches (B), the other steps as `Model.merged_launches` has them (by
   default only the head merged, `model.DEFAULT_MERGED`): the router before the
@@ -44,7 +38,6 @@ import ds4lab  # noqa: F401  (first: OpenBLAS before MLX on Linux)
 # isort: split
 import argparse
 import statistics
-import sys
 import time
 from collections.abc import Callable
 
@@ -53,11 +46,9 @@ from bench_model import WARM_STEPS
 
 from ds4lab.config import preset
 from ds4lab.generation import stream
-from ds4lab.model import Model, kernels
+from ds4lab.model import Model
 from ds4lab.model.model import MERGED_LAUNCHES
 from ds4lab.model.random_weights import random_weights
-
-DEFAULT_SWITCH_INTERVAL = sys.getswitchinterval()
 
 
 def _hc_input(model: Model, a: bool) -> None:
@@ -74,19 +65,6 @@ def _planes(model: Model, a: bool) -> None:
     model.expert_planes = a
 
 
-def _expert_views() -> Callable[[Model, bool], None]:
-    traced: dict[bool, dict] = {}                 # each form's compiled sublayers, kept apart
-
-    def choose(model: Model, a: bool) -> None:
-        kernels._EXPERT_VIEWS = int(a)
-        model._compiled = traced.setdefault(a, {})
-    return choose
-
-
-def _switch(model: Model, a: bool) -> None:
-    sys.setswitchinterval(1e-4 if a else DEFAULT_SWITCH_INTERVAL)
-
-
 def _merged(step: str) -> Callable[[Model, bool], None]:
     def choose(model: Model, a: bool) -> None:
         (model.merged_launches.add if a else model.merged_launches.discard)(step)
@@ -97,8 +75,6 @@ def _merged(step: str) -> Callable[[Model, bool], None]:
 VARIANTS: dict[str, tuple[str, str, Callable[[Model, bool], None]]] = {
     "hc_input": ("HC input in the product's last block", "HC input apart (hc_mix + hc_pre)", _hc_input),
     "planes": ("IQ2_XXS gate and up on the input's byte planes", "on floats", _planes),
-    "expert_views": ("expert tensors as one expert's view", "expert tensors whole", _expert_views()),
-    "switch": ("GIL switch interval 0.1 ms", "GIL switch interval 5 ms", _switch),
     **{step: (f"{step} in another step's launch", f"{step} in its own launch", _merged(step))
        for step in MERGED_LAUNCHES},
 }

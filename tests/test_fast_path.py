@@ -1413,29 +1413,6 @@ def test_f16_matrices_reach_the_kernels_as_f16_with_the_files_values(small_weigh
     assert kv.dtype == gate.dtype == mx.float16
 
 
-def test_a_launch_takes_an_expert_tensor_as_its_first_experts_view_on_cuda(monkeypatch):
-    """MLX counts a launch's inputs whole toward its CUDA graph's byte budget: on a CUDA device
-    a routed-expert tensor goes to the kernels as its first expert's row, a view at raw's own
-    address (the kernels reach expert e at e * EXPERT_BYTES), made and evaluated once, among
-    the block's fast-path inputs (evaluated before a sublayer is traced). The CPU stand-ins
-    index the whole tensor, which they are given off CUDA."""
-    tensor = _expert_blocks("IQ2_XXS", 8, 64, 256)
-    view = tensor.launch_view()
-    assert view is tensor.launch_view()
-    assert view.shape == (1, tensor.raw.shape[1])
-    assert np.array_equal(np.array(view), np.array(tensor.raw)[:1])
-    address = np.asarray(memoryview(tensor.raw)).ctypes.data
-    assert np.asarray(memoryview(view)).ctypes.data == address
-    assert kernels._expert_bytes(tensor) is tensor.raw
-    monkeypatch.setattr(kernels, "on_cuda", lambda: True)
-    assert kernels._expert_bytes(tensor) is view
-    monkeypatch.setattr(kernels, "_EXPERT_VIEWS", 0)
-    assert kernels._expert_bytes(tensor) is tensor.raw
-    layer = next(block for block in random_weights(preset("tiny"), "q2", seed=4).layers if block.experts)
-    inputs = layer.fast_inputs()
-    assert all(any(a is e.launch_view() for a in inputs) for e in layer.experts.values())
-
-
 def test_no_kernel_of_a_decode_step_reads_a_broadcast_or_transposed_view(tmp_path):
     """MLX copies each input of a custom kernel that is not row-contiguous, at every launch
     (`CustomKernel::eval_gpu`): a hidden copy kernel and buffer per reader. With every launch

@@ -124,11 +124,6 @@ def on_cuda() -> bool:
     return mx.default_device() == mx.gpu and hasattr(mx, "cuda") and mx.cuda.is_available()
 
 
-# Routed-expert tensors go to a launch as their first expert's view (`ExpertBlocks.launch_view`,
-# `_expert_bytes`); 0 hands MLX the whole tensors (for measuring the two in one process).
-_EXPERT_VIEWS = 1
-
-
 def cuda_ready() -> bool:
     """True when CUDA kernels can run: the default device is a CUDA GPU and the sources exist."""
     return on_cuda() and KERNEL_DIR.is_dir()
@@ -883,7 +878,7 @@ def q8_hc(matrix: Q8Matrix, x: mx.array, streams: mx.array, post: mx.array, comb
     down, down_template = [], []
     if routed is not None:
         n_row_bytes = row_bytes(routed.tensor.type_name, routed.tensor.cols)
-        down = [_expert_bytes(routed.tensor), routed.ids.astype(mx.int32), routed.mid.astype(mx.float32),
+        down = [routed.tensor.raw, routed.ids.astype(mx.int32), routed.mid.astype(mx.float32),
                 *_tables(routed.tensor.type_name)]
         down_template = [("K", routed.ids.shape[1]), ("ROW_BYTES", n_row_bytes),
                          ("EXPERT_BYTES", routed.tensor.rows * n_row_bytes),
@@ -1122,7 +1117,7 @@ def expert_gemm(tensor: ExpertBlocks, tiles: PairTiles, x: mx.array, x_div: int)
     [P / x_div, cols] (a token's input shared by its x_div experts)."""
     n_expert = tensor.raw.shape[0]
     n_row_bytes = row_bytes(tensor.type_name, tensor.cols)
-    weights = [_expert_bytes(tensor), *_tables(tensor.type_name)]
+    weights = [tensor.raw, *_tables(tensor.type_name)]
     return _quant_gemm(tensor.type_name, weights,
                        [("ROW_BYTES", n_row_bytes), ("EXPERT_BYTES", tensor.rows * n_row_bytes)],
                        tensor.rows, tensor.cols, n_expert, x, x_div, tiles)
@@ -1178,14 +1173,6 @@ def _iq2_grid() -> mx.array:
 _TABLE_ARRAYS = {"grid": _iq2_grid}
 
 
-def _expert_bytes(tensor: ExpertBlocks) -> mx.array:
-    """A routed-expert tensor's bytes as a launch takes them. On a CUDA device its first
-    expert's view (`ExpertBlocks.launch_view`, the same pointer): MLX counts one expert toward
-    its graph's byte budget instead of the whole tensor. Elsewhere the whole tensor, which the
-    kernels' CPU stand-ins index."""
-    return tensor.launch_view() if _EXPERT_VIEWS and on_cuda() else tensor.raw
-
-
 def _tables(type_name: str) -> list[mx.array]:
     """The lookup tables a block format's expert kernels read, in `_TABLE_NAMES` order
     (IQ2_XXS: its grid, which the kernels stage as level codes; the signs are computed)."""
@@ -1204,7 +1191,7 @@ def expert_matvec(tensor: ExpertBlocks, ids: mx.array, x: mx.array, *, pairs_per
         raise ValueError(f"expert_matvec: {ids.size} pairs, {pairs_per_input} per input row, input {tuple(x.shape)}")
     per_out = ids.shape[-1] if sum_pairs else 1
     n_row_bytes = row_bytes(tensor.type_name, cols)
-    inputs = [_expert_bytes(tensor), ids.astype(mx.int32), x.astype(mx.float32), *_tables(tensor.type_name)]
+    inputs = [tensor.raw, ids.astype(mx.int32), x.astype(mx.float32), *_tables(tensor.type_name)]
     threads = 32 * _EXPERT_WARPS
     # Warps sharing a row pair, each over every parts-th of the pairs summed (expert_matvec.cu).
     parts = next(k for k in (4, 2, 1) if k <= per_out and _EXPERT_WARPS % k == 0)
@@ -1243,9 +1230,9 @@ def expert_swiglu(gate: ExpertBlocks, up: ExpertBlocks, ids: mx.array, x: mx.arr
         raise ValueError(f"expert_swiglu: planes {tuple(planes.shape)} with {gate.type_name} experts and input "
                          f"{tuple(x.shape)} (IQ2_XXS, {t * cols // 32 * PLANE_GROUP_BYTES} bytes)")
     mid, shared_mid = (_kernel(gate.type_name, True) if planes is None else _planes_kernel())(
-        inputs=[_expert_bytes(gate), _expert_bytes(up), ids.astype(mx.int32),
-                *([x.astype(mx.float32)] if planes is None else []), weights.astype(mx.float32), _scalar(clamp),
-                *q8, *([] if planes is None else [planes]), *_tables(gate.type_name)],
+        inputs=[gate.raw, up.raw, ids.astype(mx.int32), *([x.astype(mx.float32)] if planes is None else []),
+                weights.astype(mx.float32), _scalar(clamp), *q8, *([] if planes is None else [planes]),
+                *_tables(gate.type_name)],
         template=[("ROWS", rows), ("COLS", cols), ("ROW_BYTES", n_row_bytes),
                   ("EXPERT_BYTES", rows * n_row_bytes), ("X_DIV", ids.shape[1]), ("SHARED_ROWS", shared_rows),
                   ("P", _SWIGLU_ROWS)],
@@ -1306,7 +1293,7 @@ def routed_swiglu(gate: ExpertBlocks, up: ExpertBlocks, x: mx.array, route: Rout
     per_token = router_blocks + x_blocks * (route.n_used + (1 if shared is not None else 0))
     n_row_bytes = row_bytes(gate.type_name, cols)
     mid, shared_mid, experts = _routed_kernel(gate.type_name)(
-        inputs=[_expert_bytes(gate), _expert_bytes(up), x.astype(mx.float32), _scalar(clamp), *q8, route.weight,
+        inputs=[gate.raw, up.raw, x.astype(mx.float32), _scalar(clamp), *q8, route.weight,
                 _scalar(0.0) if route.bias is None else route.bias, _scalar(route.scale), table, tokens,
                 _arrival_counters(route.slot), _launch_scratch("router_logits", t * e, route.slot),
                 _launch_scratch("route_weights", t * route.n_used, route.slot), *_tables(gate.type_name)],

@@ -104,23 +104,6 @@ class ExpertBlocks:
     rows: int
     cols: int
     float32: mx.array | None = None   # every expert decoded, [n_expert, rows, cols], kept while a CPU budget allows
-    _launch_view: mx.array | None = field(default=None, repr=False, compare=False)
-
-    def launch_view(self) -> mx.array:
-        """`raw` as the fast path's kernels take it: its first expert's row [1, expert_bytes], a
-        view of raw's buffer (made once), from which a kernel reaches expert e at e * expert_bytes.
-
-        Why not `raw` itself: MLX's CUDA encoder adds up the bytes of every launch's inputs and
-        commits its CUDA graph (an update, a launch and a teardown on the host, a gap on the
-        device) once they pass MLX_MAX_MB_PER_BUFFER (1000 MB on an H200). That budget is for
-        temporaries the graph keeps alive; a whole routed-expert tensor (0.5-0.7 GB in Flash, of
-        which a token reads 6 of 256 experts) spent it about twice a layer, ~86 graphs a
-        43-layer decode step. Counted as one expert, a step commits where MLX's count of
-        operations says (MLX_MAX_OPS_PER_BUFFER, 100), a few graphs a step."""
-        if self._launch_view is None:
-            self._launch_view = self.raw[:1]
-            mx.eval(self._launch_view)
-        return self._launch_view
 
     def dense(self) -> mx.array:
         """Every expert decoded to float32, [n_expert, rows, cols]: the kept copy if there is one."""
@@ -181,8 +164,7 @@ class LayerWeights:
             if role in self.dense:
                 self.kernel_dense(role)
         return [*self.dense.values(), *self._transposed.values(), *self.half_copies.values(),
-                *(a for m in self.q8.values() for a in (m.codes, m.scales)),
-                *(a for e in self.experts.values() for a in (e.raw, e.launch_view())),
+                *(a for m in self.q8.values() for a in (m.codes, m.scales)), *(e.raw for e in self.experts.values()),
                 *([] if self.tid2eid is None else [self.tid2eid])]
 
 
