@@ -655,15 +655,17 @@ def _prefill_and_decode(model: Model, tokens: list[int], decoded: int) -> tuple[
 
 
 @pytest.mark.parametrize("weights_fixture, merged", [("small_weights", "default"), ("tiny_weights", "default"),
-                                                     ("small_weights", "all")])
+                                                     ("small_weights", "floats"), ("small_weights", "all")])
 def test_fast_path_wiring_matches_the_reference(request, weights_fixture, merged, stand_in_kernels):
     """Every kernel called, with arguments that reproduce the reference composition, in a
     prefill and in decode steps; 76 tokens: the tiny shape's indexer (top-k 16 of ratio-4
-    rows) selects from position 68 on. With the merged launches the model has by default, and
-    with every one (`MERGED_LAUNCHES`)."""
+    rows) selects from position 68 on. With the model's defaults (a decode step's IQ2_XXS
+    gate and up on the input's planes), with the float form (`Model.expert_planes` off), and
+    with every merged launch (`MERGED_LAUNCHES`)."""
     model = Model(request.getfixturevalue(weights_fixture))
     if merged == "all":
         model.merged_launches = set(MERGED_LAUNCHES)
+    model.expert_planes = merged == "default"
     tokens = [(37 * i + 11) % 1000 + 100 for i in range(76)]
     assert model.numerics.fast
     fast_full, fast_decoded = _prefill_and_decode(model, tokens, 6)
@@ -676,6 +678,8 @@ def test_fast_path_wiring_matches_the_reference(request, weights_fixture, merged
     # apart: with a hook that reads the experts, or unmerged) and its compressor frontiers are
     # made in the q_a / kv launch)
     every = (set(STAND_INS) - {"attention_shares", "q8_swiglu", "router_planes"}) | {"expert_swiglu", "quant_gemm"}
+    if merged == "default":                      # a decode step's router and gate and up on planes
+        every = every - {"expert_swiglu"} | {"router_planes", "expert_swiglu_planes"}
     if merged == "all":
         every = every - {"compressor_slot", "expert_swiglu"} | {"routed_swiglu"}
     assert set(stand_in_kernels) == every, f"kernels never called: {every - set(stand_in_kernels)}"
@@ -1091,9 +1095,11 @@ def test_a_decode_step_finishes_q_and_kv_rows_without_launches_of_their_own(smal
     input is made by the q8_hc before it, and q8_hc runs twice a layer, the attention's
     making the grouped output product first: q8_matvec for the output head only. Each
     merged step in its own launch again (`Model.merged_launches` emptied, as stream_ab.py's
-    B): the same logits and frontiers."""
+    B): the same logits and frontiers. (The gate and up on floats in both: the merged router's
+    launch reads no planes.)"""
     model = Model(small_weights)
     model.merged_launches = set(MERGED_LAUNCHES)
+    model.expert_planes = False
     session = model.session()
     session.prefill([(37 * i + 11) % 1000 + 100 for i in range(10)])
     stand_in_kernels.clear()
@@ -1272,13 +1278,14 @@ def test_plan_in_ds4_cpu_numerics_is_reference(small_weights, stand_in_kernels):
 def test_forced_experts_on_the_fast_path_reweight_as_the_reference(small_weights, stand_in_kernels):
     """A replacement at `ffn.hook_experts` (here: forced experts) keeps the fast path; the route
     weights then follow the router's scores of the forced experts, as on the reference path.
-    The router then has its own launch: the routed experts' launch does not route."""
+    The router then has its own launch (writing the input's planes, which the gate and up
+    read): the routed experts' launch does not route."""
     model = Model(small_weights)
     cfg = model.config
     tokens = [5, 6, 7, 8, 9]
     forced = np.random.default_rng(0).integers(0, cfg.n_expert, (len(tokens), cfg.n_layer, cfg.n_expert_used))
     fast = np.array(model(tokens, experts=forced))
-    assert stand_in_kernels["router"] == stand_in_kernels["expert_swiglu"] == cfg.n_layer
+    assert stand_in_kernels["router_planes"] == stand_in_kernels["expert_swiglu_planes"] == cfg.n_layer
     assert "routed_swiglu" not in stand_in_kernels
     model.numerics.allow_fast = False
     reference = np.array(model(tokens, experts=forced))
