@@ -203,9 +203,9 @@ def main() -> None:
                         help="the greedy stream hands each step to MLX in pieces, up to each of these layers' "
                              "attention, then the rest (`Model.stream_commits`; run with MLX_MAX_OPS_PER_BUFFER "
                              "and MLX_MAX_MB_PER_BUFFER past a step, so that MLX commits nowhere else; in-memory)")
-    parser.add_argument("--planes", action="store_true",
-                        help="the IQ2_XXS gate and up on the FFN input's byte planes (`Model.expert_planes`; "
-                             "in-memory)")
+    parser.add_argument("--float-experts", action="store_true",
+                        help="the IQ2_XXS gate and up on floats, not on the FFN input's byte planes "
+                             "(`Model.expert_planes = False`; in-memory)")
     parser.add_argument("--empty-kernels", action="store_true",
                         help="every custom kernel returns at once (launched with its inputs, outputs and grid, "
                              "its values garbage): the step's host and launch floor, without the kernels' work")
@@ -227,7 +227,7 @@ def main() -> None:
         if args.merged is not None:
             model.merged_launches = set(args.merged)
         model.stream_commits = tuple(args.commits)
-        model.expert_planes = args.planes
+        model.expert_planes = not args.float_experts
         name = (f"flash-dims {cfg.n_layer}L {args.variant} (memory), merged: "
                 f"{', '.join(sorted(model.merged_launches)) or 'none'}"
                 + (f", commits at layers {', '.join(map(str, args.commits))}" if args.commits else "")

@@ -775,12 +775,13 @@ def _row_rel(a: mx.array, b: mx.array) -> float:
     return float((mx.abs(a - b).max(axis=-1) / mx.maximum(mx.abs(b).max(axis=-1), 1e-30)).max())
 
 
-def fast_vs_reference(shape: str, tokens: list[int], planes: bool = False) -> None:
+def fast_vs_reference(shape: str, tokens: list[int], planes: bool = True) -> None:
     """The fast path against the reference composition on the default device (with `planes`,
-    the IQ2_XXS gate and up of its decode steps on integers: `Model.expert_planes`)."""
+    the default, the IQ2_XXS gate and up of its decode steps on integers: `Model.expert_planes`;
+    without, on floats)."""
     model = Model(random_weights(preset(shape), "q2", seed=2))
     model.expert_planes = planes
-    shape = f"{shape} (expert planes)" if planes else shape
+    shape = f"{shape} (expert planes)" if planes else f"{shape} (gate and up on floats)"
     fast = np.array(model(tokens))
     session = model.session()
     fast_decode = np.stack([np.array(session.decode(t)) for t in tokens])
@@ -825,11 +826,12 @@ def check_paths() -> None:
     """The fast path against the reference composition, and imatrix collection on both."""
     for shape in ("small", "tiny"):
         fast_vs_reference(shape, list(range(2000, 2048)))
+        fast_vs_reference(shape, list(range(2000, 2048)), planes=False)
         imatrix_fast_vs_reference(shape)
 
 
 def check_planes() -> None:
-    """The IQ2_XXS gate and up on integers (`Model.expert_planes`, off by default): the planes
+    """The IQ2_XXS gate and up on integers (`Model.expert_planes`, the default): the planes
     `router_planes` writes against `kernels.input_planes` on the CPU (the same bytes: a power of
     two and one rounding) and its routing against `router`'s (the same bits); `expert_swiglu`
     on the planes against its float form and against the decoded rows times the values the
@@ -875,7 +877,7 @@ def check_planes() -> None:
               f"shared expert's Q8_0 rows vs theirs (float64 sums) {err_shared:.2e}, vs the float form "
               f"{_rel(shared_planes, shared_floats):.2e}")
     for shape in ("small", "tiny"):
-        fast_vs_reference(shape, list(range(2000, 2048)), planes=True)
+        fast_vs_reference(shape, list(range(2000, 2048)))
     gate, up = (_expert_blocks("IQ2_XXS", 16, 2048, 4096) for _ in range(2))
     shared = (_q8_matrix(2048, 4096), _q8_matrix(2048, 4096))
     one_ids, x1, rw = ids[:1], mx.random.normal((1, 4096)), mx.random.normal((256, 4096)) * 0.05

@@ -35,9 +35,9 @@
 #                                        # past a step, the greedy stream handing each step over in pieces
 #                                        # (`Model.stream_commits`) against one piece, in one process, and
 #                                        # the bench with the pieces (~8 min)
-#   bash bench/device_checks.sh planes   # the IQ2_XXS gate and up on the FFN input's byte planes, two calls:
+#   bash bench/device_checks.sh planes   # the IQ2_XXS gate and up on the input's byte planes against floats, two calls:
 #                                        # `planes checks` (check_device's planes part: bars, the launches'
-#                                        # times; then the bench with them), `planes speed` (the step's device
+#                                        # times; then the bench on floats), `planes speed` (the step's device
 #                                        # time with and without them, the stream A/B) (~6 min each); or
 #                                        # `planes quick`, the bars and the device time only (~4 min)
 #   bash bench/device_checks.sh warm     # every kernel variant of a 43-layer run compiled into .ptx_cache
@@ -173,23 +173,23 @@ commits() {
 }
 
 planes() {
-    # The IQ2_XXS gate and up on the FFN input's byte planes (`Model.expert_planes`, off by
-    # default), in two calls (a call may run 10 minutes): `planes checks`, the kernels' bars
-    # and times and fast vs reference with them, then the issue's bench with them; `planes
-    # speed`, the step's device time with and without them (one CUDA graph a step; one output
-    # row a warp too), then the stream A/B in one process.
+    # The IQ2_XXS gate and up on the FFN input's byte planes (`Model.expert_planes`, the
+    # default) against floats, in two calls (a call may run 10 minutes): `planes checks`, the
+    # kernels' bars and times and fast vs reference with them, then the issue's bench on
+    # floats; `planes speed`, the step's device time with and without them (one CUDA graph a
+    # step; one output row a warp too), then the stream A/B in one process.
     case "${1:-checks}" in
         checks)
             step planes_checks 300 env MLX_ENABLE_TF32=0 python3 bench/check_device.py --parts planes
-            step planes_bench 150 python3 bench/bench_model.py --in-memory --layers 43 --prompt 4096 --steps 64 \
-                --rounds 3 --planes ;;
+            step floats_bench 150 python3 bench/bench_model.py --in-memory --layers 43 --prompt 4096 --steps 64 \
+                --rounds 3 --float-experts ;;
         quick)      # for a short budget: the bars, then the step's device time (~4 min)
             step planes_checks 300 env MLX_ENABLE_TF32=0 python3 bench/check_device.py --parts planes
             step planes_in_place 200 python3 bench/device_time_ab.py --layers 43 --context 4096 \
-                --variants base planes base ;;
+                --variants floats base floats ;;
         speed)
             step planes_in_place 300 python3 bench/device_time_ab.py --layers 43 --context 4096 \
-                --variants base planes planes,_SWIGLU_ROWS=1 _SWIGLU_ROWS=1 base
+                --variants floats base _SWIGLU_ROWS=1 floats,_SWIGLU_ROWS=1 floats
             step planes_ab 200 python3 bench/stream_ab.py --variant planes --steps 32 --rounds 4 ;;
     esac
 }

@@ -22,8 +22,9 @@ every token to expert 0, so read it as an upper bound of nothing. (On the H200 t
 `q8_matvec` and `attention` ended in an illegal memory access a few variants into the run,
 not yet found; `expert_swiglu` and `expert_matvec` ran.)
 
-An item "planes" in a variant runs the IQ2_XXS gate and up on the FFN input's byte planes
-(`Model.expert_planes`): "planes", or "planes,_SWIGLU_ROWS=1" with a constant changed too.
+The IQ2_XXS gate and up run on the FFN input's byte planes (`Model.expert_planes`, the
+default); an item "floats" in a variant runs them on floats: "floats", or
+"floats,_SWIGLU_ROWS=1" with a constant changed too.
 
     python bench/device_time_ab.py [--layers 43] [--context 4096] \
         [--variants base _ATTENTION_SHARE_KEYS=64 _Q8_WARPS_WANTED=8192 without:expert_swiglu]
@@ -87,9 +88,9 @@ def without(kind: str):
         kernels.forget_kernel_objects()
 
 
-def _without_planes(text: str) -> str:
-    """A variant's constants: its text without the item "planes" ("base" if nothing is left)."""
-    return ",".join(item for item in text.split(",") if item != "planes") or "base"
+def _without_floats(text: str) -> str:
+    """A variant's constants: its text without the item "floats" ("base" if nothing is left)."""
+    return ",".join(item for item in text.split(",") if item != "floats") or "base"
 
 
 def main() -> None:
@@ -99,7 +100,7 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=8, help="steps timed per variant (the fastest wait kept)")
     parser.add_argument("--variants", nargs="+", default=["base"])
     args = parser.parse_args()
-    variants = [(text, {} if text.startswith("without:") else parse_variant(_without_planes(text)))
+    variants = [(text, {} if text.startswith("without:") else parse_variant(_without_floats(text)))
                 for text in args.variants]
     if not kernels.cuda_ready():
         raise SystemExit("device_time_ab: the fast path is off on this device (no CUDA): nothing to compare")
@@ -112,7 +113,7 @@ def main() -> None:
         for name, value in {**defaults, **changes}.items():
             setattr(kernels, name, value)
         model._compiled.clear()
-        model.expert_planes = "planes" in text.split(",")
+        model.expert_planes = "floats" not in text.split(",")
         stubbed = without(text.removeprefix("without:")) if text.startswith("without:") else contextlib.nullcontext()
         with stubbed:
             time_step(model, session.state, 999, repeat=2)        # this variant's kernels and traces

@@ -52,7 +52,7 @@ def main() -> None:
                 for merged in (MERGED_LAUNCHES, ()):      # every merge, and none (`stream_ab.py`)
                     model.merged_launches = set(merged)
                     mx.eval(session.decode(mx.argmax(logits)))
-                model.expert_planes = True                  # the IQ2_XXS gate and up on integers
+                model.expert_planes = False                 # the IQ2_XXS gate and up on floats
                 mx.eval(session.decode(mx.argmax(logits)))
         variants += [v for v in recorded if v not in variants]
     recorded_at = time.perf_counter()
