@@ -106,7 +106,9 @@ def test_a_recorded_run_lists_the_step_s_kernels_and_leaves_mlx_as_it_was():
     assert mx.fast.cuda_kernel is original and kernels.cuda_ready() == ready
     names = {v.name for v in variants}
     assert {"ds4lab_hc_pre", "ds4lab_q8_hc", "ds4lab_attention_heads"} <= names, names
-    assert "ds4lab_router" in names and any(name.startswith("ds4lab_expert_swiglu_") for name in names), names
+    # (the router and the gate and up on the input's planes: `Model.expert_planes`, the default)
+    assert "ds4lab_router_planes" in names, names
+    assert any(name.startswith("ds4lab_expert_swiglu_planes_") for name in names), names
     assert len(set(variants)) == len(variants)
     assert all(isinstance(ndim, int) for v in variants for _, ndim in v.inputs)
 
