@@ -297,7 +297,7 @@ def _fused(name: str):
 def forget_kernel_objects() -> None:
     """Drop the `mx.fast.cuda_kernel` objects made so far, so that the next launches make
     theirs again (after `mx.fast.cuda_kernel` is patched or restored: benches and tests)."""
-    for made in (_fused, _kernel, _routed_kernel, _gemm_kernel, _q8_hc_kernel):
+    for made in (_fused, _kernel, _planes_kernel, _routed_kernel, _gemm_kernel, _q8_hc_kernel):
         made.cache_clear()
 
 
