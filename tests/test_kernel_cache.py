@@ -96,6 +96,20 @@ def test_precompiled_headers_change_no_byte_of_the_code():
     assert first == again == plain
 
 
+def test_a_recorded_run_after_another_lists_the_same_kernels():
+    """Every cached kernel object is dropped between recorded runs (`kernels._kernel_maker`):
+    one made under an earlier run's stub would answer the later run's launches unrecorded."""
+    weights = random_weights(preset("tiny"), "q2", seed=2)
+    names = []
+    for _ in range(2):
+        with kernel_cache.recorded_variants() as variants:
+            session = Model(weights).session()
+            session.prefill([5, 6, 7, 8])
+            mx.eval(session.decode(9))
+        names.append({v.name for v in variants})
+    assert names[0] and names[1] == names[0], names
+
+
 def test_a_recorded_run_lists_the_step_s_kernels_and_leaves_mlx_as_it_was():
     original, ready = mx.fast.cuda_kernel, kernels.cuda_ready()
     weights = random_weights(preset("tiny"), "q2", seed=2)

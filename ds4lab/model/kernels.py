@@ -287,7 +287,19 @@ def header_for(body: str, *headers: str) -> str:
     return "\n".join(lines)
 
 
-@cache
+# The cached makers of `mx.fast.cuda_kernel` objects (`_kernel_maker`), which
+# `forget_kernel_objects` clears: every maker is listed by being declared one.
+_KERNEL_MAKERS: list = []
+
+
+def _kernel_maker(make):
+    """`make` cached (one kernel object per set of arguments) and listed in `_KERNEL_MAKERS`."""
+    made = cache(make)
+    _KERNEL_MAKERS.append(made)
+    return made
+
+
+@_kernel_maker
 def _fused(name: str):
     source, headers, inputs, outputs = _KERNELS[name]
     return mx.fast.cuda_kernel(name=f"ds4lab_{name}", input_names=inputs, output_names=outputs,
@@ -297,7 +309,7 @@ def _fused(name: str):
 def forget_kernel_objects() -> None:
     """Drop the `mx.fast.cuda_kernel` objects made so far, so that the next launches make
     theirs again (after `mx.fast.cuda_kernel` is patched or restored: benches and tests)."""
-    for made in (_fused, _kernel, _planes_kernel, _routed_kernel, _gemm_kernel, _q8_hc_kernel):
+    for made in _KERNEL_MAKERS:
         made.cache_clear()
 
 
@@ -791,7 +803,7 @@ def _row_pieces(pairs: int, split: int, cols: int) -> int:
     return pieces if cols % (256 * pieces) == 0 else 1
 
 
-@cache
+@_kernel_maker
 def _q8_hc_kernel(type_name: str):
     """q8_hc with the routed experts' down products in a block format (q8_hc.cu's routed form:
     the format's dot header included)."""
@@ -1036,7 +1048,7 @@ _GEMM_ROWS = 128
 _GEMM_THREADS = 256
 
 
-@cache
+@_kernel_maker
 def _gemm_kernel(type_name: str):
     name = "q8_0" if type_name == "Q8_0" else _TYPES[type_name]
     weights = (["codes", "scales"] if type_name == "Q8_0" else
@@ -1123,7 +1135,7 @@ def expert_gemm(tensor: ExpertBlocks, tiles: PairTiles, x: mx.array, x_div: int)
                        tensor.rows, tensor.cols, n_expert, x, x_div, tiles)
 
 
-@cache
+@_kernel_maker
 def _kernel(type_name: str, swiglu: bool = False):
     """The routed-expert matvec in this block format; with `swiglu` its gate-and-up form."""
     name = _TYPES[type_name]
@@ -1139,7 +1151,7 @@ def _kernel(type_name: str, swiglu: bool = False):
                                output_names=["y"], **kernel_texts("expert_matvec.cu", *headers))
 
 
-@cache
+@_kernel_maker
 def _planes_kernel():
     """`expert_swiglu` of IQ2_XXS gate and up on the input's byte planes."""
     headers = ("ds4lab_block.cuh", "expert_matvec_common.cuh", "expert_dot_iq2_xxs.cuh", "expert_planes.cuh",
@@ -1151,7 +1163,7 @@ def _planes_kernel():
                                **kernel_texts("expert_swiglu_planes.cu", *headers))
 
 
-@cache
+@_kernel_maker
 def _routed_kernel(type_name: str):
     """The routed experts' gate-and-up form with the router inside (`routed_swiglu`)."""
     name = _TYPES[type_name]
