@@ -231,7 +231,7 @@ def main() -> None:
         name = (f"flash-dims {cfg.n_layer}L {args.variant} (memory), merged: "
                 f"{', '.join(sorted(model.merged_launches)) or 'none'}"
                 + (f", commits at layers {', '.join(map(str, args.commits))}" if args.commits else "")
-                + (", expert planes" if args.planes else ""))
+                + (", experts on floats" if args.float_experts else ", expert planes"))
         if args.prefill_only:
             bench_prefill(name, model, args.prompt)
         else:

@@ -40,6 +40,9 @@
 #                                        # times; then the bench on floats), `planes speed` (the step's device
 #                                        # time with and without them, the stream A/B) (~6 min each); or
 #                                        # `planes quick`, the bars and the device time only (~4 min)
+#   bash bench/device_checks.sh launches # the bench at 4096 with MLX's CUDA graphs, then with each kernel
+#                                        # launched on the stream (MLX_USE_CUDA_GRAPHS=0), then with graphs
+#                                        # again (the host's drift over the call) (~7 min)
 #   bash bench/device_checks.sh warm     # every kernel variant of a 43-layer run compiled into .ptx_cache
 #                                        # (bench/warm_kernels.py; ~4 min on 2 cores, so best made on
 #                                        # the CPU machine and carried)
@@ -200,6 +203,19 @@ stream() {
     pack_kernels
 }
 
+launches() {
+    # A graph node costs MLX's encoding thread its add, its share of the graph's update and
+    # launch, and its destruction (29% of that thread's samples under cudaGraphDestroy,
+    # 2026-12-05); a launch on the stream costs only the launch. The sixteenth session's run
+    # without graphs encoded a step in 7.4 ms against 14 and left the device behind (89.4
+    # tok/s against 84.8); since then the device's step fell from ~10 ms to ~8.7 and the
+    # worker thread encodes while the next step is built.
+    local bench=(python3 bench/bench_model.py --in-memory --layers 43 --prompt 4096 --steps 64 --rounds 3)
+    step launches_graphs 200 "${bench[@]}"
+    step launches_direct 200 env MLX_USE_CUDA_GRAPHS=0 "${bench[@]}"
+    step launches_graphs_again 160 "${bench[@]}"
+}
+
 pack_kernels() {
     # MLX's own kernels (the fused elementwise ones of each compiled sublayer, its reductions
     # and sorts) compile with NVRTC on a new machine's first process, one at a time: the
@@ -221,8 +237,9 @@ case "${1:-all}" in
     profile) profile ;;
     commits) commits ;;
     planes) shift; planes "$@" ;;
+    launches) launches ;;
     warm) step warm 900 python3 bench/warm_kernels.py --cache .ptx_cache ;;
     all) checks; speed ;;
-    *) echo "usage: $0 [checks|speed|split|graphs|geometry|merged [checks|paths|speed]|stream|profile|commits|planes [checks|speed|quick]|warm|all]" >&2
+    *) echo "usage: $0 [checks|speed|split|graphs|geometry|merged [checks|paths|speed]|stream|profile|commits|planes [checks|speed|quick]|launches|warm|all]" >&2
        exit 2 ;;
 esac
