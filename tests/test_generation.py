@@ -53,6 +53,26 @@ def test_streamed_text_is_the_decoded_tokens(tiny):
     assert all(len(s.top) == 3 and s.top[0][0] == s.token for s in g.steps)
 
 
+def test_greedy_logprobs_are_the_rows_log_softmax(tiny):
+    # The greedy stream reads each token's log-prob from the device (`_greedy_choice`), not
+    # from the row: log-softmax of the session's logits in float64 up to the float32 sum over
+    # the vocabulary (1.5e-5 relative measured on the CPU), as is the stream that reads the
+    # rows for its top alternatives.
+    prompt = list(range(700, 720))
+    fast = generate(tiny, prompt, max_tokens=6)
+    ranked = generate(tiny, prompt, max_tokens=6, top_logprobs=2)
+    session = tiny.session()
+    rows = [np.array(session.prefill(prompt), dtype=np.float64)]
+    for token in fast.tokens[:-1]:
+        rows.append(np.array(session.decode(token), dtype=np.float64))
+    for step, other, row in zip(fast.steps, ranked.steps, rows, strict=True):
+        expected = row[step.token] - np.logaddexp.reduce(row)
+        assert step.token == int(np.argmax(row)) == other.token
+        assert abs(step.logprob - expected) < 1e-4 * max(1.0, abs(expected))
+        assert abs(other.logprob - expected) < 1e-6 * max(1.0, abs(expected))
+        assert step.top == [] and other.top[0][0] == step.token
+
+
 def test_stop_strings(tiny):
     full = generate(tiny, list(range(700, 720)), max_tokens=10)
     stop = full.text[len(full.text) // 2: len(full.text) // 2 + 2]
