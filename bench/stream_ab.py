@@ -25,6 +25,9 @@ Variants (`--variant`):
   `q8_matvec` first), a compressed layer's frontier update beside q_a's product (`q8_pair`,
   or `compressor_slot` after it), the output head's HC weights, collapse and norm by the last
   block's `q8_hc` (or `row_finish` and MLX's operations after it).
+- `logprob`: each greedy token's log-prob made on the device beside its argmax (A, the
+  default: two scalars read a step) or from the logits row copied to the host and its
+  log-softmax taken there (B, as before the twenty-eighth session).
 
     python bench/stream_ab.py [--layers 43] [--context 4096] [--steps 16] [--rounds 5] [--variant NAME]
 
@@ -44,6 +47,7 @@ from collections.abc import Callable
 import mlx.core as mx
 from bench_model import WARM_STEPS
 
+from ds4lab import generation
 from ds4lab.config import preset
 from ds4lab.generation import stream
 from ds4lab.model import Model
@@ -71,9 +75,18 @@ def _merged(step: str) -> Callable[[Model, bool], None]:
     return choose
 
 
+_EMITTER_STEP = generation.Emitter.step
+
+
+def _device_logprob(model: Model, a: bool) -> None:
+    generation.Emitter.step = _EMITTER_STEP if a else (
+        lambda self, token, logits, logprob=None: _EMITTER_STEP(self, token, logits))
+
+
 # name -> (what A and B are, the setter: variant A when given True)
 VARIANTS: dict[str, tuple[str, str, Callable[[Model, bool], None]]] = {
     "hc_input": ("HC input in the product's last block", "HC input apart (hc_mix + hc_pre)", _hc_input),
+    "logprob": ("log-prob made on the device", "log-prob from the row on the host", _device_logprob),
     "planes": ("IQ2_XXS gate and up on the input's byte planes", "on floats", _planes),
     **{step: (f"{step} in another step's launch", f"{step} in its own launch", _merged(step))
        for step in MERGED_LAUNCHES},

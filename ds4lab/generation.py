@@ -321,10 +321,11 @@ class _WorkerEncoder:
     its own stream."""
 
     def __init__(self, session, logits: mx.array, max_tokens: int) -> None:
-        # Nothing lazy left on this thread's stream, and the vocabulary's argmax launched here
-        # once (see `_cuda_context`: on the H200 its first launch on the worker failed even with
-        # the context bound there, when the process had run other work first).
-        mx.eval(logits, mx.argmax(logits), *session.state.arrays())
+        # Nothing lazy left on this thread's stream, and the greedy choice's kernels (the
+        # vocabulary's argmax, max and logsumexp) launched here once (see `_cuda_context`: on the
+        # H200 the argmax's first launch on the worker failed even with the context bound there,
+        # when the process had run other work first).
+        mx.eval(logits, *_greedy_choice(logits), *session.state.arrays())
         session.model.ready_for_decode()
         self._driver = _cuda_driver()
         self._context = None if self._driver is None else _cuda_context(self._driver)
