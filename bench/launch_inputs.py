@@ -15,7 +15,15 @@ MLX's default graph limits: the Python build, then `mx.async_eval` (the encoding
 thread), then the wait for the device; per launch, the median of `--repeat` chains, for each
 k, and the slope per input.
 
-    python bench/launch_inputs.py [--launches 500] [--repeat 15] [--inputs 1 4 8 16 32]
+Then the price of a commit. MLX commits a CUDA graph once the inputs it has counted pass
+MLX_MAX_MB_PER_BUFFER (1000 MB on an H200), counting a large input whole at every launch
+that takes it: a decode step's routed-expert tensors (0.55-0.7 GB each) commit ~86 graphs a
+step of ~6 launches each, where these chains commit one graph every 100 launches (the
+operations limit). With `--big-every N` every N-th launch of the 4-input chain also takes a
+`--big-mb` array (unread), so MLX commits every 2N launches (N = 6: as a decode step does);
+the difference per launch, times 2N, is a commit's cost on the encoding thread.
+
+    python bench/launch_inputs.py [--launches 500] [--repeat 15] [--inputs 1 4 8 16 32] [--big-every 6] [--big-mb 600]
 
 Needs a CUDA device.
 """
@@ -36,12 +44,15 @@ import numpy as np
 _SOURCE = "y[threadIdx.x] = x[threadIdx.x] + 1.0f;\n"
 
 
-def chain(kernel, x: mx.array, extra: list[mx.array], launches: int) -> tuple[float, float, float]:
-    """Seconds to build, encode and then wait for a chain of `launches` launches."""
+def chain(kernel, x: mx.array, extra: list[mx.array], launches: int, big: mx.array | None = None,
+          every: int = 0) -> tuple[float, float, float]:
+    """Seconds to build, encode and then wait for a chain of `launches` launches (every
+    `every`-th launch with `big` as its last input instead of the last of `extra`)."""
     t0 = time.perf_counter()
     y = x
-    for _ in range(launches):
-        y = kernel(inputs=[y, *extra], grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[x.shape],
+    for i in range(launches):
+        inputs = [y, *extra[:-1], big] if every and i % every == every - 1 else [y, *extra]
+        y = kernel(inputs=inputs, grid=(32, 1, 1), threadgroup=(32, 1, 1), output_shapes=[x.shape],
                    output_dtypes=[mx.float32])[0]
     t1 = time.perf_counter()
     mx.async_eval(y)
@@ -55,6 +66,8 @@ def main() -> None:
     parser.add_argument("--launches", type=int, default=500)
     parser.add_argument("--repeat", type=int, default=15)
     parser.add_argument("--inputs", type=int, nargs="+", default=[1, 4, 8, 16, 32])
+    parser.add_argument("--big-every", type=int, default=6, help="0: no commit-pricing chains")
+    parser.add_argument("--big-mb", type=int, default=600)
     args = parser.parse_args()
     if mx.default_device() != mx.gpu or not mx.cuda.is_available():
         sys.exit("launch_inputs.py needs a CUDA device")
@@ -76,6 +89,20 @@ def main() -> None:
     if len(ks) > 1:
         slope = np.polyfit(ks, [encode_per_launch[k] for k in ks], 1)[0]
         print(f"encoding: {slope:.3f} µs an input (least squares over {len(ks)} input counts)")
+    if args.big_every:
+        big = mx.zeros((args.big_mb << 18,), mx.float32)
+        names = ["x", *(f"w{i}" for i in range(4))]
+        kernel = mx.fast.cuda_kernel(name="ds4lab_bench_inputs_big", input_names=names, output_names=["y"],
+                                     source=_SOURCE)
+        per_launch = {}
+        for every in (0, args.big_every):
+            chain(kernel, x, pool[:4], 8, big, every)
+            runs = [chain(kernel, x, pool[:4], args.launches, big, every) for _ in range(args.repeat)]
+            per_launch[every] = statistics.median(r[1] for r in runs) * 1e6 / args.launches
+        commit = (per_launch[args.big_every] - per_launch[0]) * 2 * args.big_every
+        print(f"5 inputs a launch: encode {per_launch[0]:6.2f} µs a launch committed every 100 launches, "
+              f"{per_launch[args.big_every]:6.2f} with a {args.big_mb} MB input every {args.big_every} "
+              f"(a commit every {2 * args.big_every}): a commit {commit:.1f} µs of encoding")
 
 
 if __name__ == "__main__":
