@@ -90,7 +90,7 @@ def main() -> None:
         slope = np.polyfit(ks, [encode_per_launch[k] for k in ks], 1)[0]
         print(f"encoding: {slope:.3f} µs an input (least squares over {len(ks)} input counts)")
     if args.big_every:
-        big = mx.zeros((args.big_mb << 18,), mx.float32)
+        big = mx.zeros((args.big_mb << 20,), mx.uint8)          # MLX counts elements, so bytes here
         names = ["x", *(f"w{i}" for i in range(4))]
         kernel = mx.fast.cuda_kernel(name="ds4lab_bench_inputs_big", input_names=names, output_names=["y"],
                                      source=_SOURCE)
