@@ -43,6 +43,10 @@
 #   bash bench/device_checks.sh launches # the bench at 4096 with MLX's CUDA graphs, then with each kernel
 #                                        # launched on the stream (MLX_USE_CUDA_GRAPHS=0), then with graphs
 #                                        # again (the host's drift over the call) (~7 min)
+#   bash bench/device_checks.sh host     # what a launch, an input and a commit cost MLX's encoding thread
+#                                        # (launch_inputs.py), the greedy stream's log-prob made on the
+#                                        # device against the row's (stream_ab.py), the bench under MLX's
+#                                        # default commits and under fewer, then the research checks (~6 min)
 #   bash bench/device_checks.sh warm     # every kernel variant of a 43-layer run compiled into .ptx_cache
 #                                        # (bench/warm_kernels.py; ~4 min on 2 cores, so best made on
 #                                        # the CPU machine and carried)
@@ -216,6 +220,22 @@ launches() {
     step launches_graphs_again 160 "${bench[@]}"
 }
 
+host() {
+    # A decode step commits ~86 CUDA graphs (MLX counts each routed-expert tensor whole toward
+    # MLX_MAX_MB_PER_BUFFER, 1000 MB): if a commit costs the encoding thread tens of µs, larger
+    # limits commit every few layers instead, still at the same launches every step (the one
+    # whose expert tensor crosses the limit), so that MLX's cached graphs keep being updated.
+    step launch_inputs 90 python3 bench/launch_inputs.py --inputs 1 4 16 32 --big-every 6
+    step logprob_ab 200 python3 bench/stream_ab.py --variant logprob --steps 32 --rounds 4
+    local bench=(python3 bench/bench_model.py --in-memory --layers 43 --prompt 4096 --steps 64 --rounds 3)
+    local round=0
+    for mb in 1000 6000 1000 6000; do
+        round=$((round + 1))
+        step "bench_mb${mb}_$round" 100 env MLX_MAX_MB_PER_BUFFER=$mb "${bench[@]}"
+    done
+    step research 200 python3 bench/check_device_research.py
+}
+
 pack_kernels() {
     # MLX's own kernels (the fused elementwise ones of each compiled sublayer, its reductions
     # and sorts) compile with NVRTC on a new machine's first process, one at a time: the
@@ -238,8 +258,9 @@ case "${1:-all}" in
     commits) commits ;;
     planes) shift; planes "$@" ;;
     launches) launches ;;
+    host) host ;;
     warm) step warm 900 python3 bench/warm_kernels.py --cache .ptx_cache ;;
     all) checks; speed ;;
-    *) echo "usage: $0 [checks|speed|split|graphs|geometry|merged [checks|paths|speed]|stream|profile|commits|planes [checks|speed|quick]|launches|warm|all]" >&2
+    *) echo "usage: $0 [checks|speed|split|graphs|geometry|merged [checks|paths|speed]|stream|profile|commits|planes [checks|speed|quick]|launches|host|warm|all]" >&2
        exit 2 ;;
 esac
