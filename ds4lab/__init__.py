@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from ._blas import preload_openblas
+from ._cuda_graphs import set_graph_limits
 
 preload_openblas()
+set_graph_limits()
 
 from . import gguf
 from .config import ModelConfig
