@@ -3,14 +3,15 @@
 MLX CUDA records launches into a CUDA graph and commits it (instantiates or updates it,
 launches it) once the graph holds MLX_MAX_OPS_PER_BUFFER launches (100 on an H100/H200) or
 once the inputs of its launches, each counted whole at every launch that takes it, pass
-MLX_MAX_MB_PER_BUFFER (1000 MB there). A routed-expert tensor of the q2 model is 0.55-0.7 GB
-and two launches a layer take one, so a 43-layer decode step committed ~86 graphs of ~6
-launches. Each commit is cheap on the encoding thread (~7 µs, `bench/launch_inputs.py`), but
+MLX_MAX_MB_PER_BUFFER (1000 MB there). The q2 model's routed-expert tensors are 0.55-0.7 GB
+each, three a layer (gate, up, down: ~1.8 GB), so a 43-layer decode step committed ~86
+graphs of ~6 launches. Each commit is cheap on the encoding thread (~7 µs, `bench/launch_inputs.py`), but
 MLX's evaluation lets at most 10 committed graphs wait for the device (`MAX_ACTIVE_TASKS`)
 before it blocks, so the thread that encodes step n + 1 could run only ~5 layers ahead of the
-device. At 12000 MB a graph closes every ~8 layers, still at the same launch every step
-(the one whose expert tensor crosses the limit, so MLX's cached graphs keep being updated
-rather than rebuilt), and the encoder can run a step ahead. Measured on an H100 (34 layers
+device. At 12000 MB a graph closes every ~7 layers (~80 launches, under the launch limit),
+still at the same launch every step (the one whose expert tensor crosses the limit, so
+MLX's cached graphs keep being updated rather than rebuilt), and the encoder can run a step
+ahead. Measured on an H100 (34 layers
 at 4096 tokens, `bench_model.py`, processes alternating in one call, 2026-12-05): the greedy
 stream at 1000 MB 111.6-114.8 tok/s, at 3000 124.2, 6000 118.7-130.1, 12000 123.6-127.9,
 24000 129.3.
