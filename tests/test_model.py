@@ -119,6 +119,20 @@ def test_restored_snapshot_is_untouched_by_what_followed(small_model, small_toke
     assert all(np.array_equal(x, y) for x, y in zip(frontiers(a), frontiers(b), strict=True))
 
 
+def test_a_layer_caches_copy_holds_every_field():
+    # `LayerCache.copy` names its fields (cheaper than dataclasses.replace): a field added to
+    # the cache and left out of the copy would come back as its default here.
+    import dataclasses
+
+    from ds4lab.model.state import LayerCache
+
+    values = [object() for _ in dataclasses.fields(LayerCache)]
+    cache = LayerCache(*values)
+    copied = cache.copy()
+    assert copied is not cache
+    assert [getattr(copied, f.name) for f in dataclasses.fields(LayerCache)] == values
+
+
 # ---- issue 13: prefill = decode must not depend on the BLAS's kernel choice ------------------
 def test_prefill_equals_decode_under_a_slot_dependent_gemm(small_model, small_tokens, monkeypatch, on_cpu):
     # A GEMM whose arithmetic depends on the row's place in its tile (as OpenBLAS's Haswell/Zen
