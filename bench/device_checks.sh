@@ -45,8 +45,8 @@
 #                                        # again (the host's drift over the call) (~7 min)
 #   bash bench/device_checks.sh host     # what a launch, an input and a commit cost MLX's encoding thread
 #                                        # (launch_inputs.py), the greedy stream's log-prob made on the
-#                                        # device against the row's (stream_ab.py), the bench under MLX's
-#                                        # default commits and under fewer, then the research checks (~6 min)
+#                                        # device against the row's (stream_ab.py), the bench with ds4lab's
+#                                        # 12000 MB graphs against 1000 and 6000, the research checks (~6 min)
 #   bash bench/device_checks.sh warm     # every kernel variant of a 43-layer run compiled into .ptx_cache
 #                                        # (bench/warm_kernels.py; ~4 min on 2 cores, so best made on
 #                                        # the CPU machine and carried)
@@ -221,15 +221,16 @@ launches() {
 }
 
 host() {
-    # A decode step commits ~86 CUDA graphs (MLX counts each routed-expert tensor whole toward
-    # MLX_MAX_MB_PER_BUFFER, 1000 MB): if a commit costs the encoding thread tens of µs, larger
-    # limits commit every few layers instead, still at the same launches every step (the one
-    # whose expert tensor crosses the limit), so that MLX's cached graphs keep being updated.
+    # At MLX's MLX_MAX_MB_PER_BUFFER (1000 MB) a decode step commits ~86 CUDA graphs (each
+    # routed-expert tensor counted whole), and MLX lets only 10 wait for the device, so the
+    # encoder ran ~5 layers ahead of it; ds4lab now sets 12000 (a graph every ~7 layers, at the
+    # same launch every step; H100, 34 layers: +8-12%). Here on the 43-layer model against
+    # 1000 and 6000, after the launch and commit prices and the log-prob A/B.
     step launch_inputs 90 python3 bench/launch_inputs.py --inputs 1 4 16 32 --big-every 6
     step logprob_ab 200 python3 bench/stream_ab.py --variant logprob --steps 32 --rounds 4
     local bench=(python3 bench/bench_model.py --in-memory --layers 43 --prompt 4096 --steps 64 --rounds 3)
     local round=0
-    for mb in 1000 6000 1000 6000; do
+    for mb in 12000 1000 12000 6000; do       # 12000: ds4lab's default (ds4lab/_cuda_graphs.py)
         round=$((round + 1))
         step "bench_mb${mb}_$round" 100 env MLX_MAX_MB_PER_BUFFER=$mb "${bench[@]}"
     done
