@@ -47,6 +47,9 @@
 #                                        # (launch_inputs.py), the greedy stream's log-prob made on the
 #                                        # device against the row's (stream_ab.py), the bench with ds4lab's
 #                                        # 12000 MB graphs against 1000 and 6000, the research checks (~6 min)
+#   bash bench/device_checks.sh bar      # the 43-layer bench at 128 and 4096 as ds4lab sets it up, then
+#                                        # at 4096 under MLX graph limits of 1000, 24000 and 12000 MB, then the
+#                                        # research checks (~5 min)
 #   bash bench/device_checks.sh warm     # every kernel variant of a 43-layer run compiled into .ptx_cache
 #                                        # (bench/warm_kernels.py; ~4 min on 2 cores, so best made on
 #                                        # the CPU machine and carried)
@@ -237,6 +240,20 @@ host() {
     step research 200 python3 bench/check_device_research.py
 }
 
+bar() {
+    # The bar first: the 43-layer bench at 128 and 4096 tokens under ds4lab's own
+    # settings, then at 4096 with MLX's graph limit at 1000 (its default), 24000 and 12000
+    # again in alternate processes (the host's drift over the call), then the research checks.
+    local bench=(python3 bench/bench_model.py --in-memory --layers 43 --steps 64 --rounds 3)
+    step bar 150 "${bench[@]}" --prompt 128 4096
+    local round=0
+    for mb in 1000 24000 12000; do
+        round=$((round + 1))
+        step "bar_mb${mb}_$round" 100 env MLX_MAX_MB_PER_BUFFER=$mb "${bench[@]}" --prompt 4096
+    done
+    step research 200 python3 bench/check_device_research.py
+}
+
 pack_kernels() {
     # MLX's own kernels (the fused elementwise ones of each compiled sublayer, its reductions
     # and sorts) compile with NVRTC on a new machine's first process, one at a time: the
@@ -260,8 +277,9 @@ case "${1:-all}" in
     planes) shift; planes "$@" ;;
     launches) launches ;;
     host) host ;;
+    bar) bar ;;
     warm) step warm 900 python3 bench/warm_kernels.py --cache .ptx_cache ;;
     all) checks; speed ;;
-    *) echo "usage: $0 [checks|speed|split|graphs|geometry|merged [checks|paths|speed]|stream|profile|commits|planes [checks|speed|quick]|launches|host|warm|all]" >&2
+    *) echo "usage: $0 [checks|speed|split|graphs|geometry|merged [checks|paths|speed]|stream|profile|commits|planes [checks|speed|quick]|launches|host|bar|warm|all]" >&2
        exit 2 ;;
 esac
