@@ -216,7 +216,8 @@ def main() -> None:
         empty_kernel_bodies()
     device = mx.default_device()
     bw = bandwidth()
-    print(f"device {device}, measured memory bandwidth {bw / 1e9:.1f} GB/s")
+    print(f"device {device}, measured memory bandwidth {bw / 1e9:.1f} GB/s, "
+          f"MLX_MAX_MB_PER_BUFFER {os.environ.get('MLX_MAX_MB_PER_BUFFER', 'unset')}")
     if args.in_memory:
         cfg = preset("flash-dims", args.layers)
         t = time.perf_counter()
