@@ -67,6 +67,9 @@ if [ -d .ptx_cache ]; then export MLX_PTX_CACHE_DIR="$PWD/.ptx_cache"; fi
 # (`kernels.kernel_texts`), and MLX's key of the compiled module is that text's hash: the
 # cache path must be the same where `warm` fills .ptx_cache and where the runs read it.
 export DS4LAB_CACHE="${DS4LAB_CACHE:-$PWD/.ds4lab_cache}"
+# The issue's bench: the 43-layer model in memory, the greedy stream in 3 rounds of 64 steps
+# (the contexts, `--prompt`, follow).
+ISSUE_BENCH=(python3 bench/bench_model.py --in-memory --layers 43 --steps 64 --rounds 3)
 
 step() {
     local name=$1 limit=$2
@@ -173,7 +176,7 @@ commits() {
     # 4-5 ms where those take 10-13, but the device then starts only when the whole step is
     # encoded. Pieces: the device starts on the first layers while the rest is encoded, and
     # each piece is committed at the same place every step (MLX's graph cache keeps hitting).
-    local bench=(python3 bench/bench_model.py --in-memory --layers 43 --prompt 4096 --steps 64 --rounds 3)
+    local bench=("${ISSUE_BENCH[@]}" --prompt 4096)
     local one_graph=(env MLX_MAX_OPS_PER_BUFFER=1000000 MLX_MAX_MB_PER_BUFFER=100000000)
     local layers=(1 3 7 14 26)
     step commits_default 150 "${bench[@]}"
@@ -191,8 +194,7 @@ planes() {
     case "${1:-checks}" in
         checks)
             step planes_checks 300 env MLX_ENABLE_TF32=0 python3 bench/check_device.py --parts planes
-            step floats_bench 150 python3 bench/bench_model.py --in-memory --layers 43 --prompt 4096 --steps 64 \
-                --rounds 3 --float-experts ;;
+            step floats_bench 150 "${ISSUE_BENCH[@]}" --prompt 4096 --float-experts ;;
         quick)      # for a short budget: the bars, then the step's device time (~4 min)
             step planes_checks 300 env MLX_ENABLE_TF32=0 python3 bench/check_device.py --parts planes
             step planes_in_place 200 python3 bench/device_time_ab.py --layers 43 --context 4096 \
@@ -206,7 +208,7 @@ planes() {
 
 stream() {
     step research 200 python3 bench/check_device_research.py
-    step decode43 280 python3 bench/bench_model.py --in-memory --layers 43 --prompt 128 4096 --steps 64 --rounds 3
+    step decode43 280 "${ISSUE_BENCH[@]}" --prompt 128 4096
     pack_kernels
 }
 
@@ -217,10 +219,21 @@ launches() {
     # without graphs encoded a step in 7.4 ms against 14 and left the device behind (89.4
     # tok/s against 84.8); since then the device's step fell from ~10 ms to ~8.7 and the
     # worker thread encodes while the next step is built.
-    local bench=(python3 bench/bench_model.py --in-memory --layers 43 --prompt 4096 --steps 64 --rounds 3)
+    local bench=("${ISSUE_BENCH[@]}" --prompt 4096)
     step launches_graphs 200 "${bench[@]}"
     step launches_direct 200 env MLX_USE_CUDA_GRAPHS=0 "${bench[@]}"
     step launches_graphs_again 160 "${bench[@]}"
+}
+
+bench_limits() {
+    # The issue's bench at 4096 once under each MLX_MAX_MB_PER_BUFFER given, in that order
+    # (alternate processes: the host drifts over a call); each step named <name>_mb<limit>_<n>.
+    local name=$1 round=0 mb
+    shift
+    for mb in "$@"; do
+        round=$((round + 1))
+        step "${name}_mb${mb}_$round" 100 env MLX_MAX_MB_PER_BUFFER="$mb" "${ISSUE_BENCH[@]}" --prompt 4096
+    done
 }
 
 host() {
@@ -231,12 +244,7 @@ host() {
     # 1000 and 6000, after the launch and commit prices and the log-prob A/B.
     step launch_inputs 90 python3 bench/launch_inputs.py --inputs 1 4 16 32 --big-every 6
     step logprob_ab 200 python3 bench/stream_ab.py --variant logprob --steps 32 --rounds 4
-    local bench=(python3 bench/bench_model.py --in-memory --layers 43 --prompt 4096 --steps 64 --rounds 3)
-    local round=0
-    for mb in 12000 1000 12000 6000; do       # 12000: ds4lab's default (ds4lab/_cuda_graphs.py)
-        round=$((round + 1))
-        step "bench_mb${mb}_$round" 100 env MLX_MAX_MB_PER_BUFFER=$mb "${bench[@]}"
-    done
+    bench_limits bench 12000 1000 12000 6000      # 12000: ds4lab's default (ds4lab/_cuda_graphs.py)
     step research 200 python3 bench/check_device_research.py
 }
 
@@ -244,13 +252,8 @@ bar() {
     # The issue's bar first: the 43-layer bench at 128 and 4096 tokens under ds4lab's own
     # settings, then at 4096 with MLX's graph limit at 1000 (its default), 24000 and 12000
     # again in alternate processes (the host's drift over the call), then the research checks.
-    local bench=(python3 bench/bench_model.py --in-memory --layers 43 --steps 64 --rounds 3)
-    step bar 150 "${bench[@]}" --prompt 128 4096
-    local round=0
-    for mb in 1000 24000 12000; do
-        round=$((round + 1))
-        step "bar_mb${mb}_$round" 100 env MLX_MAX_MB_PER_BUFFER=$mb "${bench[@]}" --prompt 4096
-    done
+    step bar 150 "${ISSUE_BENCH[@]}" --prompt 128 4096
+    bench_limits bar 1000 24000 12000
     step research 200 python3 bench/check_device_research.py
 }
 
