@@ -542,13 +542,19 @@ def compressor_slot(x: mx.array, first: tuple[mx.array, ...], row: int, slot: in
     of the rows then takes the second half's. `second`: another compressor of the same ratio
     (a ratio-4 layer's indexer), in the same launch; then its (kv, score) follow. The weights
     may be F16 (`LayerWeights.kernel_dense`: read as such, widened as loaded), all four alike."""
-    inputs, template, warps, shapes = _slot_launch(x, CompressorSlots(first, second, slot_at(row, slot), shift))
+    return slot_update(x, CompressorSlots(first, second, slot_at(row, slot), shift))
+
+
+def slot_update(x: mx.array, slots: CompressorSlots) -> tuple[mx.array, ...]:
+    """`compressor_slot` with the frontier row and APE row as data (`slots.at`): the launch a
+    compiled decode step traces once for every position."""
+    inputs, template, warps, shapes = _slot_launch(x, slots)
     threads = 256
     outs = _fused("compressor_slot")(
         inputs=[x.astype(mx.float32), *inputs], template=template,
         grid=(-(-warps * 32 // threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
         output_shapes=shapes, output_dtypes=[mx.float32] * 4)
-    return tuple(outs if second is not None else outs[:2])
+    return tuple(outs if slots.second is not None else outs[:2])
 
 
 def _slot_launch(x: mx.array, slots: CompressorSlots) -> tuple[list[mx.array], list[tuple], int, list[tuple]]:

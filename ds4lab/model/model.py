@@ -377,19 +377,21 @@ class Model:
         # kernel); in a decode step so do the q heads, finished by the attention kernel
         # (`hook_kv`, `hook_q` send a block to the reference).
         q_in_attention = mm.fast and streams.shape[0] <= kernels.MATVEC_MAX_TOKENS
-        # A decode token's compressor frontiers made in the q_a / kv launch: the frontiers before
-        # it and its slot go in as data (`compressor.frontier_state`), the shift (a ratio-4
-        # window completed) as the kind of trace.
+        # A decode token's compressor frontiers made in this part (its own launch, or with
+        # "compressor_slot" merged the q_a / kv launch): the frontiers before it and its slot go
+        # in as data (`compressor.frontier_state`), the shift (a ratio-4 window completed) as
+        # the kind of trace. Traced, the launch costs the build a replayed primitive instead
+        # of its wrapper's Python (~25 µs a compressed layer).
         comps = self._layer_compressors(layer)
-        merge = bool(comps) and mm.fast and streams.shape[0] == 1 and "compressor_slot" in self.merged_launches
-        shift = merge and comps[0].decode_slot(p0)[2]
-        part = ("attn_in+indexer" if indexed else "attn_in") + (f"+slot{shift:d}" if merge else "")
+        slots = bool(comps) and mm.fast and streams.shape[0] == 1
+        shift = slots and comps[0].decode_slot(p0)[2]
+        part = ("attn_in+indexer" if indexed else "attn_in") + (f"+slot{shift:d}" if slots else "")
         xa, pre, post, comb, q, kv, made, *queries = self._sublayer(
             part, layer, mm,
             partial(self._attention_inputs, indexed=indexed, finish_kv=not mm.fast, finish_q=not q_in_attention,
                     shift=shift),
             streams, rotation.cos, rotation.sin,
-            frontier_state(comps, cache.frontiers(), p0) if merge else (),
+            frontier_state(comps, cache.frontiers(), p0) if slots else (),
             *(ready or ()))
         t, n_kept = kv.shape[0], cache.raw.shape[0]
         row_in_attention = q_in_attention and t == 1
@@ -424,8 +426,9 @@ class Model:
                           finish_kv: bool, finish_q: bool, shift: bool) -> tuple:
         """The attention sublayer before the cache: (xa, pre, post, comb, q, kv), hooked, then
         the compressor frontiers after a decode token when `frontiers` = (at, kv, score, ...)
-        (`compressor.frontier_state`; made in the q_a / kv launch, `shift` its kind) as a
-        tuple (else empty), then with `indexed` the indexer's queries and head weights
+        (`compressor.frontier_state`; made in the q_a / kv launch with "compressor_slot"
+        merged, else in a launch of their own; `shift` their kind) as a tuple (else empty),
+        then with `indexed` the indexer's queries and head weights
         (`indexer.indexer_queries`); without `finish_kv`, kv is the product attn_kv · xa, not
         yet the stored row; without `finish_q`, q is the q_b product, its heads not yet normed
         nor rotated."""
@@ -434,9 +437,10 @@ class Model:
         rotation = Rotation(cos, sin)
         xa, control = self._sublayer_input(h, streams, "attn", layer, mm, ready)
         slots = launch_slots(self._layer_compressors(layer), frontiers, shift) if frontiers else None
+        merged_slots = slots if "compressor_slot" in self.merged_launches else None
         merged_q = not finish_q and "q_b" in self.merged_launches    # q_b's product in q_a's launch, unfinished
         products = attention.input_products(layer, xa, cfg.rms_eps, mm, (cfg.n_head, cfg.head_dim) if merged_q
-                                            else None, slots=slots)
+                                            else None, slots=merged_slots)
         qr, kv, qr_n = products[:3]
         made = products[3 + merged_q:]
         if finish_q:
@@ -449,6 +453,8 @@ class Model:
             kv = h("hook_kv", attention.kv_row(layer, kv, rotation, cfg.rms_eps, mm))
         queries = indexer.indexer_queries(layer, xa, qr, qr_n, rotation, cfg.indexer_heads, cfg.indexer_head_dim,
                                           cfg.rms_eps, mm) if indexed else ()
+        if slots is not None and merged_slots is None:
+            made = kernels.slot_update(xa, slots)
         return xa, control.pre, control.post, control.comb, q, kv, tuple(made), *queries
 
     def _layer_compressors(self, layer: LayerWeights) -> list[Compressor]:
