@@ -29,7 +29,7 @@ import numpy as np
 from ..config import coff, overlaps
 from . import cpu_kernels, kernels
 from .numerics import Schedule
-from .rope import Rotation, YarnParams, cos_sin_table, yarn_for
+from .rope import Rotation, YarnParams, yarn_for
 from .weights import LayerWeights
 
 NEG_INF = -1e30
@@ -162,16 +162,43 @@ def emitted_rows(compressors: list[Compressor], befores: list[Frontier], afters:
                  p0: int) -> list[mx.array]:
     """The rows a fast-path decode token at p0 makes in a layer's compressors (one, or a
     ratio-4 layer's two: the same ratio and RoPE kind) from their frontiers before and after
-    it: the row of the window it completes, pooled and finished (`_finished`'s steps) in one
-    launch (`kernels.compressor_pool`), or none ([0, width] each)."""
-    first = compressors[0]
-    if (p0 + 1) % first.ratio:
+    it: the row of the window it completes (`pooled_rows`), or none ([0, width] each)."""
+    if not completes_window(compressors, p0):
         return [_no_rows(c.width) for c in compressors]
-    start = p0 // first.ratio * first.ratio                  # the window's first position
-    cos, sin = cos_sin_table(first.n_rot, first.rope_base, first.yarn, start)
+    return pooled_rows(compressors, befores, afters, window_rotation(compressors, p0))
+
+
+def completes_window(compressors: list[Compressor], p0: int) -> bool:
+    """Whether a decode token at p0 completes a window of the layer's compressors."""
+    return (p0 + 1) % compressors[0].ratio == 0
+
+
+def window_rotation(compressors: list[Compressor], p0: int) -> Rotation:
+    """The RoPE row (cos, sin [1, n_rot/2]) of the first position of the window a decode
+    token at p0 is in, for its compressors' kind: where their emitted rows are rotated."""
+    first = compressors[0]
+    return Rotation.at(p0 // first.ratio * first.ratio, 1, first.n_rot, first.rope_base, first.yarn)
+
+
+def pooled_rows(compressors: list[Compressor], befores: list[Frontier], afters: list[Frontier],
+                first: Rotation) -> list[mx.array]:
+    """The rows [1, width] of the window a decode token completes in a layer's compressors,
+    pooled from their frontiers before and after it and finished (`_finished`'s steps, RoPE
+    at `first`, `window_rotation`) in one launch (`kernels.compressor_pool`). Position and
+    tables enter as data: a compiled step traces the launch once for every window."""
+    ratio = compressors[0].ratio
     rows = [kernels.EmittedRow((b.kv, b.score), (a.kv, a.score), c.width, (c.norm, c.eps, c.qat, c.fp8))
             for c, b, a in zip(compressors, befores, afters, strict=True)]
-    return kernels.compressor_pool(rows, first.ratio, overlaps(first.ratio), (cos, sin, start))
+    return kernels.compressor_pool(rows, ratio, overlaps(ratio), (first.cos, first.sin, 0))
+
+
+def made_in_part(compressors: list[Compressor], made: Sequence[mx.array]) -> tuple[list[Frontier], list[mx.array]]:
+    """A decode token's compressor outputs as its attention-input part makes them (the
+    frontiers' kv and score, then the rows of a completed window, if any): (frontiers after
+    it, each compressor's emitted rows, [0, width] for none)."""
+    n = 2 * len(compressors)
+    rows = list(made[n:]) or [_no_rows(c.width) for c in compressors]
+    return frontier_pairs(made[:n]), rows
 
 
 @lru_cache(maxsize=8)

@@ -34,12 +34,14 @@ from . import attention, cpu_kernels, indexer, kernels, moe
 from .compressor import (
     Compressor,
     Frontier,
-    decode_slots,
-    emitted_rows,
+    completes_window,
     frontier_pairs,
     frontier_state,
     launch_slots,
+    made_in_part,
+    pooled_rows,
     row_span,
+    window_rotation,
 )
 from .hc import HCControl, hc_collapse, hc_control, hc_expand, hc_expand_q8, hc_fused_input, hc_head_weights
 from .kernels import HCInput
@@ -382,16 +384,22 @@ class Model:
         # in as data (`compressor.frontier_state`), the shift (a ratio-4 window completed) as
         # the kind of trace. Traced, the launch costs the build a replayed primitive instead
         # of its wrapper's Python (~25 µs a compressed layer).
+        # A completed window's rows are pooled there too (the window's first position's RoPE
+        # row as data; a trace of its own).
         comps = self._layer_compressors(layer)
         slots = bool(comps) and mm.fast and streams.shape[0] == 1
         shift = slots and comps[0].decode_slot(p0)[2]
-        part = ("attn_in+indexer" if indexed else "attn_in") + (f"+slot{shift:d}" if slots else "")
+        emit = slots and completes_window(comps, p0)
+        part = (("attn_in+indexer" if indexed else "attn_in") + (f"+slot{shift:d}" if slots else "")
+                + ("+emit" if emit else ""))
+        first = window_rotation(comps, p0) if emit else None
         xa, pre, post, comb, q, kv, made, *queries = self._sublayer(
             part, layer, mm,
             partial(self._attention_inputs, indexed=indexed, finish_kv=not mm.fast, finish_q=not q_in_attention,
                     shift=shift),
             streams, rotation.cos, rotation.sin,
             frontier_state(comps, cache.frontiers(), p0) if slots else (),
+            (first.cos, first.sin) if emit else (),
             *(ready or ()))
         t, n_kept = kv.shape[0], cache.raw.shape[0]
         row_in_attention = q_in_attention and t == 1
@@ -422,13 +430,14 @@ class Model:
         return self._sublayer("attn_out", layer, mm, self._attention_output, heads, streams, pre, post, comb)
 
     def _attention_inputs(self, layer: LayerWeights, mm: Schedule, streams: mx.array, cos: mx.array,
-                          sin: mx.array, frontiers: tuple[mx.array, ...], *ready: mx.array, indexed: bool,
-                          finish_kv: bool, finish_q: bool, shift: bool) -> tuple:
+                          sin: mx.array, frontiers: tuple[mx.array, ...], window: tuple[mx.array, ...],
+                          *ready: mx.array, indexed: bool, finish_kv: bool, finish_q: bool, shift: bool) -> tuple:
         """The attention sublayer before the cache: (xa, pre, post, comb, q, kv), hooked, then
         the compressor frontiers after a decode token when `frontiers` = (at, kv, score, ...)
         (`compressor.frontier_state`; made in the q_a / kv launch with "compressor_slot"
-        merged, else in a launch of their own; `shift` their kind) as a tuple (else empty),
-        then with `indexed` the indexer's queries and head weights
+        merged, else in a launch of their own; `shift` their kind), followed, with `window` =
+        the completed window's RoPE row (cos, sin), by its rows (`compressor.pooled_rows`), as
+        a tuple (else empty), then with `indexed` the indexer's queries and head weights
         (`indexer.indexer_queries`); without `finish_kv`, kv is the product attn_kv · xa, not
         yet the stored row; without `finish_q`, q is the q_b product, its heads not yet normed
         nor rotated."""
@@ -455,6 +464,9 @@ class Model:
                                           cfg.rms_eps, mm) if indexed else ()
         if slots is not None and merged_slots is None:
             made = kernels.slot_update(xa, slots)
+        if window:
+            comps = self._layer_compressors(layer)
+            made = (*made, *pooled_rows(comps, frontier_pairs(frontiers[1:]), frontier_pairs(made), Rotation(*window)))
         return xa, control.pre, control.post, control.comb, q, kv, tuple(made), *queries
 
     def _layer_compressors(self, layer: LayerWeights) -> list[Compressor]:
@@ -511,17 +523,14 @@ class Model:
                          made: tuple[mx.array, ...] = ()) -> tuple[mx.array, mx.array]:
         """The compressed rows after this chunk, and the attention mask [T, n_kept + T + rows]:
         the raw window's columns, then the rows each token attends (rows of windows it has
-        completed; on ratio-4 layers the indexer's top-k of them). `made`: a decode token's
-        frontiers after it (kv, score, then the indexer's), made in the q_a / kv launch."""
+        completed; on ratio-4 layers the indexer's top-k of them). `made`: a fast-path decode
+        token's frontiers after it (kv, score, then the indexer's) and the rows of a window it
+        completes, made by the attention-input part (`_attention_inputs`)."""
         cfg, comps, t = self.config, self._compressors[layer.index], xa.shape[0]
         window = _window_mask(p0, t, n_kept, cfg.n_swa)
         index_rows = None
-        if made or (mm.fast and t == 1):
-            # A decode token: its compressors' slots (made in the q_a / kv launch, else both in
-            # one launch here), then the rows they complete in one more.
-            compressors, befores = self._layer_compressors(layer), cache.frontiers()
-            afters = frontier_pairs(made) if made else decode_slots(compressors, befores, xa, p0)
-            emitted = emitted_rows(compressors, befores, afters, p0)
+        if made:
+            afters, emitted = made_in_part(self._layer_compressors(layer), made)
             rows, cache.frontier = emitted[0], afters[0]
             if len(afters) > 1:
                 index_rows, cache.index_frontier = emitted[1], afters[1]
