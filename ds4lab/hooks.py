@@ -213,6 +213,7 @@ class HookRegistry:
     names: list[str]
     by_name: dict[str, list[HookFn]] = field(default_factory=dict)
     positions: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
+    _scopes: dict[str, Scope] = field(default_factory=dict, repr=False, compare=False)   # `scope`'s, once a prefix
 
     def resolve(self, which: NameFilter) -> list[str]:
         chosen = [n for n in self.names if (which(n) if callable(which) else n == which)]
@@ -253,7 +254,9 @@ class HookRegistry:
 
     def scope(self, prefix: str) -> Scope:
         """Fire points under `prefix`: `h = registry.scope("blocks.3.attn")`, `q = h("hook_q", q)`."""
-        return Scope(self, prefix + ".")
+        if prefix not in self._scopes:
+            self._scopes[prefix] = Scope(self, prefix + ".")
+        return self._scopes[prefix]
 
 
 def _replacement(name: str, value: mx.array, out) -> mx.array:

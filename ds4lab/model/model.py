@@ -114,6 +114,11 @@ class Model:
              if layer.ratio and (kind == "attn" or has_indexer(layer.ratio))}
             for layer in weights.layers]
         self._compiled: dict[tuple, Callable] = {}   # see `_sublayer`
+        # Per block, its RoPE kind (base, YaRN) and its sublayers' HC inputs (`_hc_input`):
+        # made once, not in every step's build.
+        self._rope_kinds = [(self.config.rope_base(il), yarn_for(self.config, layer.ratio))
+                            for il, layer in enumerate(weights.layers)]
+        self._hc_inputs: dict[tuple[int, str], tuple[LayerWeights, HCInput]] = {}
         # On the fast path a decode step's sublayer input (HC control, collapse, norm) is made
         # by the last launch of the sublayer before (`hc_expand_q8(..., next_input=)`); False
         # makes it apart (hc_mix + hc_pre), the same values: for measuring the two in one
@@ -304,7 +309,7 @@ class Model:
         rotations: dict[tuple, Rotation] = {}
         layers, ready, slow = self.weights.layers, None, self._reference_blocks()
         for il, layer in enumerate(layers):
-            kind = (cfg.rope_base(il), yarn_for(cfg, layer.ratio))
+            kind = self._rope_kinds[il]
             if kind not in rotations:
                 rotations[kind] = Rotation.at(p0, len(tokens), cfg.n_rot, *kind)
             # the next block's attention input is made by this block's last launch, unless
@@ -357,10 +362,15 @@ class Model:
         return streams, experts, ready
 
     def _hc_input(self, layer: LayerWeights, sub: str) -> HCInput:
-        """The weights and constants of a sublayer's HC input ("attn" or "ffn")."""
-        cfg, d = self.config, layer.dense
-        return HCInput(d[f"hc_{sub}_fn.weight"], d[f"hc_{sub}_scale.weight"], d[f"hc_{sub}_base.weight"],
-                       d[f"{sub}_norm.weight"], cfg.hc_sinkhorn_iter, cfg.rms_eps, cfg.hc_eps)
+        """The weights and constants of a sublayer's HC input ("attn" or "ffn"), made once a
+        block (the MTP head's too: kept with its layer, so that another head gets its own)."""
+        key = (id(layer), sub)               # its entry keeps the layer: no other takes that id
+        if key not in self._hc_inputs:
+            cfg, d = self.config, layer.dense
+            self._hc_inputs[key] = layer, HCInput(
+                d[f"hc_{sub}_fn.weight"], d[f"hc_{sub}_scale.weight"], d[f"hc_{sub}_base.weight"],
+                d[f"{sub}_norm.weight"], cfg.hc_sinkhorn_iter, cfg.rms_eps, cfg.hc_eps)
+        return self._hc_inputs[key][1]
 
     def _attention_block(self, layer: LayerWeights, cache: LayerCache, streams: mx.array, p0: int,
                          rotation: Rotation, mm: Schedule,
