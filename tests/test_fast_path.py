@@ -1046,6 +1046,31 @@ def test_a_hook_off_the_boundaries_sends_only_its_block_to_the_reference(small_w
     assert "hc_pre" not in stand_in_kernels and stand_in_kernels["hc_post"] == 1
 
 
+def test_a_decode_step_traces_the_attention_output_and_the_ffn_as_one_part_unless_a_point_between_is_hooked(
+        small_weights, stand_in_kernels):
+    """Unhooked, a fast decode step's attention output and FFN are one compiled part a block;
+    a hook at hook_resid_mid (read-only here) splits them into two, with the same logits, and
+    a replacement there is seen by the FFN."""
+    model = Model(small_weights)
+    session = model.session()
+    session.prefill([(37 * i + 11) % 1000 + 100 for i in range(10)])
+    state = session.state
+    merged = np.array(session.decode(321))
+    parts = {key[1] for key in model._compiled}
+    assert "attn_out+ffn" in parts and not {"attn_out", "ffn"} & parts
+    seen = []
+    session.state = state
+    with model.hooks([(lambda name: name.endswith("hook_resid_mid"), lambda act, hook: seen.append(hook.name))]):
+        split = np.array(session.decode(321))
+    assert len(seen) == small_weights.config.n_layer
+    assert {"attn_out", "ffn"} <= {key[1] for key in model._compiled}
+    assert np.abs(split - merged).max() <= 1e-6 * merged.std()
+    session.state = state
+    with model.hooks([("blocks.1.hook_resid_mid", lambda act, hook: act * 1.5)]):
+        changed = np.array(session.decode(321))
+    assert np.abs(changed - merged).max() > 1e-2 * merged.std()
+
+
 def test_q_a_is_normed_and_multiplied_by_q_b_in_the_launch_of_its_product(small_weights, stand_in_kernels):
     """A decode token's q_a norm and q_b product: made by the q_a and kv launch (its last
     block, then more blocks), no launch of their own; the same values as the reference's

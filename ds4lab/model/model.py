@@ -354,12 +354,26 @@ class Model:
             mm = mm.reference()
         h = self._hooks.scope(prefix)
         ready, streams = _kept(ready, streams, h("hook_resid_pre", streams))
-        streams, ready = self._attention_block(layer, cache, streams, p0, rotation, mm, ready)
-        ready, streams = _kept(ready, streams, h("hook_resid_mid", streams))
-        streams, experts, ready = self._sublayer("ffn", layer, mm, self._ffn_block, streams, token_ids,
-                                                 *(ready or ()), next_input=next_input)
+        output = self._attention_block(layer, cache, streams, p0, rotation, mm, ready)   # (heads, streams, HC control)
+        if h.wants("hook_resid_mid") or self._sublayer_hooked(prefix, "attn") or self._sublayer_hooked(prefix, "ffn"):
+            streams, ready = self._sublayer("attn_out", layer, mm, self._attention_output, *output)
+            ready, streams = _kept(ready, streams, h("hook_resid_mid", streams))
+            streams, experts, ready = self._sublayer("ffn", layer, mm, self._ffn_block, streams, token_ids,
+                                                     *(ready or ()), next_input=next_input)
+        else:
+            # No point between them is hooked: the attention's output and the FFN are one part,
+            # one compiled replay on the fast path's decode steps instead of two.
+            streams, experts, ready = self._sublayer("attn_out+ffn", layer, mm, self._output_and_ffn, *output,
+                                                     token_ids, next_input=next_input)
         ready, streams = _kept(ready, streams, h("hook_resid_post", streams))
         return streams, experts, ready
+
+    def _output_and_ffn(self, layer: LayerWeights, mm: Schedule, heads: mx.array, streams: mx.array,
+                        pre: mx.array, post: mx.array, comb: mx.array, token_ids: mx.array,
+                        next_input: HCInput | None = None) -> tuple[mx.array, mx.array, tuple[mx.array, ...] | None]:
+        """`_attention_output`, then `_ffn_block` of its streams (with the FFN input it made)."""
+        streams, ready = self._attention_output(layer, mm, heads, streams, pre, post, comb)
+        return self._ffn_block(layer, mm, streams, token_ids, *(ready or ()), next_input=next_input)
 
     def _hc_input(self, layer: LayerWeights, sub: str) -> HCInput:
         """The weights and constants of a sublayer's HC input ("attn" or "ffn"), made once a
@@ -374,11 +388,12 @@ class Model:
 
     def _attention_block(self, layer: LayerWeights, cache: LayerCache, streams: mx.array, p0: int,
                          rotation: Rotation, mm: Schedule,
-                         ready: tuple[mx.array, ...] | None = None) -> tuple[mx.array, tuple[mx.array, ...] | None]:
+                         ready: tuple[mx.array, ...] | None = None) -> tuple[mx.array, ...]:
         """Attention of the chunk's tokens (positions p0..) over the raw window and the
         compressed rows; extends `cache`. Masks are built on the host: positions are known.
-        `ready`: the sublayer's input made by the launch before (see `block`). Returns the new
-        streams and, on the fast path's decode steps, the FFN's input made of them."""
+        `ready`: the sublayer's input made by the launch before (see `block`). Returns what
+        the output projection reads (`_attention_output`): the heads, the streams and the HC
+        control (pre, post, comb)."""
         cfg, d = self.config, layer.dense
         h = self._hooks.scope(f"{_prefix(layer)}.attn")
         # The indexer scores once more rows are visible than it keeps: its queries are then
@@ -437,7 +452,7 @@ class Model:
         else:
             heads = h("hook_z", attention.attend_heads(q, keys, mask, d["attn_sinks.weight"], rotation, mm, comp,
                                                        cfg.rms_eps if q_in_attention else None, layer.index))
-        return self._sublayer("attn_out", layer, mm, self._attention_output, heads, streams, pre, post, comb)
+        return heads, streams, pre, post, comb
 
     def _attention_inputs(self, layer: LayerWeights, mm: Schedule, streams: mx.array, cos: mx.array,
                           sin: mx.array, frontiers: tuple[mx.array, ...], window: tuple[mx.array, ...],
@@ -516,7 +531,7 @@ class Model:
         building its graph then costs one call instead of some twenty kernel wrappers', and MLX
         fuses its elementwise steps. A hook in the sublayer keeps the part as written, as does
         the reference path; both compute the same steps."""
-        hooked = self._sublayer_hooked(_prefix(layer), "ffn" if part == "ffn" else "attn")
+        hooked = any(self._sublayer_hooked(_prefix(layer), sub) for sub in ("attn", "ffn") if sub in part)
         if hooked or not mm.fast or arrays[0].shape[0] > kernels.MATVEC_MAX_TOKENS:
             return fn(layer, mm, *arrays, **weights)
         key = (layer.index, part, len(arrays), tuple(name for name, w in weights.items() if w is not None),
