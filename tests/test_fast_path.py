@@ -1509,3 +1509,12 @@ def test_the_device_check_of_the_expert_planes_runs_on_the_stand_ins(stand_in_ke
     assert not check._MISSED, check._MISSED
     out = capsys.readouterr().out
     assert out.count("same bytes as input_planes on the CPU True") == 3 and "on planes (2 tokens x 6 of 16" in out
+
+
+def test_a_compressor_slot_position_is_never_a_shared_constant():
+    """A decode part's `at` input (frontier row, APE row) is its own array: mx.compile refuses
+    a traced part whose input is also a constant inside it, as q8_pair's stand-in `at` (0, 0)
+    was for a ratio-128 layer at every 128th position (H100, 2026-12-05)."""
+    assert kernels.slot_at(0, 0) is kernels.slot_at(0, 0)
+    assert kernels.slot_at(0, 0) is not kernels._constant((0, 0), mx.int32)
+    assert np.array(kernels.slot_at(4, 1)).tolist() == [4, 1]

@@ -529,9 +529,14 @@ class CompressorSlots(NamedTuple):
     shift: bool
 
 
+@lru_cache(maxsize=1024)
 def slot_at(row: int, slot: int) -> mx.array:
-    """`CompressorSlots.at`: a frontier row and an APE row, [2] int32 (kept, as `_constant`s are)."""
-    return _constant((row, slot), mx.int32)
+    """`CompressorSlots.at`: a frontier row and an APE row, [2] int32, kept (as `_constant`s
+    are) but never one of `_constant`'s arrays: a compiled decode part takes it as an input,
+    and `mx.compile` refuses a part that also reads its input as a constant (q8_pair's
+    stand-in `at` when no slot is merged is `_constant((0, 0))`, as a ratio-128 layer's `at`
+    is at every 128th position)."""
+    return mx.array((row, slot), mx.int32)
 
 
 def compressor_slot(x: mx.array, first: tuple[mx.array, ...], row: int, slot: int, shift: bool = False,
