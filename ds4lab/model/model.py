@@ -470,7 +470,8 @@ class Model:
         h = self._hooks.scope(f"{_prefix(layer)}.attn")
         rotation = Rotation(cos, sin)
         xa, control = self._sublayer_input(h, streams, "attn", layer, mm, ready)
-        slots = launch_slots(self._layer_compressors(layer), frontiers, shift) if frontiers else None
+        comps = self._layer_compressors(layer)
+        slots = launch_slots(comps, frontiers, shift) if frontiers else None
         merged_slots = slots if "compressor_slot" in self.merged_launches else None
         merged_q = not finish_q and "q_b" in self.merged_launches    # q_b's product in q_a's launch, unfinished
         products = attention.input_products(layer, xa, cfg.rms_eps, mm, (cfg.n_head, cfg.head_dim) if merged_q
@@ -490,7 +491,6 @@ class Model:
         if slots is not None and merged_slots is None:
             made = kernels.slot_update(xa, slots)
         if window:
-            comps = self._layer_compressors(layer)
             made = (*made, *pooled_rows(comps, frontier_pairs(frontiers[1:]), frontier_pairs(made), Rotation(*window)))
         return xa, control.pre, control.post, control.comb, q, kv, tuple(made), *queries
 
