@@ -105,13 +105,11 @@ class Compressor:
         """Feed a chunk of tokens at positions p0..: the rows it completes, [E, width], normed, rotated to each window's
         first position, rounded and stored as f16; and the new frontier.
 
-        A fast-path decode token takes kernels: the frontier's update (`decode_slots`; with the
-        layer's other compressor in the same launch) and, when the token completes a window, its
-        row pooled from the frontiers before and after and finished (`emitted_rows`). The CPU's native path runs
-        `compress_chunk` as one native call (`cpu_kernels`)."""
+        A fast-path decode token takes the kernels of a compiled decode step (`decode_token`).
+        The CPU's native path runs `compress_chunk` as one native call (`cpu_kernels`)."""
         if mm.fast and x.shape[0] == 1:
-            (after,) = decode_slots([self], [frontier], x, p0)
-            return emitted_rows([self], [frontier], [after], p0)[0], after
+            (after,), (rows,) = decode_token([self], [frontier], x, p0)
+            return rows, after
         kv, score = self.project(x, p0, mm)
         if mm.native:
             pooled, *rows = cpu_kernels.compress_chunk(frontier.kv, frontier.score, kv, score, p0, self.ratio,
@@ -143,29 +141,24 @@ class Compressor:
         return kv, gate, self.ape, frontier.kv, frontier.score
 
 
-def decode_slots(compressors: list[Compressor], frontiers: list[Frontier], x: mx.array, p0: int) -> list[Frontier]:
-    """The frontiers after a fast-path decode token x at p0 of a layer's compressors (one, or a
-    ratio-4 layer's two: the attention's and the indexer's, the same ratio, so the same slot),
-    both slot writes in one `compressor_slot` launch."""
-    slot, row, shift = compressors[0].decode_slot(p0)
-    second = compressors[1].slot_inputs(frontiers[1]) if len(compressors) > 1 else None
-    return frontier_pairs(kernels.compressor_slot(x, compressors[0].slot_inputs(frontiers[0]), row, slot, shift,
-                                                  second=second))
-
-
 def frontier_pairs(arrays: Sequence[mx.array]) -> list[Frontier]:
     """(kv, score, kv, score, ...) as Frontiers."""
     return [Frontier(*arrays[i:i + 2]) for i in range(0, len(arrays), 2)]
 
 
-def emitted_rows(compressors: list[Compressor], befores: list[Frontier], afters: list[Frontier],
-                 p0: int) -> list[mx.array]:
-    """The rows a fast-path decode token at p0 makes in a layer's compressors (one, or a
-    ratio-4 layer's two: the same ratio and RoPE kind) from their frontiers before and after
-    it: the row of the window it completes (`pooled_rows`), or none ([0, width] each)."""
-    if not completes_window(compressors, p0):
-        return [_no_rows(c.width) for c in compressors]
-    return pooled_rows(compressors, befores, afters, window_rotation(compressors, p0))
+def decode_token(compressors: list[Compressor], frontiers: list[Frontier], x: mx.array,
+                 p0: int) -> tuple[list[Frontier], list[mx.array]]:
+    """A fast-path decode token x at p0 through a layer's compressors (one, or a ratio-4
+    layer's two: the attention's and the indexer's, the same ratio, so the same slot), by the
+    launches the compiled attention-input part makes (`Model._attention_inputs`): both slot
+    writes in one `compressor_slot` launch, then, when the token completes a window, its rows
+    pooled from the frontiers before and after and finished in one `compressor_pool`. Returns
+    (frontiers after it, each compressor's rows: [1, width], or [0, width] for none)."""
+    state = frontier_state(compressors, frontiers, p0)
+    made = kernels.slot_update(x, launch_slots(compressors, state, compressors[0].decode_slot(p0)[2]))
+    if completes_window(compressors, p0):
+        made = (*made, *pooled_rows(compressors, frontiers, frontier_pairs(made), window_rotation(compressors, p0)))
+    return made_in_part(compressors, made)
 
 
 def completes_window(compressors: list[Compressor], p0: int) -> bool:
