@@ -349,13 +349,14 @@ class Model:
         of the new streams, (x, pre, post, comb) (None elsewhere); extends `cache`. `ready`:
         this block's attention input, made by the block before. An input made before a hook
         that replaces the streams is dropped (the sublayer makes its own of the new ones)."""
-        prefix = _prefix(layer)
-        if mm.fast and prefix in self._reference_blocks():
+        prefix, hooked = _prefix(layer), self.hooked     # (no hook: the decode stream asks no more)
+        if mm.fast and hooked and prefix in self._reference_blocks():
             mm = mm.reference()
         h = self._hooks.scope(prefix)
         ready, streams = _kept(ready, streams, h("hook_resid_pre", streams))
         output = self._attention_block(layer, cache, streams, p0, rotation, mm, ready)   # (heads, streams, HC control)
-        if h.wants("hook_resid_mid") or self._sublayer_hooked(prefix, "attn") or self._sublayer_hooked(prefix, "ffn"):
+        if hooked and (h.wants("hook_resid_mid") or self._sublayer_hooked(prefix, "attn")
+                       or self._sublayer_hooked(prefix, "ffn")):
             streams, ready = self._sublayer("attn_out", layer, mm, self._attention_output, *output)
             ready, streams = _kept(ready, streams, h("hook_resid_mid", streams))
             streams, experts, ready = self._sublayer("ffn", layer, mm, self._ffn_block, streams, token_ids,
@@ -531,7 +532,8 @@ class Model:
         building its graph then costs one call instead of some twenty kernel wrappers', and MLX
         fuses its elementwise steps. A hook in the sublayer keeps the part as written, as does
         the reference path; both compute the same steps."""
-        hooked = any(self._sublayer_hooked(_prefix(layer), sub) for sub in ("attn", "ffn") if sub in part)
+        hooked = self.hooked and any(self._sublayer_hooked(_prefix(layer), sub) for sub in ("attn", "ffn")
+                                     if sub in part)
         if hooked or not mm.fast or arrays[0].shape[0] > kernels.MATVEC_MAX_TOKENS:
             return fn(layer, mm, *arrays, **weights)
         key = (layer.index, part, len(arrays), tuple(name for name, w in weights.items() if w is not None),
