@@ -29,6 +29,13 @@ from ds4lab.model.random_weights import _expert_blocks, random_weights
 from ds4lab.model.rope import Rotation
 from ds4lab.model.weights import Q8Matrix
 
+
+def _compressor_slot(x: mx.array, first: tuple[mx.array, ...], row: int, slot: int, shift: bool = False,
+                     second: tuple[mx.array, ...] | None = None) -> tuple[mx.array, ...]:
+    """`kernels.slot_update` at frontier row `row` and APE row `slot`."""
+    return kernels.slot_update(x, kernels.CompressorSlots(first, second, kernels.slot_at(row, slot), shift))
+
+
 # Bars the issues set (fast vs reference: top-1 >= 99%, max |Δ| <= 1e-3 of the logit std) and
 # one for each prefill kernel against float32 products (measured 4e-7 to 3e-6): a figure that
 # misses its bar is listed here, and the script exits 1.
@@ -258,12 +265,12 @@ def check_fused_kernels() -> None:
                 w_gate_used, ape_used = w_gate, ape
             pooled_ref, ref = compress_chunk(old, x @ w_kv.T, gate, slot, ratio, width)
             first, shift = (w_kv, w_gate_used, ape_used, old.kv, old.score), ratio == 4 and slot == ratio - 1
-            new = kernels.compressor_slot(x, first, row, slot, shift)
+            new = _compressor_slot(x, first, row, slot, shift)
             if ratio == 4:              # with a second compressor (the indexer's, 128 wide) in the launch
                 second = (*(mx.random.normal((256, cols)) for _ in range(2)), mx.random.normal((ratio, 256)),
                           *(mx.random.normal((n_rows, 256)) for _ in range(2)))
-                both = kernels.compressor_slot(x, first, row, slot, shift, second=second)
-                alone = (*new, *kernels.compressor_slot(x, second, row, slot, shift))
+                both = _compressor_slot(x, first, row, slot, shift, second=second)
+                alone = (*new, *_compressor_slot(x, second, row, slot, shift))
                 errs.append(0.0 if all(mx.array_equal(a, b).item() for a, b in zip(both, alone, strict=True)) else 1.0)
             empty = ref.score < -1e29                 # compared apart: -1e30 would swamp a relative error
             errs += [_rel(new[0], ref.kv), _rel(mx.where(empty, 0.0, new[1]), mx.where(empty, 0.0, ref.score)),
@@ -283,8 +290,8 @@ def check_fused_kernels() -> None:
     x, w16 = mx.random.normal((1, 4096)), [half(1024, 4096), half(1024, 4096), half(256, 4096), half(256, 4096)]
     s1, s2 = ([mx.random.normal((n, r)) for n in (4, 8, 8)] for r in (1024, 256))
     wide = [w.astype(mx.float32) for w in w16]
-    from16 = kernels.compressor_slot(x, (*w16[:2], *s1), 5, 1, False, second=(*w16[2:], *s2))
-    from32 = kernels.compressor_slot(x, (*wide[:2], *s1), 5, 1, False, second=(*wide[2:], *s2))
+    from16 = _compressor_slot(x, (*w16[:2], *s1), 5, 1, False, second=(*w16[2:], *s2))
+    from32 = _compressor_slot(x, (*wide[:2], *s1), 5, 1, False, second=(*wide[2:], *s2))
     same_slot = all(mx.array_equal(a, b).item() for a, b in zip(from16, from32, strict=True))
     qr, xa, wq16 = mx.random.normal((1, 1024)), mx.random.normal((1, 4096)), half(8192, 1024)
     qnorm, wp = mx.random.uniform(0.5, 1.5, (1024,)), mx.random.normal((64, 4096)) * 0.05
@@ -595,7 +602,7 @@ def check_q8_pair_slot(q_a: Q8Matrix, kv: Q8Matrix, x: mx.array, norm: mx.array)
     equal = True
     for (first, second), row, at_slot, shift in layers:
         slots = kernels.CompressorSlots(first, second, kernels.slot_at(row, at_slot), shift)
-        alone = kernels.compressor_slot(x, first, row, at_slot, shift, second=second)
+        alone = _compressor_slot(x, first, row, at_slot, shift, second=second)
         for then in (None, (q_b, (1, 64, 512))):
             got = kernels.q8_pair(q_a, kv, x, norm_a=(norm, 1e-6), then=then, slots=slots)
             ref = kernels.q8_pair(q_a, kv, x, norm_a=(norm, 1e-6), slot=1)
@@ -610,7 +617,7 @@ def check_q8_pair_slot(q_a: Q8Matrix, kv: Q8Matrix, x: mx.array, norm: mx.array)
                                                  then=(q_b, (1, 64, 512)), slots=step)[3:], x)
     apart_s = _seconds(lambda v: [kernels.q8_pair(q_a, kv, v, norm_a=(norm, 1e-6), slot=next(slots_seen),
                                                   then=(q_b, (1, 64, 512)))[3],
-                                  *kernels.compressor_slot(v, first, 5, 1, False, second=second)], x)
+                                  *_compressor_slot(v, first, 5, 1, False, second=second)], x)
     print(f"q8_pair with a compressor update (ratio 4: two compressors, with SHIFT and without; ratio 128; with "
           f"q_b's product and without) vs q8_pair and compressor_slot apart: the same bits {equal}; one token with "
           f"q_b and a ratio-4 layer's two {fused_s * 1e6:.1f} us vs {apart_s * 1e6:.1f} us")

@@ -30,7 +30,7 @@ reference's steps in the same order, so a Metal port can translate them line by 
   step also its top-k of those rows, written with the window's columns as the attention
   mask by each token's last thread block (a radix select of the k-th score, ties ranked by
   row: indexer_topk.cuh).
-- `compressor_slot`: a decode token's compressor frontier update (its kv and score row in
+- `slot_update` (compressor_slot.cuh): a decode token's compressor frontier update (its kv and score row in
   the slot, a ratio-4 window's shift), both of a ratio-4 layer's compressors in one launch;
   in a decode step made by the q_a / kv launch (`q8_pair(slots=)`). `compressor_pool`: the
   rows a completed window makes, pooled, and in a decode step finished (row_finish's steps)
@@ -518,7 +518,7 @@ def indexer_scores(q: mx.array, w: mx.array, keys: mx.array, choose: tuple[mx.ar
 
 
 class CompressorSlots(NamedTuple):
-    """A decode token's compressor update, `compressor_slot`'s arguments, for a launch that
+    """A decode token's compressor update, `slot_update`'s arguments, also for a launch that
     makes it beside its own work (`q8_pair(slots=)`): first = (w_kv, w_gate, ape, kv, score),
     the layer's second compressor's the same (or None), and the frontier row and APE row as
     `at` [2] int32, an array (a compiled step reads it as data: one trace serves every
@@ -539,20 +539,15 @@ def slot_at(row: int, slot: int) -> mx.array:
     return mx.array((row, slot), mx.int32)
 
 
-def compressor_slot(x: mx.array, first: tuple[mx.array, ...], row: int, slot: int, shift: bool = False,
-                    second: tuple[mx.array, ...] | None = None) -> tuple[mx.array, ...]:
-    """A compressor's frontier (kv, score [rows, R]) after one decode token x [1, cols], from
-    first = (w_kv, w_gate, ape, kv, score): row `row` replaced by w_kv·x and w_gate·x +
-    ape[slot] (model/compressor.py). With `shift` (a ratio-4 window completed) the first half
-    of the rows then takes the second half's. `second`: another compressor of the same ratio
-    (a ratio-4 layer's indexer), in the same launch; then its (kv, score) follow. The weights
-    may be F16 (`LayerWeights.kernel_dense`: read as such, widened as loaded), all four alike."""
-    return slot_update(x, CompressorSlots(first, second, slot_at(row, slot), shift))
-
-
 def slot_update(x: mx.array, slots: CompressorSlots) -> tuple[mx.array, ...]:
-    """`compressor_slot` with the frontier row and APE row as data (`slots.at`): the launch a
-    compiled decode step traces once for every position."""
+    """A compressor's frontier (kv, score [rows, R]) after one decode token x [1, cols], from
+    `slots.first` = (w_kv, w_gate, ape, kv, score): row `row` replaced by w_kv·x and w_gate·x +
+    ape[slot] (model/compressor.py), where (row, slot) = `slots.at` (`slot_at`), data, so
+    that a compiled decode step traces the launch once for every position. With
+    `slots.shift` (a ratio-4 window completed) the first half of the rows then takes the
+    second half's. `slots.second`: another compressor of the same ratio (a ratio-4 layer's
+    indexer), in the same launch; then its (kv, score) follow. The weights may be F16
+    (`LayerWeights.kernel_dense`: read as such, widened as loaded), all four alike."""
     inputs, template, warps, shapes = _slot_launch(x, slots)
     threads = 256
     outs = _fused("compressor_slot")(
@@ -719,7 +714,7 @@ def q8_pair(a: Q8Matrix, b: Q8Matrix, x: mx.array, norm_a: tuple[mx.array, float
     shape of its output: the q heads [T, H, D]) also C times that norm, as `q8_matvec`(C,
     norm, shape=shape) makes it, by more thread blocks of the launch (q8_pair.cu's THEN).
     With `slots` (one token) the layer's compressor frontiers after it follow, as
-    `compressor_slot`(x, ...) makes them: (kv, score), then the second compressor's."""
+    `slot_update`(x, slots) makes them: (kv, score), then the second compressor's."""
     t = _one_vector_tokens("q8_pair", (a, b), x)
     if norm_a is not None and norm_a[0].shape != (a.rows,):
         raise ValueError(f"q8_pair: a norm of weight {tuple(norm_a[0].shape)} for {a.rows} rows")
