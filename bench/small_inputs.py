@@ -13,7 +13,9 @@ Every warp of `expert_swiglu` reads its clamp, every thread of `compressor_slot`
 This times a chain of launches of one kernel whose every warp reads one float of a small
 input and writes one float, evaluated as one CUDA graph (MLX's graph limits raised here, as
 `device_time_ab.py` does), so that the wait after the encoding is the device's time: per
-launch, the fastest of `--repeat` chains, for each placement.
+launch, the fastest of `--repeat` chains, for each placement; and with a new array of host
+values at every launch, as a length that grows with the context is (the attention's key
+counts: a new `_constant` every few tokens on a ratio-4 layer).
 
     python bench/small_inputs.py [--launches 400] [--blocks 1056] [--repeat 5]
 
@@ -33,6 +35,7 @@ import ds4lab  # noqa: F401  (first: OpenBLAS before MLX on Linux)
 import argparse
 import sys
 import time
+from collections.abc import Callable
 
 import mlx.core as mx
 
@@ -44,11 +47,12 @@ y[i] = x[i] * c[0] + 1.0f;
 """
 
 
-def chain_seconds(kernel, x: mx.array, c: mx.array, launches: int, blocks: int) -> float:
-    """Seconds from the end of the encoding to the end of `launches` chained launches."""
+def chain_seconds(kernel, x: mx.array, c: Callable[[int], mx.array], launches: int, blocks: int) -> float:
+    """Seconds from the end of the encoding to the end of `launches` chained launches, launch i
+    reading `c(i)`."""
     y = x
-    for _ in range(launches):
-        y = kernel(inputs=[y, c], grid=(blocks * 256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[x.shape],
+    for i in range(launches):
+        y = kernel(inputs=[y, c(i)], grid=(blocks * 256, 1, 1), threadgroup=(256, 1, 1), output_shapes=[x.shape],
                    output_dtypes=[mx.float32])[0]
     mx.async_eval(y)
     t = time.perf_counter()
@@ -70,11 +74,16 @@ def main() -> None:
     device_made = mx.ones((4,), mx.float32) * 0.5          # a kernel's output: device memory
     device_scalar = mx.ones((1,), mx.float32) * 0.5        # a kernel's output of 4 bytes: the scalar pool
     mx.eval(x, device_made, device_scalar)
-    placements = {
-        "kernel output, 16 bytes (device memory)": device_made,
-        "kernel output, 4 bytes (scalar pool: host memory)": device_scalar,
-        "host values, 4 bytes (scalar pool: host memory)": mx.array([0.5], mx.float32),
-        "host values, 16 bytes (managed, moved on first use)": mx.array([0.5, 0.0, 0.0, 0.0], mx.float32),
+    host_scalar, host_quad = mx.array([0.5], mx.float32), mx.array([0.5, 0.0, 0.0, 0.0], mx.float32)
+    placements: dict[str, Callable[[int], mx.array]] = {
+        "kernel output, 16 bytes (device memory)": lambda i: device_made,
+        "kernel output, 4 bytes (scalar pool: host memory)": lambda i: device_scalar,
+        "host values, 4 bytes (scalar pool: host memory)": lambda i: host_scalar,
+        "host values, 16 bytes (managed, moved on first use)": lambda i: host_quad,
+        # A new array each launch, as a length that grows with the context is (`_constant`):
+        "new host values each launch, 4 bytes (scalar pool)": lambda i: mx.array([0.5 + i], mx.float32),
+        "new host values each launch, 16 bytes (managed: a first use each)":
+            lambda i: mx.array([0.5 + i, 0.0, 0.0, 0.0], mx.float32),
     }
     base = None
     for name, c in placements.items():
