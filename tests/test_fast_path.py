@@ -36,7 +36,7 @@ def _blocks(grid, threadgroup) -> tuple[int, int]:
 
 
 def _rms_weighted(y, eps, weight):
-    """row_finish's first steps: RMSNorm (eps given), then times weight (given)."""
+    """row_finish's first steps: RMSNorm (eps, a scalar, given), then times weight (given)."""
     if eps is not None:
         y = nm.rms_norm(y, None, float(eps.item()))
     return y if weight is None else y * weight
@@ -44,18 +44,18 @@ def _rms_weighted(y, eps, weight):
 
 def _row_finish(inputs, t, grid, threadgroup):
     x, weight, cos, sin, eps, hscale, carry, n_rows, prefix = inputs
-    d, (rows, n_prefix) = t["D"], (int(n) for n in np.array(n_rows))
+    d, (rows, n_prefix) = t["D"], (int(n) for n in np.array(n_rows)[:2])
     assert carry.shape == (254,)                                   # one entry per normal exponent
     assert x.shape[-1] == d and x.size == rows * d and _blocks(grid, threadgroup)[0] == n_prefix + rows
     assert t["PREFIX"] or n_prefix == 0
-    y = _rms_weighted(x.reshape(rows, d), eps if t["NORM"] else None, weight if t["WEIGHT"] else None)
+    y = _rms_weighted(x.reshape(rows, d), eps[0] if t["NORM"] else None, weight if t["WEIGHT"] else None)
     if t["ROPE"]:
         assert cos.shape[-1] * 2 == t["NROT"]
         at = mx.arange(rows) // t["POS_DIV"]
         assert int(at.max().item()) < cos.shape[0], "a row reads a position past the (cos, sin) rows"
         y = apply_rope_tail(y, cos[at], sin[at], inverse=t["ROPE"] == 2)
     if t["QAT"]:
-        assert abs(float(hscale.item()) - 1 / math.sqrt(d)) < 1e-7
+        assert abs(float(hscale[0].item()) - 1 / math.sqrt(d)) < 1e-7
         y = nm.indexer_qat(y)
     if t["FP8"]:
         y = nm.fp8_kv_round(y, d - t["NROT"])
@@ -69,11 +69,11 @@ def _row_finish(inputs, t, grid, threadgroup):
 
 def _hc_pre(inputs, t, grid, threadgroup):
     streams, mix, scale, base, norm, eps, n_tok = inputs
-    n, e, tokens = t["N"], t["E"], int(n_tok.item())
+    n, e, tokens = t["N"], t["E"], int(n_tok[0].item())
     assert streams.shape == (tokens, n, e) and _blocks(grid, threadgroup)[0] == tokens
     assert threadgroup[0] % 32 == 0 and 64 <= threadgroup[0] <= 1024     # warp 0 splits while the rest collapse
     assert t["COLS_PER"] * (threadgroup[0] - 32) >= e                    # warps 1.. hold every column
-    rms_eps, hc_eps = (float(v) for v in eps.tolist())
+    rms_eps, hc_eps = (float(v) for v in eps[:2].tolist())
     flat = streams.reshape(tokens, -1)
     assert mix.shape[0] == tokens and mix.size == tokens * t["PARTS"] * (2 + n) * n   # [T, M, PARTS] ([T, M]: 1)
     mix = mix.reshape(tokens, -1, t["PARTS"]).sum(axis=2)         # partial sums, added in order
@@ -96,7 +96,7 @@ def _hc_mix(inputs, t, grid, threadgroup):
 
 def _hc_post(inputs, t, grid, threadgroup):
     out, add, streams, post, comb, n_tok = inputs
-    assert grid[0] >= streams.size and streams.shape == (int(n_tok.item()), t["N"], t["E"])
+    assert grid[0] >= streams.size and streams.shape == (int(n_tok[0].item()), t["N"], t["E"])
     if t["ADD"]:
         assert add.shape == out.shape
         out = out + add
@@ -108,9 +108,9 @@ def _decode_attention_inputs(q, keys, comp, mask, cos, sin, n_keys, eps, kv, kv_
     keys the launch writes with KVROW: the window's rows then the token's finished row, less
     the first n_keys[2])."""
     heads, tokens = _blocks(grid, threadgroup)
-    n_raw, n_all, skip = n_keys.tolist()
+    n_raw, n_all, skip = n_keys[:3].tolist()
     assert q.shape == (tokens, heads, t["D"]) and keys.shape[0] == n_raw and n_all == mask.shape[1]
-    assert threadgroup[0] == 32 * t["WARPS"] and cos.shape == (tokens, t["NROT"] // 2) and eps.shape == (2,)
+    assert threadgroup[0] == 32 * t["WARPS"] and cos.shape == (tokens, t["NROT"] // 2) and eps.shape[0] >= 2
     if t["QFINISH"]:                     # q is the q_b product: each head normed and rotated first
         at = mx.arange(tokens * heads) // heads
         q = apply_rope_tail(_rms_weighted(q.reshape(-1, t["D"]), eps[0], None), cos[at], sin[at]).reshape(q.shape)
@@ -172,7 +172,7 @@ def _prefill_attention(inputs, t, grid, threadgroup):
     q, keys, mask, sinks, cos, sin, n_keys = inputs
     head_groups, tokens = _blocks(grid, threadgroup)
     assert threadgroup[0] == 128 and t["D"] % 64 == 0 and head_groups == -(-t["H"] // 16)
-    assert q.shape == (tokens, t["H"], t["D"]) and keys.shape[0] == int(n_keys.item()) == mask.shape[1]
+    assert q.shape == (tokens, t["H"], t["D"]) and keys.shape[0] == int(n_keys[0].item()) == mask.shape[1]
     assert cos.shape == (tokens, t["NROT"] // 2)
     return _attention(q, keys, mask, sinks, cos, sin, t)
 
@@ -194,19 +194,19 @@ def _indexer_queries(inputs, t, grid, threadgroup):
     dh, n_rot = t["DH"], t["NROT"]
     assert qr.shape == (tokens, t["QR"]) and xa.shape == (tokens, t["E"]) and wq.shape == (heads * dh, t["QR"])
     assert wp.shape == (heads, t["E"]) and cos.shape == (tokens, n_rot // 2) and carry.shape == (254,)
-    assert abs(float(hscale.item()) - 1 / math.sqrt(dh)) < 1e-7
-    assert float(wscale.item()) == np.float32(1 / math.sqrt(dh * heads))
+    assert abs(float(hscale[0].item()) - 1 / math.sqrt(dh)) < 1e-7
+    assert float(wscale[0].item()) == np.float32(1 / math.sqrt(dh * heads))
     assert wq.dtype in (mx.float32, mx.float16)                  # F16 when the file's is (kernel_dense)
-    q = (_rms_weighted(qr, eps, qnorm) @ wq.astype(mx.float32).T).reshape(tokens, heads, dh)
+    q = (_rms_weighted(qr, eps[0], qnorm) @ wq.astype(mx.float32).T).reshape(tokens, heads, dh)
     q = apply_rope_tail(q, cos, sin)
-    return [nm.indexer_qat(q) if t["QAT"] else q, (xa @ wp.T) * wscale]
+    return [nm.indexer_qat(q) if t["QAT"] else q, (xa @ wp.T) * wscale[0]]
 
 
 def _indexer_scores(inputs, t, grid, threadgroup):
     """The scores; with CHOOSE also the mask of the rows chosen from them (a token's last
     block choosing: a thread block of whole warps, a counter per token)."""
     q, w, keys, n_keys, visible, window, counter = inputs
-    n, cols = np.array(n_keys).tolist()
+    n, cols = np.array(n_keys[:2]).tolist()
     assert q.shape[1:] == (t["H"], t["DH"]) and keys.shape == (n, t["DH"])
     assert _blocks(grid, threadgroup)[0] * threadgroup[0] // 32 * 4 >= n and grid[1] == q.shape[0]   # 4 keys a warp
     scores = (mx.maximum(q @ keys.T, 0.0) * w[:, :, None]).sum(axis=1)
@@ -268,7 +268,7 @@ def _compressor_pool(inputs, t, grid, threadgroup):
     (*firsts, norm, old_kv2, old_score2, new_kv2, new_score2, norm2, eps, cos, sin, pos, hscale, carry) = inputs
     ratio, n = t["RATIO"], 1 + (t["WIDTH2"] > 0)
     assert _blocks(grid, threadgroup)[0] == n and threadgroup[0] == kernels._THREADS
-    assert all(a.dtype == mx.float32 for a in inputs[:10]) and eps.shape == hscale.shape == (2,)
+    assert all(a.dtype == mx.float32 for a in inputs[:10]) and eps.shape[0] >= 2 and hscale.shape[0] >= 2
     outs = []
     for (old_kv, old_score, new_kv, new_score, weight), suffix in zip(
             ((*firsts, norm), (old_kv2, old_score2, new_kv2, new_score2, norm2))[:n], ("", "2"), strict=False):
@@ -281,12 +281,12 @@ def _compressor_pool(inputs, t, grid, threadgroup):
             kv, score = new_kv[:ratio], new_score[:ratio]
         row = compressor._pool(kv[None], score[None])
         if t["FINISH"]:
-            at = int(pos.item())
+            at = int(pos[0].item())
             i = len(outs)
             steps = {"D": width, "NORM": True, "WEIGHT": True, "ROPE": 1, "NROT": t["NROT"], "POS_DIV": 1,
                      "QAT": t[f"QAT{suffix}"], "FP8": t["FP8" if suffix == "" else "FP8_2"], "F16": True,
                      "PREFIX": False}
-            row = _row_finish([row, weight, cos[at:at + 1], sin[at:at + 1], eps[i], hscale[i], carry,
+            row = _row_finish([row, weight, cos[at:at + 1], sin[at:at + 1], eps[i:i + 1], hscale[i:i + 1], carry,
                                mx.array([1, 0]), mx.zeros((1, 1))], steps, threadgroup, threadgroup)[0]
         outs.append(row)
     return outs + [mx.zeros((1, 1))] * (2 - n)
@@ -316,7 +316,7 @@ def _router(inputs, t, grid, threadgroup):
         experts = table[token_ids]
     else:
         experts = mx.argsort(-(probs + bias if t["HAS_BIAS"] else probs), axis=-1)[:, :t["K"]].astype(mx.int32)
-    return [probs, experts, moe.route_weights(probs, experts, float(scale.item()))]
+    return [probs, experts, moe.route_weights(probs, experts, float(scale[0].item()))]
 
 
 def _q8_rows(codes, scales, cols):
@@ -376,7 +376,7 @@ def _q8_pair(inputs, t, grid, threadgroup):
         return [ya, _q8_products(b, x), mx.zeros((1, 1)), mx.zeros((1, 1)), *frontiers]
     # q_a's norm sums over the launch's block as row_finish's does (the same bits)
     assert norm_w.shape == (t["ROWS_A"],) and block == kernels._THREADS and counter.dtype == mx.int32
-    ya_n = _rms_weighted(ya, eps, norm_w)
+    ya_n = _rms_weighted(ya, eps[0], norm_w)
     if not t["THEN"]:
         return [ya, _q8_products(b, x), ya_n, mx.zeros((1, 1)), *frontiers]
     assert counter.size >= 4 and not np.array(counter).any()
@@ -398,7 +398,7 @@ def _q8_swiglu(inputs, t, grid, threadgroup):
     _q8_warps(t, grid, t["ROWS"], x.shape[0])
     gate, up = _q8_rows(codes_g, scales_g, t["COLS"]), _q8_rows(codes_u, scales_u, t["COLS"])
     assert gate.shape[0] == up.shape[0] == t["ROWS"]
-    return [moe.swiglu(_q8_products(gate, x), _q8_products(up, x), float(clamp.item()))]
+    return [moe.swiglu(_q8_products(gate, x), _q8_products(up, x), float(clamp[0].item()))]
 
 
 def _q8_hc(inputs, t, grid, threadgroup):
@@ -425,7 +425,7 @@ def _q8_hc(inputs, t, grid, threadgroup):
     w = _q8_rows(codes, scales, t["COLS"])
     n, e = t["N"], t["E"]
     assert w.shape[0] == e and streams.shape == (x.shape[0], n, e)
-    (y,) = _hc_post([_q8_products(w, x), add, streams, post, comb, mx.array(x.shape[0])], t, (streams.size,), None)
+    (y,) = _hc_post([_q8_products(w, x), add, streams, post, comb, mx.array([x.shape[0]])], t, (streams.size,), None)
     unused = [mx.zeros((1,))] * 3
     if not t["NEXT"]:
         return [y, *unused]
@@ -436,7 +436,7 @@ def _q8_hc(inputs, t, grid, threadgroup):
     assert mix.shape == (m, n * e) and next_norm.shape == (e,) and part.size >= y.shape[0] * (m + 1) * t["PARTS"]
     assert pre_next.dtype == mx.float32 and pre_next.size >= y.shape[0] * n       # the split's pre: scratch
     summed = (y.reshape(y.shape[0], -1) @ mix.T)[:, :, None]
-    tokens = mx.array(y.shape[0])
+    tokens = mx.array([y.shape[0]])
     x_next, _, post_next, comb_next = _hc_pre([y, summed, next_scale, next_base, next_norm, eps, tokens],
                                                 {"N": n, "E": e, "ITERS": t["ITERS"], "PARTS": 1, "COLS_PER": e},
                                                 (y.shape[0] * 64, 1, 1), (64, 1, 1))
@@ -520,11 +520,11 @@ def _expert_swiglu(type_name, shared_dtype=mx.float32):
         flat = ids.reshape(-1)
         xs = x[mx.arange(flat.size) // x_div][:, :, None]
         gate, up = ((gather_experts(raw, flat, type_name, rows, cols) @ xs)[..., 0] for raw in (raw_gate, raw_up))
-        mid = moe.swiglu(gate, up, float(clamp.item())) * w.reshape(-1, 1)
+        mid = moe.swiglu(gate, up, float(clamp[0].item())) * w.reshape(-1, 1)
         if not shared_rows:
             return [mid.reshape(*ids.shape, rows), mx.zeros((1, 1))]
         shared = moe.swiglu(*(_q8_products(_q8_rows(c, s, cols), x, shared_dtype)
-                              for c, s in ((codes_g, scales_g), (codes_u, scales_u))), float(clamp.item()))
+                              for c, s in ((codes_g, scales_g), (codes_u, scales_u))), float(clamp[0].item()))
         assert shared.shape == (tokens, shared_rows)
         return [mid.reshape(*ids.shape, rows), shared]
     return run
@@ -598,7 +598,9 @@ def _quant_gemm(type_name):
             assert raw.shape == (n_expert, t["EXPERT_BYTES"]) and t["EXPERT_BYTES"] == rows * t["ROW_BYTES"]
             mats = gather_experts(raw, mx.arange(n_expert), type_name, rows, cols)
         offsets, starts, order = (np.array(a) for a in (pair_offsets, tile_offsets, order))
-        assert offsets.shape == starts.shape == (n_expert + 1,) and starts[-1] <= n_tiles
+        assert offsets.shape == starts.shape and offsets.shape[0] >= n_expert + 1   # (padded: kernels._constant)
+        offsets, starts = offsets[:n_expert + 1], starts[:n_expert + 1]
+        assert starts[-1] <= n_tiles
         y, written = np.zeros((order.size, rows), np.float32), np.zeros(order.size, np.int64)
         for tile in range(int(starts[-1])):
             e = int(np.nonzero(starts[:n_expert] <= tile)[0][-1])
@@ -899,8 +901,21 @@ def test_kernel_constants_stay_bounded_over_a_long_session():
     the latest, not one array per length ever seen."""
     for n in range(kernels.CONSTANTS_KEPT + 1000):
         kernels._constant((n, n + 7), mx.int32)
-    assert kernels._constant.cache_info().currsize <= kernels.CONSTANTS_KEPT
-    assert np.array(kernels._constant((5, 12), mx.int32)).tolist() == [5, 12]
+    assert kernels._kept_constant.cache_info().currsize <= kernels.CONSTANTS_KEPT
+    assert np.array(kernels._constant((5, 12), mx.int32)).tolist()[:2] == [5, 12]
+
+
+def test_kernel_constants_stay_out_of_the_scalar_pool():
+    """MLX CUDA keeps arrays of 8 bytes or less in host memory (a trip over the bus for every
+    kernel that reads one): a constant of 8 bytes or less is padded to 16, its values first,
+    zeros after; a larger one is as given."""
+    for values, dtype in [((1e-6,), mx.float32), ((1e-6, 1e-5), mx.float32), ((3, 9, 1), mx.int32),
+                          ((7,), mx.uint32), ((0.5,) * 5, mx.float32)]:
+        made = kernels._constant(values, dtype)
+        assert made.nbytes == (16 if len(values) * 4 <= 8 else len(values) * 4) and made.dtype == dtype
+        held = np.array(made).tolist()
+        assert held[:len(values)] == np.array(values, dtype=np.float32 if dtype == mx.float32 else np.int64).tolist()
+        assert not any(held[len(values):])
 
 
 def test_arrival_counters_and_launch_scratch_are_made_once_and_zeroed():

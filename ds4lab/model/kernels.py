@@ -324,9 +324,27 @@ def _carry_table() -> mx.array:
 CONSTANTS_KEPT = 4096
 
 
-@lru_cache(maxsize=CONSTANTS_KEPT)
+# The least bytes a kept constant takes. MLX's CUDA allocator puts every array of 8 bytes or
+# less in its scalar pool (mlx/backend/cuda/allocator.cpp): managed memory that stays in host
+# memory, so that each kernel reading it waits for a trip over the bus, and a launch's tail
+# (a norm's eps read by its last block once the product is done) cannot start that read
+# early. Larger host-made arrays go to managed memory that moves to the GPU at its first
+# use and stays there. So a constant of 8 bytes or less is padded with zeros to this many
+# (kernels read its first elements only).
+# (0: no padding; `bench/device_time_ab.py`'s variant `_CONSTANT_MIN_BYTES=0`.)
+_CONSTANT_MIN_BYTES = 16
+
+
 def _constant(values: tuple, dtype=mx.float32) -> mx.array:
-    """A small input array; kept, so that a decode step does not upload hundreds of copies."""
+    """A small input array; kept, so that a decode step does not upload hundreds of copies,
+    and padded with zeros to `_CONSTANT_MIN_BYTES`."""
+    return _kept_constant(values, dtype, _CONSTANT_MIN_BYTES)
+
+
+@lru_cache(maxsize=CONSTANTS_KEPT)
+def _kept_constant(values: tuple, dtype, min_bytes: int) -> mx.array:
+    if len(values) * dtype.size <= 8:                    # the scalar pool's
+        values += (0,) * max(-(-min_bytes // dtype.size) - len(values), 0)
     return mx.array(values, dtype)
 
 
