@@ -25,6 +25,8 @@ Variants (`--variant`):
   `q8_matvec` first), a compressed layer's frontier update beside q_a's product (`q8_pair`,
   or `compressor_slot` after it), the output head's HC weights, collapse and norm by the last
   block's `q8_hc` (or `row_finish` and MLX's operations after it).
+- `steps_ahead`: the stream reads a token with the two steps after it queued (A) or with one
+  (B, `generation.STEPS_AHEAD`'s default: the build of step n + 2 waits for step n's token).
 - `logprob`: each greedy token's log-prob made on the device beside its argmax (A, the
   default: two scalars read a step) or from the logits row copied to the host and its
   log-softmax taken there (B, as before the twenty-eighth session).
@@ -83,10 +85,15 @@ def _device_logprob(model: Model, a: bool) -> None:
         lambda self, token, logits, logprob=None: _EMITTER_STEP(self, token, logits))
 
 
+def _steps_ahead(model: Model, a: bool) -> None:
+    generation.STEPS_AHEAD = 2 if a else 1
+
+
 # name -> (what A and B are, the setter: variant A when given True)
 VARIANTS: dict[str, tuple[str, str, Callable[[Model, bool], None]]] = {
     "hc_input": ("HC input in the product's last block", "HC input apart (hc_mix + hc_pre)", _hc_input),
     "logprob": ("log-prob made on the device", "log-prob from the row on the host", _device_logprob),
+    "steps_ahead": ("two steps queued ahead of a token read", "one step queued ahead", _steps_ahead),
     "planes": ("IQ2_XXS gate and up on the input's byte planes", "on floats", _planes),
     **{step: (f"{step} in another step's launch", f"{step} in its own launch", _merged(step))
        for step in MERGED_LAUNCHES},

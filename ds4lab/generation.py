@@ -195,40 +195,56 @@ def stream(model, prompt: Sequence[int], max_tokens: int = 256, sampling: Sampli
         logits = session.decode(step.token)
 
 
+# How many steps greedy decoding has built and queued when it reads a token. With one, the
+# host reads step n's token once step n + 1 is queued, then builds step n + 2: that build
+# starts only when the device finishes step n, and step n + 2's encoding after it, so the
+# period is at least (build + encoding + the last graph's device time) / 2 whenever that is
+# longer than the device's step (H200, 43 layers at 4096: 5.7-11 ms built, 10-13 encoded).
+# With two, the token read comes from the step queued before the one just handed over.
+STEPS_AHEAD = 1
+
+
 def _greedy_pipelined(session, logits: mx.array, emitter: Emitter, max_tokens: int,
                       encoder: _InlineEncoder | _WorkerEncoder) -> Iterator[Step]:
-    """Greedy decoding with the host one step ahead of the device (mlx-lm's pattern): the
-    argmax stays on the device, the next step's graph is built from it and handed to the
-    encoder (queued for the device) before the token is read, so building a step's graph
-    overlaps the device computing the one before. The next step runs on the state *after*
-    the token yielded; the session shows the state before it until the caller asks for the
-    next step (as plain decoding would leave it), and after the last step nothing extra is
-    consumed."""
+    """Greedy decoding with the host `STEPS_AHEAD` steps ahead of the device (mlx-lm's
+    pattern): the argmax stays on the device, the following steps' graphs are built from the
+    unread tokens and handed to the encoder (queued for the device) before a token is read,
+    so building a step's graph overlaps the device computing the ones before. Each state
+    built holds the unread tokens as device scalars, replaced by their ids once read. While a
+    step is yielded the session shows the state before its token (as plain decoding would
+    leave it); no step past the last token is built, and a caller that stops early leaves the
+    steps built ahead unread."""
     try:
         with encoder.stream():
             chosen, logprob = _greedy_choice(logits)
         encoder.submit([chosen, logprob])
+        # (the state before token j, the logits that predict it, its argmax and log-prob), for
+        # each token j built on and not yet read; the first is the next to read
+        ahead = [(session.state, logits, chosen, logprob)]
         for index in range(max_tokens):
-            if index == max_tokens - 1:                # nothing follows the last step
+            built = False
+            while index + len(ahead) - 1 < min(index + STEPS_AHEAD, max_tokens - 1):
+                if session.model.hooked:               # a hook may evaluate while the step is built
+                    encoder.settle()
+                session.state = ahead[-1][0]
+                with encoder.stream():
+                    upcoming = session.decode(ahead[-1][2])   # built from the unread token
+                    following, following_logprob = _greedy_choice(upcoming)
+                encoder.settle()                       # the step before is now queued
+                encoder.submit([upcoming, following, following_logprob], _step_pieces(session))
+                ahead.append((session.state, upcoming, following, following_logprob))
+                built = True
+            if not built:                              # nothing follows: the worker done first
                 encoder.settle()
-                yield emitter.step(int(chosen.item()), logits, logprob.item())
-                return
-            if session.model.hooked:                   # a hook may evaluate while the step is built
-                encoder.settle()
-            before = session.state
-            with encoder.stream():
-                upcoming = session.decode(chosen)      # built from the unread token
-                following, following_logprob = _greedy_choice(upcoming)
-            encoder.settle()                           # `chosen`'s step (or `chosen`) is now queued
-            encoder.submit([upcoming, following, following_logprob], _step_pieces(session))
+            before, step_logits, chosen, logprob = ahead.pop(0)
             token = int(chosen.item())                 # a wait on the device
-            after, session.state = session.state, before
-            after.tokens[-1] = token
-            step = emitter.step(token, logits, logprob.item())
+            for later, *_ in ahead:
+                later.tokens[before.n_tokens] = token
+            session.state = before
+            step = emitter.step(token, step_logits, logprob.item())
             yield step
             if step.finish:
                 return
-            session.state, logits, chosen, logprob = after, upcoming, following, following_logprob
     finally:
         encoder.close()
 

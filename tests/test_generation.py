@@ -9,7 +9,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from ds4lab import load, tokenizer
+from ds4lab import generation, load, tokenizer
 from ds4lab.eval import compare_vectors
 from ds4lab.generation import Emitter, Sampling, dump_logprobs, generate, sample, stream, token_bytes
 
@@ -170,6 +170,36 @@ def test_greedy_stream_runs_ahead_yet_leaves_the_session_as_plain_decoding(tmp_p
     full = tiny.session()
     assert generate(tiny, prompt, max_tokens=6, session=full).tokens == tokens
     assert full.tokens == prompt + tokens[:5]                # the last token is not consumed
+
+
+@pytest.mark.parametrize("steps_ahead", [1, 2, 3])
+def test_greedy_stream_builds_its_steps_ahead_and_none_past_the_last(tmp_path, tiny, monkeypatch, steps_ahead):
+    """Each token is read with the steps of the next `STEPS_AHEAD` already built (none past
+    the last), and the tokens, the session left after an early stop and after the last step
+    are plain decoding's however far ahead the stream runs."""
+    monkeypatch.setattr(generation, "STEPS_AHEAD", steps_ahead)
+    prompt = list(range(700, 720))
+    plain = tiny.session()
+    logits = plain.prefill(prompt)
+    tokens, saved = [], {}
+    for i in range(6):
+        tokens.append(int(np.argmax(np.array(logits))))
+        if i == 2:                                   # what the session holds when step 3 is yielded
+            saved["plain"] = plain.save_kv(tmp_path / "plain.kv", now=0).read_bytes()
+        logits = plain.decode(tokens[-1])
+    counted, decodes = tiny.session(), []
+    real = counted.decode
+    counted.decode = lambda token: decodes.append(token) or real(token)
+    got, built = [], []
+    for step in stream(tiny, prompt, max_tokens=6, session=counted):
+        got.append(step.token)
+        built.append(len(decodes))
+        if len(got) == 3:
+            assert counted.tokens == prompt + tokens[:2] and all(type(t) is int for t in counted.tokens)
+            assert counted.save_kv(tmp_path / "stream.kv", now=0).read_bytes() == saved["plain"]
+    assert got == tokens
+    assert built == [min(k + steps_ahead, 5) for k in range(6)]
+    assert counted.tokens == prompt + tokens[:5]
 
 
 def test_token_bytes_of_an_id_past_the_vocabulary_is_empty_and_the_stream_goes_on():
