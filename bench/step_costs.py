@@ -57,7 +57,7 @@ def recorded_launches() -> Iterator[list[tuple[str, Callable, dict]]]:
         return launch
 
     saved = kernels._fused, kernels._kernel, kernels._gemm_kernel, kernels._q8_hc_kernel, mx.compile
-    kernels._fused = lambda name: recording(name, saved[0](name))
+    kernels._fused = lambda name, absent=(): recording(name, saved[0](name, absent))
     kernels._kernel = lambda type_name, swiglu=False: recording(
         f"expert_{'swiglu' if swiglu else 'matvec'}_{type_name}", saved[1](type_name, swiglu))
     kernels._gemm_kernel = lambda type_name: recording(f"quant_gemm_{type_name}", saved[2](type_name))

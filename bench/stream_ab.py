@@ -27,6 +27,10 @@ Variants (`--variant`):
   block's `q8_hc` (or `row_finish` and MLX's operations after it).
 - `steps_ahead`: the stream reads a token with the two steps after it queued (A) or with one
   (B, `generation.STEPS_AHEAD`'s default: the build of step n + 2 waits for step n's token).
+- `absent`: launches without the operands their template does not use (A, the default:
+  `kernels._launch`) or with every operand (B: placeholder inputs and outputs, as before).
+- `constants`: the kernels' small constants padded past MLX's scalar pool (A, the default:
+  `kernels._CONSTANT_MIN_BYTES`) or as small as their values (B: in host memory).
 - `logprob`: each greedy token's log-prob made on the device beside its argmax (A, the
   default: two scalars read a step) or from the logits row copied to the host and its
   log-softmax taken there (B, as before the twenty-eighth session).
@@ -52,7 +56,7 @@ from bench_model import WARM_STEPS
 from ds4lab import generation
 from ds4lab.config import preset
 from ds4lab.generation import stream
-from ds4lab.model import Model
+from ds4lab.model import Model, kernels
 from ds4lab.model.model import MERGED_LAUNCHES
 from ds4lab.model.random_weights import random_weights
 
@@ -85,6 +89,14 @@ def _device_logprob(model: Model, a: bool) -> None:
         lambda self, token, logits, logprob=None: _EMITTER_STEP(self, token, logits))
 
 
+def _kernels_constant(name: str, a_value: int, b_value: int) -> Callable[[Model, bool], None]:
+    """A setter of `kernels.<name>` that the compiled decode parts read when traced."""
+    def choose(model: Model, a: bool) -> None:
+        setattr(kernels, name, a_value if a else b_value)
+        model._compiled.clear()
+    return choose
+
+
 def _steps_ahead(model: Model, a: bool) -> None:
     generation.STEPS_AHEAD = 2 if a else 1
 
@@ -94,6 +106,10 @@ VARIANTS: dict[str, tuple[str, str, Callable[[Model, bool], None]]] = {
     "hc_input": ("HC input in the product's last block", "HC input apart (hc_mix + hc_pre)", _hc_input),
     "logprob": ("log-prob made on the device", "log-prob from the row on the host", _device_logprob),
     "steps_ahead": ("two steps queued ahead of a token read", "one step queued ahead", _steps_ahead),
+    "absent": ("launches without unused operands", "launches with every operand",
+               _kernels_constant("_DROP_ABSENT", 1, 0)),
+    "constants": ("constants padded to 16 bytes", "constants as small as their values",
+                  _kernels_constant("_CONSTANT_MIN_BYTES", 16, 0)),
     "planes": ("IQ2_XXS gate and up on the input's byte planes", "on floats", _planes),
     **{step: (f"{step} in another step's launch", f"{step} in its own launch", _merged(step))
        for step in MERGED_LAUNCHES},
@@ -125,6 +141,9 @@ def main() -> None:
     for _ in range(args.rounds):
         for a in (True, False):
             choose(model, a)
+            session.restore(start)
+            for _ in stream(model, [], max_tokens=2, session=session):   # untimed: a variant may retrace
+                pass
             session.restore(start)
             t = time.perf_counter()
             n = sum(1 for _ in stream(model, [], max_tokens=args.steps, session=session))

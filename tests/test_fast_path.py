@@ -613,10 +613,21 @@ def _quant_gemm(type_name):
     return run
 
 
-def _launcher(name, emulate, calls):
+def _launcher(name, emulate, calls, absent=()):
+    """The stand-in's launch; with `absent` (`kernels._fused`'s: a variant without some
+    operands) it sees each absent input as zeros of its type and makes no absent output."""
+    gone = {operand: dtype for operand, dtype, _ in absent}
+
     def launch(*, inputs, template, grid, threadgroup, output_shapes, output_dtypes):
         calls[name] = calls.get(name, 0) + 1
+        if gone:
+            _, _, input_names, output_names = kernels._KERNELS[name]
+            assert len(inputs) == len([n for n in input_names if n not in gone]), name
+            given = iter(inputs)
+            inputs = [mx.zeros((1,), gone[n]) if n in gone else next(given) for n in input_names]
         outs = emulate(inputs, dict(template), grid, threadgroup)
+        if gone:
+            outs = [o for n, o in zip(output_names, outs, strict=True) if n not in gone]
         if name in ("q8_matvec", "q8_pair"):     # they write their values in the shape asked for (q heads)
             outs = [o.reshape(shape) for o, shape in zip(outs, output_shapes, strict=True)]
         assert [tuple(o.shape) for o in outs] == [tuple(s) for s in output_shapes], name
@@ -629,7 +640,7 @@ def stand_in_kernels(monkeypatch, batched):
     """CUDA 'ready', every compiled kernel replaced by its stand-in; returns the launches, by kernel."""
     calls: dict[str, int] = {}
     monkeypatch.setattr(kernels, "cuda_ready", lambda: True)
-    monkeypatch.setattr(kernels, "_fused", lambda name: _launcher(name, STAND_INS[name], calls))
+    monkeypatch.setattr(kernels, "_fused", lambda name, absent=(): _launcher(name, STAND_INS[name], calls, absent))
     monkeypatch.setattr(kernels, "_kernel", lambda type_name, swiglu=False: (
         _launcher("expert_swiglu", _expert_swiglu(type_name), calls) if swiglu
         else _launcher("expert_matvec", _expert_matvec(type_name), calls)))

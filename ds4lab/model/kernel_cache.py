@@ -49,9 +49,6 @@ MLX_DEVICE_HEADER_NAME = "mlx/backend/cuda/device/utils.cuh"
 MLX_DEVICE_HEADER = "".join(f"#include <{h}>\n" for h in (
     "cuda_fp16.h", "cuda_bf16.h", "cuda/std/complex", "cuda/std/limits", "cuda/std/array", "cuda/std/cstdint"))
 _DEFAULT_HEADER = f'\n#include "{MLX_DEVICE_HEADER_NAME}"\n\n#include <cooperative_groups.h>\n\n'
-CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.int32: "int32_t",
-              mx.uint32: "uint32_t", mx.uint8: "uint8_t", mx.int8: "int8_t", mx.bool_: "bool",
-              mx.int64: "int64_t", mx.uint64: "uint64_t", mx.int16: "int16_t", mx.uint16: "uint16_t"}
 _HASH_SEED = 0xC70F6907                 # libstdc++'s seed of std::hash<std::string>
 _MAX_FILE_NAME = 245                    # MLX splits longer module names into folders
 
@@ -80,13 +77,13 @@ class KernelVariant:
         """The source MLX hands NVRTC for this variant, byte for byte."""
         params = []
         for name, (dtype, ndim) in zip(self.input_names, self.inputs, strict=True):
-            params.append(f"    const {CUDA_TYPES[dtype]}* {name},\n")
+            params.append(f"    const {kernels.CUDA_TYPES[dtype]}* {name},\n")
             if ndim > 0:
                 for suffix, kind in (("_shape", "Shape"), ("_strides", "Strides"), ("_ndim", "int")):
                     if name + suffix in self.source:
                         params.append(f"    const __grid_constant__ {kind} {name}{suffix},\n")
-        outputs = [f"    {CUDA_TYPES[dtype]}* {name}" for name, dtype in zip(self.output_names, self.output_dtypes,
-                                                                             strict=True)]
+        outputs = [f"    {kernels.CUDA_TYPES[dtype]}* {name}"
+                   for name, dtype in zip(self.output_names, self.output_dtypes, strict=True)]
         constants = "".join(f"  constexpr bool {k} = {str(v).lower()};\n" if isinstance(v, bool)
                             else f"  constexpr int {k} = {v};\n" for k, v in self.template)
         return (_DEFAULT_HEADER + self.header + "namespace mlx::core::cu {\n\nnamespace cg = cooperative_groups;\n\n"

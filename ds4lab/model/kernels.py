@@ -137,6 +137,7 @@ def available(type_name: str) -> bool:
 # compressor_slot.cuh's arguments after x, and its outputs (`compressor_slot`, `q8_pair(slots=)`)
 _SLOT_INPUTS = ["w_kv", "w_gate", "ape", "kv", "score", "w_kv2", "w_gate2", "ape2", "kv2", "score2", "at"]
 _SLOT_OUTPUTS = ["kv_out", "score_out", "kv_out2", "score_out2"]
+_SECOND_SLOT = ["w_kv2", "w_gate2", "ape2", "kv2", "score2", "kv_out2", "score_out2"]   # a second compressor's
 
 # name -> (source file, header files, input names, output names)
 _KERNELS = {
@@ -299,11 +300,50 @@ def _kernel_maker(make):
     return made
 
 
+# MLX's C type of each dtype in a kernel's parameters (mlx/backend/cuda/custom_kernel.cpp).
+CUDA_TYPES = {mx.float32: "float", mx.float16: "__half", mx.bfloat16: "__nv_bfloat16", mx.int32: "int32_t",
+              mx.uint32: "uint32_t", mx.uint8: "uint8_t", mx.int8: "int8_t", mx.bool_: "bool",
+              mx.int64: "int64_t", mx.uint64: "uint64_t", mx.int16: "int16_t", mx.uint16: "uint16_t"}
+
+
 @_kernel_maker
-def _fused(name: str):
+def _fused(name: str, absent: tuple[tuple[str, mx.Dtype, bool], ...] = ()):
+    """The kernel object of `_KERNELS[name]`; with `absent` = (operand, dtype, is an output)
+    the variant without those operands: each is declared a null pointer of its type in front
+    of the body, which reads or writes it only in branches its template turns off
+    (`_launch`)."""
     source, headers, inputs, outputs = _KERNELS[name]
-    return mx.fast.cuda_kernel(name=f"ds4lab_{name}", input_names=inputs, output_names=outputs,
-                               **kernel_texts(source, *headers))
+    gone = {operand for operand, _, _ in absent}
+    texts = kernel_texts(source, *headers)
+    texts["source"] = "".join(f"{'' if out else 'const '}{CUDA_TYPES[dtype]}* {operand} = nullptr;\n"
+                              for operand, dtype, out in absent) + texts["source"]
+    return mx.fast.cuda_kernel(name=f"ds4lab_{name}", input_names=[n for n in inputs if n not in gone],
+                               output_names=[n for n in outputs if n not in gone], **texts)
+
+
+# Whether `_launch` drops a launch's absent operands (0: every launch takes them all, as
+# before; `bench/stream_ab.py --variant absent`).
+_DROP_ABSENT = 1
+
+
+def _launch(name: str, *, inputs: list[mx.array], output_shapes: list, output_dtypes: list,
+            absent: frozenset[str] = frozenset(), **launch) -> list[mx.array | None]:
+    """A launch of `_fused(name)` with every operand in `_KERNELS[name]`'s order, less those
+    named in `absent`: inputs and outputs the launch's template does not use. The inputs are
+    given whole (an absent one's array stands for its type) and the outputs come back whole,
+    None for an absent one. MLX's encoding spends ~2 µs of the host on each output of a
+    launch and ~0.15 on each input (`bench/host_costs.py`, `launch_inputs.py`): a decode
+    layer's q_a / kv launch carried five unused outputs and thirteen unused inputs."""
+    _, _, input_names, output_names = _KERNELS[name]
+    absent = absent if _DROP_ABSENT else frozenset()
+    kept_outputs = [i for i, n in enumerate(output_names) if n not in absent]
+    gone = tuple((n, x.dtype, False) for n, x in zip(input_names, inputs, strict=True) if n in absent) + tuple(
+        (n, dtype, True) for n, dtype in zip(output_names, output_dtypes, strict=True) if n in absent)
+    made = iter(_fused(name, gone)(
+        inputs=[x for n, x in zip(input_names, inputs, strict=True) if n not in absent],
+        output_shapes=[output_shapes[i] for i in kept_outputs], output_dtypes=[output_dtypes[i] for i in kept_outputs],
+        **launch))
+    return [None if n in absent else next(made) for n in output_names]
 
 
 def forget_kernel_objects() -> None:
@@ -568,7 +608,8 @@ def slot_update(x: mx.array, slots: CompressorSlots) -> tuple[mx.array, ...]:
     (`LayerWeights.kernel_dense`: read as such, widened as loaded), all four alike."""
     inputs, template, warps, shapes = _slot_launch(x, slots)
     threads = 256
-    outs = _fused("compressor_slot")(
+    outs = _launch(
+        "compressor_slot", absent=frozenset() if slots.second is not None else frozenset(_SECOND_SLOT),
         inputs=[x.astype(mx.float32), *inputs], template=template,
         grid=(-(-warps * 32 // threads) * threads, 1, 1), threadgroup=(threads, 1, 1),
         output_shapes=shapes, output_dtypes=[mx.float32] * 4)
@@ -756,7 +797,11 @@ def q8_pair(a: Q8Matrix, b: Q8Matrix, x: mx.array, norm_a: tuple[mx.array, float
     if c is not None or slots is not None:
         launch["grid"] = ((t * (pair_blocks + c_blocks) + slot_blocks) * launch["threadgroup"][0], 1, 1)
     none = [_constant((0,), mx.uint32), _scalar(0.0)]                           # no C: typed stand-ins
-    ya, yb, ya_n, yc, *frontiers = _fused("q8_pair")(
+    absent = frozenset(([] if norm_a is not None else ["norm_w", "eps", "counter", "ya_n"])
+                       + ([] if c is not None else ["codes_c", "scales_c", "yc"])
+                       + ([] if slots is not None else [f"slot_{n}" for n in _SLOT_INPUTS + _SLOT_OUTPUTS]))
+    ya, yb, ya_n, yc, *frontiers = _launch(
+        "q8_pair", absent=absent,
         inputs=[a.codes, a.scales, b.codes, b.scales, x.astype(mx.float32), norm_w, _scalar(eps),
                 _arrival_counters(slot) if norm_a is not None else _scalar(0, mx.int32),
                 *([c.codes, c.scales] if c is not None else none), *slot_inputs],
