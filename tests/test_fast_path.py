@@ -234,9 +234,9 @@ def _compressor_slot(inputs, t, grid, threadgroup):
     frontier the same way, its warps after the first's."""
     x, *both, at = inputs
     ratio = t["RATIO"]
-    assert threadgroup[0] % 32 == 0 and at.dtype == mx.int32 and at.shape == (2,)
+    assert threadgroup[0] % 32 == 0 and at.dtype == mx.int32 and at.shape == (4,)
     try:                       # `at` is data: a compiled step's placeholder while it is traced
-        row, slot = np.array(at).tolist()
+        row, slot = np.array(at).tolist()[:2]
     except ValueError:
         row = slot = None
     assert slot is None or 0 <= slot < ratio
@@ -1543,4 +1543,4 @@ def test_a_compressor_slot_position_is_never_a_shared_constant():
     was for a ratio-128 layer at every 128th position (H100, 2026-12-05)."""
     assert kernels.slot_at(0, 0) is kernels.slot_at(0, 0)
     assert kernels.slot_at(0, 0) is not kernels._constant((0, 0), mx.int32)
-    assert np.array(kernels.slot_at(4, 1)).tolist() == [4, 1]
+    assert np.array(kernels.slot_at(4, 1)).tolist() == [4, 1, 0, 0]   # past the scalar pool: 16 bytes

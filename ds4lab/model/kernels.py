@@ -579,8 +579,8 @@ class CompressorSlots(NamedTuple):
     """A decode token's compressor update, `slot_update`'s arguments, also for a launch that
     makes it beside its own work (`q8_pair(slots=)`): first = (w_kv, w_gate, ape, kv, score),
     the layer's second compressor's the same (or None), and the frontier row and APE row as
-    `at` [2] int32, an array (a compiled step reads it as data: one trace serves every
-    position)."""
+    `at` [4] int32 (`slot_at`), an array (a compiled step reads it as data: one trace serves
+    every position)."""
     first: tuple[mx.array, ...]
     second: tuple[mx.array, ...] | None
     at: mx.array
@@ -589,12 +589,12 @@ class CompressorSlots(NamedTuple):
 
 @lru_cache(maxsize=1024)
 def slot_at(row: int, slot: int) -> mx.array:
-    """`CompressorSlots.at`: a frontier row and an APE row, [2] int32, kept (as `_constant`s
-    are) but never one of `_constant`'s arrays: a compiled decode part takes it as an input,
-    and `mx.compile` refuses a part that also reads its input as a constant (q8_pair's
-    stand-in `at` when no slot is merged is `_constant((0, 0))`, as a ratio-128 layer's `at`
-    is at every 128th position)."""
-    return mx.array((row, slot), mx.int32)
+    """`CompressorSlots.at`: a frontier row and an APE row, then two zeros, [4] int32: past
+    MLX's scalar pool (`_CONSTANT_MIN_BYTES`), since every thread of `compressor_slot` reads
+    it. Kept (as `_constant`s are) but never one of `_constant`'s arrays: a compiled decode
+    part takes it as an input, and `mx.compile` refuses a part that also reads its input as a
+    constant."""
+    return mx.array((row, slot, 0, 0), mx.int32)
 
 
 def slot_update(x: mx.array, slots: CompressorSlots) -> tuple[mx.array, ...]:
@@ -621,7 +621,7 @@ def _slot_launch(x: mx.array, slots: CompressorSlots) -> tuple[list[mx.array], l
     first, second = slots.first, slots.second
     rows, r = first[3].shape
     rows2, r2 = (0, 0) if second is None else second[3].shape
-    if x.shape != (1, x.shape[-1]) or x.shape[-1] % 4 or r % 4 or r2 % 4 or slots.at.shape != (2,):
+    if x.shape != (1, x.shape[-1]) or x.shape[-1] % 4 or r % 4 or r2 % 4 or slots.at.shape != (4,):
         raise ValueError(f"compressor_slot: input {tuple(x.shape)} (one token; the kernel reads and copies 4 values "
                          f"at a time: multiples of 4), frontiers {r} and {r2} wide, at {tuple(slots.at.shape)} "
                          f"(the frontier row and the APE row)")

@@ -23,7 +23,7 @@
 // Arguments: x [COLS] float32 (COLS a multiple of 4), w_kv / w_gate [R, COLS] (float32, or F16
 // widened as loaded: all four matrices alike), ape [RATIO, R], kv / score [ROWS, R] (R and R2
 // multiples of 4), then the second compressor's (R2, ROWS2; R2 = 0: none, and its outputs are
-// not written), at [2] int32 (frontier row, APE row); then the outputs kv_out, score_out, the
+// not written), at [4] int32 (frontier row, APE row, then zeros); then the outputs kv_out, score_out, the
 // second's. 32 threads per warp, 2·R + 2·R2 warps over the blocks.
 template <int R, int COLS, int ROWS, int R2, int ROWS2, int RATIO, bool SHIFT, typename W>
 __device__ void ds4lab_compressor_slot(int block, int blocks, const float* x, const W* w_kv, const W* w_gate,
@@ -53,9 +53,10 @@ __device__ void ds4lab_compressor_slot(int block, int blocks, const float* x, co
         dst = reinterpret_cast<float4*>(frontier_out(in2, is_score)) + k;
         return from;
     };
-    // The frontier and APE rows are first used after the product: `at` is 8 bytes,
-    // which MLX keeps in host memory (its scalar pool), so a read of it is a trip over the bus,
-    // and nothing before the product waits for it (the held float4 is loaded whatever its row).
+    // The frontier and APE rows are first used after the product, so nothing before it waits
+    // for `at` (the held float4 is loaded whatever its row). `at` is 16 bytes (`slot_at`): at
+    // 8 MLX kept it in host memory (its scalar pool), and every warp's read was a trip over
+    // the bus (~18 µs a launch of 1056 blocks, `bench/small_inputs.py` on an H100).
     const float4* held_src = nullptr;
     float4* held_dst = nullptr;
     const int held_from = id < QT ? copy_at(id, held_src, held_dst) : -1;
