@@ -145,19 +145,26 @@ def commits(request, tiny):
     tiny.stream_commits = ()
 
 
+def _plain_greedy(model, prompt: list[int], n: int, held_at: int, path) -> tuple[list[int], bytes]:
+    """n greedy tokens decoded one by one, and the session's .kv bytes when token `held_at`
+    is chosen (before it is consumed: what a stream's session holds when it yields it)."""
+    plain = model.session()
+    logits = plain.prefill(prompt)
+    tokens, held = [], b""
+    for i in range(n):
+        tokens.append(int(np.argmax(np.array(logits))))
+        if i == held_at:
+            held = plain.save_kv(path, now=0).read_bytes()
+        logits = plain.decode(tokens[-1])
+    return tokens, held
+
+
 def test_greedy_stream_runs_ahead_yet_leaves_the_session_as_plain_decoding(tmp_path, tiny, commits):
     """Greedy `stream` queues each next step before reading the token (pipelined); its tokens
     and the session it leaves, also when the caller stops early, are plain decoding's, whether
     a step is handed over in one piece or in several (`Model.stream_commits`)."""
     prompt = list(range(700, 720))
-    plain = tiny.session()
-    logits = plain.prefill(prompt)
-    tokens, saved = [], {}
-    for i in range(6):
-        tokens.append(int(np.argmax(np.array(logits))))
-        if i == 3:                                   # what the session holds when step 4 is yielded
-            saved["plain"] = plain.save_kv(tmp_path / "plain.kv", now=0).read_bytes()
-        logits = plain.decode(tokens[-1])
+    tokens, held = _plain_greedy(tiny, prompt, 6, 3, tmp_path / "plain.kv")
     session = tiny.session()
     got = []
     for step in stream(tiny, prompt, max_tokens=10, session=session):
@@ -166,7 +173,7 @@ def test_greedy_stream_runs_ahead_yet_leaves_the_session_as_plain_decoding(tmp_p
             break
     assert got == tokens[:4]
     assert session.tokens == prompt + tokens[:3] and all(type(t) is int for t in session.tokens)
-    assert session.save_kv(tmp_path / "stream.kv", now=0).read_bytes() == saved["plain"]
+    assert session.save_kv(tmp_path / "stream.kv", now=0).read_bytes() == held
     full = tiny.session()
     assert generate(tiny, prompt, max_tokens=6, session=full).tokens == tokens
     assert full.tokens == prompt + tokens[:5]                # the last token is not consumed
@@ -179,14 +186,7 @@ def test_greedy_stream_builds_its_steps_ahead_and_none_past_the_last(tmp_path, t
     are plain decoding's however far ahead the stream runs."""
     monkeypatch.setattr(generation, "STEPS_AHEAD", steps_ahead)
     prompt = list(range(700, 720))
-    plain = tiny.session()
-    logits = plain.prefill(prompt)
-    tokens, saved = [], {}
-    for i in range(6):
-        tokens.append(int(np.argmax(np.array(logits))))
-        if i == 2:                                   # what the session holds when step 3 is yielded
-            saved["plain"] = plain.save_kv(tmp_path / "plain.kv", now=0).read_bytes()
-        logits = plain.decode(tokens[-1])
+    tokens, held = _plain_greedy(tiny, prompt, 6, 2, tmp_path / "plain.kv")
     counted, decodes = tiny.session(), []
     real = counted.decode
     counted.decode = lambda token: decodes.append(token) or real(token)
@@ -196,7 +196,7 @@ def test_greedy_stream_builds_its_steps_ahead_and_none_past_the_last(tmp_path, t
         built.append(len(decodes))
         if len(got) == 3:
             assert counted.tokens == prompt + tokens[:2] and all(type(t) is int for t in counted.tokens)
-            assert counted.save_kv(tmp_path / "stream.kv", now=0).read_bytes() == saved["plain"]
+            assert counted.save_kv(tmp_path / "stream.kv", now=0).read_bytes() == held
     assert got == tokens
     assert built == [min(k + steps_ahead, 5) for k in range(6)]
     assert counted.tokens == prompt + tokens[:5]
