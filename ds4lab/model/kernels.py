@@ -137,7 +137,7 @@ def available(type_name: str) -> bool:
 # compressor_slot.cuh's arguments after x, and its outputs (`compressor_slot`, `q8_pair(slots=)`)
 _SLOT_INPUTS = ["w_kv", "w_gate", "ape", "kv", "score", "w_kv2", "w_gate2", "ape2", "kv2", "score2", "at"]
 _SLOT_OUTPUTS = ["kv_out", "score_out", "kv_out2", "score_out2"]
-_SECOND_SLOT = ["w_kv2", "w_gate2", "ape2", "kv2", "score2", "kv_out2", "score_out2"]   # a second compressor's
+_SECOND_SLOT = [n for n in _SLOT_INPUTS + _SLOT_OUTPUTS if n.endswith("2")]   # a second compressor's operands
 
 # name -> (source file, header files, input names, output names)
 _KERNELS = {
